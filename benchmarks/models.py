@@ -1,0 +1,92 @@
+"""The models the benchmarks time: an MLP, an MNIST CNN, a ResNet with GroupNorm on 32x32 images and a
+2-layer transformer encoder built from Linear, LayerNorm and Embedding layers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def mlp():
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def mnist_cnn():
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 8, stride=2, padding=3), nn.ReLU(), nn.MaxPool2d(2, 1),
+        nn.Conv2d(16, 32, 4, stride=2), nn.ReLU(), nn.MaxPool2d(2, 1),
+        nn.Flatten(), nn.Linear(32 * 4 * 4, 32), nn.ReLU(), nn.Linear(32, 10),
+    )
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.gn1 = nn.GroupNorm(8, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.gn2 = nn.GroupNorm(8, cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.GroupNorm(8, cout))
+
+    def forward(self, x):
+        identity = x if self.down is None else self.down(x)
+        out = self.relu(self.gn1(self.conv1(x)))
+        out = self.gn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class ResNetGN(nn.Module):
+    def __init__(self, width=32, classes=10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.GroupNorm(8, width), nn.ReLU())
+        self.layers = nn.Sequential(
+            BasicBlock(width, width, 1), BasicBlock(width, 2 * width, 2), BasicBlock(2 * width, 4 * width, 2)
+        )
+        self.head = nn.Linear(4 * width, classes)
+
+    def forward(self, x):
+        x = self.layers(self.stem(x))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln1 = nn.LayerNorm(d)
+        self.ln2 = nn.LayerNorm(d)
+        self.ff1 = nn.Linear(d, 4 * d)
+        self.ff2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        n, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (z.view(n, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v)
+        x = x + self.proj(att.transpose(1, 2).reshape(n, t, d))
+        return x + self.ff2(F.gelu(self.ff1(self.ln2(x))))
+
+
+class Transformer(nn.Module):
+    def __init__(self, vocab=1000, d=128, heads=4, layers=2, classes=2, max_len=64):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(max_len, d)
+        self.layers = nn.ModuleList([EncoderLayer(d, heads) for _ in range(layers)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, ids):
+        n, t = ids.shape
+        positions = torch.arange(t, device=ids.device).expand(n, t)
+        x = self.tok(ids) + self.pos(positions)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.ln(x).mean(dim=1))

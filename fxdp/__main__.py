@@ -1,0 +1,5 @@
+"""``python -m fxdp`` runs the ``fxdp`` command line."""
+
+from fxdp.cli import main
+
+raise SystemExit(main())

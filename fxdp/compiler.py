@@ -1,0 +1,168 @@
+"""``compile_for_dp``: trace, run the passes by name, emit a GraphModule (or fall back, and say why)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxdp import passes
+from fxdp.diagnostics import BatchMixingError, CompileReport, Kind, NotPrivateError, PassError, PassReport, PassResult, Severity
+from fxdp.grad_sample.accumulate import check_loss_reduction
+from fxdp.passes.batch_dim import propagate_batch_dim
+from fxdp.passes.inplace import remove_inplace_ops
+from fxdp.passes.per_sample import insert_per_sample_ops, update_site_layouts
+from fxdp.passes.validate import validate_graph
+from fxdp.tracing import trace
+
+_REPORT_ATTR = "fxdp_report"
+GRAD_SAMPLE_MODES = ("fx", "hooks", "ew", "functorch", "no_op")
+
+
+def _run(name: str, fn: Callable[..., PassResult], gm: torch.fx.GraphModule, reports: List[PassReport], **kwargs):
+    try:
+        result = fn(gm, **kwargs)
+    except (NotPrivateError, ValueError, TypeError) as exc:
+        if isinstance(exc, NotPrivateError) or getattr(exc, "fxdp_user_error", False):
+            raise
+        raise PassError(name, exc) from exc
+    except Exception as exc:
+        raise PassError(name, exc) from exc
+    reports.append(result.report)
+    return result.graph_module
+
+
+def _analyse(model: nn.Module, example_inputs, batch_dim: int, strict: bool):
+    """Trace and run the analysis passes. Returns (graph module or None, trace result, pass reports)."""
+    traced = trace(model)
+    if not traced.ok:
+        return None, traced, []
+    reports: List[PassReport] = []
+    gm = _run("validate", validate_graph, traced.graph_module, reports, strict=strict)
+    gm = _run("inplace", remove_inplace_ops, gm, reports)
+    if example_inputs is not None:
+        gm = _run("batch_dim", propagate_batch_dim, gm, reports, example_inputs=example_inputs,
+                  batch_dim=batch_dim, strict=strict)
+    return gm, traced, reports
+
+
+def _make_report(model, traced, reports, mode="fx", fallback_reason=None, fallback_location=None, notes=()):
+    if not traced.ok:
+        fallback_reason = f"the model cannot be traced by torch.fx ({traced.reason})"
+        fallback_location = traced.location
+        mode = "hooks"
+    return CompileReport(type(model).__name__, traced.ok, tuple(reports), fallback_reason, fallback_location,
+                         mode, tuple(notes))
+
+
+_NO_INPUTS_NOTE = ("batch_dim: not run (no example_inputs); compile_for_dp runs it on the first batch, "
+                   "before its backward")
+
+
+def inspect(model: nn.Module, example_inputs: Any = None, batch_dim: int = 0, strict: bool = False) -> CompileReport:
+    """The report ``compile_for_dp`` would produce, without compiling (the model is not changed)."""
+    gm, traced, reports = _analyse(model, example_inputs, batch_dim, strict)
+    notes = [_NO_INPUTS_NOTE] if traced.ok and example_inputs is None else []
+    return _make_report(model, traced, reports, notes=notes)
+
+
+def report(compiled: nn.Module) -> CompileReport:
+    """The CompileReport of a model returned by :func:`compile_for_dp`."""
+    rep = getattr(compiled, _REPORT_ATTR, None)
+    if rep is None:
+        raise ValueError(f"{type(compiled).__name__} was not produced by fxdp.compile_for_dp; "
+                         "use fxdp.inspect(model, example_inputs) to analyse a plain model")
+    return rep
+
+
+def _refuse_if_not_private(reports: List[PassReport]) -> None:
+    errors = [f for r in reports for f in r.findings if f.severity is Severity.ERROR]
+    if not errors:
+        return
+    mixing = [f for f in errors if f.kind is Kind.MIXES_SAMPLES]
+    header = (
+        "The model mixes samples across the batch dimension, so it cannot be trained with DP-SGD: "
+        "each sample's computation must not read another sample's data."
+        if mixing else
+        "The model cannot be trained with DP-SGD as it is. Fix the findings below "
+        "(fxdp.validators.ModuleValidator.fix(model) replaces BatchNorm and in-place flags)."
+    )
+    raise (BatchMixingError if mixing else NotPrivateError)(errors, header)
+
+
+def _wrap(model, mode, batch_dim, loss_reduction):
+    from fxdp.grad_sample.engines import wrap_model
+
+    return wrap_model(model, mode, batch_first=(batch_dim == 0), loss_reduction=loss_reduction)
+
+
+def compile_for_dp(
+    model: nn.Module,
+    example_inputs: Any = None,
+    batch_dim: int = 0,
+    loss_reduction: str = "mean",
+    strict: bool = False,
+    grad_sample_mode: str = "fx",
+) -> nn.Module:
+    """Make ``model`` compute per-sample gradients: after ``loss.backward()`` every trainable parameter
+    ``p`` has ``p.grad_sample`` of shape ``(N, *p.shape)``, row i being sample i's own gradient.
+
+    Returns a ``torch.fx.GraphModule`` sharing the model's parameters, or — when the model cannot be
+    traced — the hooks engine around it; ``fxdp.report(result)`` says which and why. Raises
+    :class:`fxdp.diagnostics.NotPrivateError` for a model DP-SGD cannot train (BatchNorm in training,
+    ops that mix samples), with a table of the findings.
+    """
+    check_loss_reduction(loss_reduction)
+    if grad_sample_mode not in GRAD_SAMPLE_MODES:
+        raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}")
+    if batch_dim not in (0, 1):
+        raise ValueError(f"batch_dim must be 0 (batch first) or 1 (time major), got {batch_dim!r}")
+
+    gm, traced, reports = _analyse(model, example_inputs, batch_dim, strict)
+    _refuse_if_not_private(reports)
+    if gm is None or grad_sample_mode != "fx":
+        mode = "hooks" if gm is None else grad_sample_mode
+        wrapped = _wrap(model, mode, batch_dim, loss_reduction)
+        reason = None if gm is None else f"grad_sample_mode={grad_sample_mode!r} was asked for"
+        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, mode, reason))
+        return wrapped
+
+    analysed = None if example_inputs is not None else torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    gm = _run("per_sample", insert_per_sample_ops, gm, reports, loss_reduction=loss_reduction, batch_dim=batch_dim)
+    unsupported = [f for f in reports[-1].findings if f.severity is not Severity.INFO]
+    if unsupported:
+        if strict:
+            raise NotPrivateError(unsupported, "strict=True: fxdp cannot compute per-sample gradients on the graph for:")
+        wrapped = _wrap(model, "functorch", batch_dim, loss_reduction)
+        reason = f"{len(unsupported)} parametrised op(s) the graph engine cannot handle (see per_sample findings)"
+        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, "functorch", reason))
+        return wrapped
+
+    notes = [_NO_INPUTS_NOTE] if analysed is not None else []
+    setattr(gm, _REPORT_ATTR, _make_report(model, traced, reports, notes=notes))
+    if analysed is not None:
+        _analyse_on_first_batch(gm, analysed, batch_dim, strict)
+    return gm
+
+
+def _analyse_on_first_batch(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule, batch_dim: int, strict: bool):
+    """Without example inputs, run the batch_dim pass on the first batch, before its backward."""
+
+    def hook(module, args, kwargs):
+        handle.remove()
+        inputs = dict(kwargs) if kwargs and not args else tuple(args)
+        result = propagate_batch_dim(analysed, inputs, batch_dim=batch_dim, strict=strict)
+        previous = report(gm)
+        reports = [*previous.passes[:-1], result.report, previous.passes[-1]]
+        _refuse_if_not_private(reports)
+        problems = update_site_layouts(gm, result.graph_module, batch_dim)
+        if problems:
+            raise NotPrivateError(problems, "fxdp cannot compute per-sample gradients on the graph for these ops; "
+                                  "compile with example_inputs so fxdp can choose another engine up front:")
+        notes = [n for n in previous.notes if n != _NO_INPUTS_NOTE] + ["batch_dim: run on the first batch"]
+        setattr(gm, _REPORT_ATTR, CompileReport(previous.model, True, tuple(reports), notes=tuple(notes)))
+
+    handle = gm.register_forward_pre_hook(hook, with_kwargs=True)

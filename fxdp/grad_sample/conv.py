@@ -1,0 +1,85 @@
+"""Per-sample gradients of ``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d``.
+
+The weight gradient of a convolution is itself computed by the convolution backward kernel. Folding
+the batch into the groups — input ``(1, N*C, *S)``, output gradient ``(1, N*O, *S')``, weight
+``(N*O, C/G, *K)``, ``groups = N*G`` — makes that one kernel call return every sample's weight
+gradient at once, with no ``unfold`` matrix of size ``N * C*prod(K) * prod(S')``. On CPU this was
+5-30x faster than unfold + einsum for N=32..64, 3..64 channels, 32x32 images, and about as fast as
+the ordinary (summed) weight gradient.
+
+Padding: non-zero padding modes (reflect, replicate, circular) and asymmetric ``padding="same"``
+are applied to the activations with ``F.pad`` first; the convolution then runs with padding 0,
+exactly as the module's own forward does.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxdp.grad_sample.registry import register_grad_sampler
+
+_Conv = Union[nn.Conv1d, nn.Conv2d, nn.Conv3d]
+
+
+def conv_padding(module: _Conv) -> List[Tuple[int, int]]:
+    """(before, after) padding of each spatial dimension, as the module's forward applies it."""
+    nd = len(module.kernel_size)
+    if isinstance(module.padding, str):
+        if module.padding == "valid":
+            return [(0, 0)] * nd
+        # "same": total d*(k-1), the odd element goes after, as in torch's own "same" convolution
+        pads = []
+        for d, k in zip(module.dilation, module.kernel_size):
+            total = d * (k - 1)
+            pads.append((total // 2, total - total // 2))
+        return pads
+    return [(p, p) for p in module.padding]
+
+
+def _pad_activations(module: _Conv, x: torch.Tensor) -> Tuple[torch.Tensor, Sequence[int]]:
+    """The input padded as the forward pads it, and the padding left for the convolution itself."""
+    pads = conv_padding(module)
+    symmetric = all(before == after for before, after in pads)
+    if module.padding_mode == "zeros" and symmetric:
+        return x, [before for before, _ in pads]
+    flat = [p for before_after in reversed(pads) for p in before_after]  # F.pad wants the last dim first
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    return F.pad(x, flat, mode=mode), [0] * len(pads)
+
+
+@register_grad_sampler([nn.Conv1d, nn.Conv2d, nn.Conv3d])
+def conv_grad_sample(
+    module: _Conv, activations: List[torch.Tensor], backprops: torch.Tensor
+) -> Dict[nn.Parameter, torch.Tensor]:
+    x = activations[0]
+    n = x.shape[0]
+    ret: Dict[nn.Parameter, torch.Tensor] = {}
+    if module.weight.requires_grad:
+        x, padding = _pad_activations(module, x)
+        weight_shape = module.weight.shape
+        out_channels = weight_shape[0]
+        folded_input = x.reshape(1, n * x.shape[1], *x.shape[2:])
+        folded_grad = backprops.reshape(1, n * out_channels, *backprops.shape[2:])
+        # only its shape is read when just the weight gradient is requested
+        folded_weight = backprops.new_empty((n * out_channels, *weight_shape[1:]))
+        _, weight_grad, _ = torch.ops.aten.convolution_backward(
+            folded_grad,
+            folded_input.to(backprops.dtype),
+            folded_weight,
+            None,
+            list(module.stride),
+            list(padding),
+            list(module.dilation),
+            False,
+            [0] * len(padding),
+            module.groups * n,
+            [False, True, False],
+        )
+        ret[module.weight] = weight_grad.reshape(n, *weight_shape)
+    if module.bias is not None and module.bias.requires_grad:
+        ret[module.bias] = backprops.reshape(n, backprops.shape[1], -1).sum(-1)
+    return ret

@@ -1,0 +1,259 @@
+"""The engines that compute per-sample gradients without compiling the model, and ``wrap_model``.
+
+``grad_sample_mode``:
+
+- ``"fx"``: the compiled graph (:func:`fxdp.compile_for_dp`; hooks fallback when untraceable);
+- ``"hooks"``: :class:`~fxdp.grad_sample.hooks.GradSampleModule`, per-layer rules on module hooks;
+- ``"ew"``: PyTorch's ExpandedWeights (``torch.nn.utils._per_sample_grad``), for models made of the
+  layers it knows, batch first;
+- ``"functorch"``: the whole model differentiated per sample with ``vmap(vjp(functional_call))``:
+  any layer, any functional use of a parameter, but the model must return one tensor;
+- ``"no_op"``: computes nothing; the user fills ``p.grad_sample`` (their own functorch code, say).
+
+Every engine follows the conventions of :mod:`fxdp.grad_sample.accumulate`: ``p.grad_sample[i]`` is
+the gradient of sample ``i`` alone, for either loss reduction; uses within one backward pass add up;
+successive backward passes append along dim 0 until ``zero_grad()``.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Dict
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from fxdp.grad_sample.accumulate import accumulate_grad_samples
+from fxdp.grad_sample.hooks import (
+    GradSampleModule,
+    GradSampleModuleBase,
+    trainable_own_params,
+    vmap_vjp_grad_samples,
+)
+from fxdp.tracing import location_from_traceback
+
+GRAD_SAMPLE_MODES = ("fx", "hooks", "ew", "functorch", "no_op")
+
+# The layers whose functional ops ExpandedWeights implements (F.linear, F.conv*, F.embedding,
+# F.group_norm, F.instance_norm, F.layer_norm). Its RNN support is partial, so RNNs are not listed.
+EW_SUPPORTED_LAYERS = (
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.Embedding,
+    nn.GroupNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    nn.LayerNorm,
+)
+
+
+def check_grad_sample_mode(grad_sample_mode: str) -> None:
+    if grad_sample_mode not in GRAD_SAMPLE_MODES:
+        raise ValueError(
+            f"fxdp: unknown grad_sample_mode {grad_sample_mode!r}; valid modes are "
+            + ", ".join(repr(m) for m in GRAD_SAMPLE_MODES)
+        )
+
+
+def wrap_model(
+    model: nn.Module,
+    grad_sample_mode: str,
+    *,
+    batch_first: bool = True,
+    loss_reduction: str = "mean",
+    strict: bool = False,
+) -> nn.Module:
+    """Wrap ``model`` with the engine named by ``grad_sample_mode`` (see the module docstring)."""
+    check_grad_sample_mode(grad_sample_mode)
+    if grad_sample_mode == "fx":
+        from fxdp.compiler import compile_for_dp  # the compiler imports the engines, not the reverse
+
+        return compile_for_dp(
+            model, batch_dim=0 if batch_first else 1, loss_reduction=loss_reduction, strict=strict
+        )
+    if grad_sample_mode == "hooks":
+        return GradSampleModule(model, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
+    if grad_sample_mode == "ew":
+        return ExpandedWeightsGradSampleModule(model, batch_first=batch_first, loss_reduction=loss_reduction)
+    if grad_sample_mode == "functorch":
+        return FunctorchGradSampleModule(model, batch_first=batch_first, loss_reduction=loss_reduction)
+    return NoOpGradSampleModule(model, batch_first=batch_first, loss_reduction=loss_reduction)
+
+
+class NoOpGradSampleModule(GradSampleModuleBase):
+    """Computes no per-sample gradients: for users who set ``p.grad_sample`` themselves."""
+
+
+class FunctorchGradSampleModule(GradSampleModuleBase):
+    """Per-sample gradients of the whole model at once: ``vmap`` over the samples of ``vjp`` through
+    ``functional_call(model, params, x_i)``, run in a hook on the model's output.
+
+    Positional tensor arguments carry the batch (at dim 0, or 1 with ``batch_first=False``); keyword
+    arguments are passed unchanged to every sample. Random ops (dropout in training mode) cannot be
+    replayed per sample and make vmap raise.
+    """
+
+    def forward(self, *args, **kwargs):
+        out = self._module(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return out
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"fxdp: grad_sample_mode='functorch' differentiates the model's output, which must be a "
+                f"single tensor, but {type(self._module).__name__}.forward returned {_describe(out)}. "
+                "Use grad_sample_mode='fx' or 'hooks', or wrap the model so that forward returns one tensor."
+            )
+        if out.requires_grad and any(p.requires_grad for p in self._module.parameters()):
+            activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+            out.register_hook(self._backward_hook(activations, kwargs))
+        return out
+
+    def _backward_hook(self, activations, kwargs):
+        def hook(grad: torch.Tensor) -> None:
+            params = {n: p for n, p in self._module.named_parameters() if p.requires_grad}
+            acts, backprops = activations, grad
+            if not self.batch_first:
+                acts = [a.movedim(1, 0) if isinstance(a, torch.Tensor) else a for a in activations]
+                backprops = grad.movedim(1, 0)
+            n = backprops.shape[0]
+            if self.loss_reduction == "mean":
+                backprops = backprops * n
+            with torch.enable_grad():
+                per_name = vmap_vjp_grad_samples(
+                    self._module,
+                    {name: p.detach() for name, p in params.items()},
+                    acts,
+                    backprops,
+                    batch_dim=self.batch_dim,
+                    kwargs=kwargs,
+                )
+            accumulate_grad_samples({params[name]: gs for name, gs in per_name.items()})
+
+        return hook
+
+
+class ExpandedWeightsGradSampleModule(GradSampleModuleBase):
+    """PyTorch's ExpandedWeights: the forward runs with every trainable parameter replaced by an
+    ``ExpandedWeight``, whose backward writes ``grad_sample`` directly.
+
+    ExpandedWeights would add a second backward's per-sample gradients onto the first; this wrapper
+    sets the earlier ones aside when a backward pass starts and appends the new rows when it ends,
+    as the other engines do.
+    """
+
+    def __init__(self, model: nn.Module, batch_first: bool = True, loss_reduction: str = "mean"):
+        if not batch_first:
+            raise ValueError(
+                "fxdp: grad_sample_mode='ew' (PyTorch ExpandedWeights) needs the batch in dimension 0 of "
+                "every layer's input; batch_first=False is not supported. Use grad_sample_mode='fx', "
+                "'hooks' or 'functorch', or make the model batch first."
+            )
+        super().__init__(model, batch_first=batch_first, loss_reduction=loss_reduction)
+        unsupported = [
+            f"'{name or '<model>'}' ({type(m).__name__})"
+            for name, m in model.named_modules()
+            if trainable_own_params(m) and not isinstance(m, EW_SUPPORTED_LAYERS)
+        ]
+        if unsupported:
+            raise ValueError(
+                "fxdp: grad_sample_mode='ew' (PyTorch ExpandedWeights) cannot compute per-sample "
+                "gradients for the parameters of " + ", ".join(unsupported) + "; it supports "
+                + ", ".join(t.__name__ for t in EW_SUPPORTED_LAYERS)
+                + ". Use grad_sample_mode='fx', 'hooks' or 'functorch', or freeze those parameters."
+            )
+        self._in_backward = False
+
+    def forward(self, *args, **kwargs):
+        from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+
+        self._in_backward = False
+        batch_size = _leading_size(args, kwargs)
+        params = [p for p in self._module.parameters() if p.requires_grad]
+        # call_for_per_sample_grads refuses parameters that still hold grad_sample; ours append
+        # across backward passes, so hide them while it checks.
+        hidden = _take_grad_samples(params)
+        try:
+            per_sample_forward = call_for_per_sample_grads(
+                self._module, batch_size=batch_size, loss_reduction=self.loss_reduction
+            )
+        finally:
+            _restore_grad_samples(hidden)
+        try:
+            out = per_sample_forward(*args, **kwargs)
+        except RuntimeError as e:
+            if "Expanded Weights" not in str(e) and "ExpandedWeights" not in str(e):
+                raise
+            raise RuntimeError(self._explain(e)) from e
+        if torch.is_grad_enabled():
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._backward_starts)
+        return out
+
+    def _backward_starts(self, grad: torch.Tensor) -> None:
+        # Runs before any layer's backward (outputs come last in the forward), once per backward.
+        if self._in_backward:
+            return
+        self._in_backward = True
+        earlier = _take_grad_samples(self._module.parameters())
+
+        def backward_ends() -> None:
+            for p, previous in earlier.items():
+                new = getattr(p, "grad_sample", None)
+                p.grad_sample = previous if new is None else torch.cat([previous, new], dim=0)
+            self._in_backward = False
+
+        torch.autograd.Variable._execution_engine.queue_callback(backward_ends)
+
+    def _explain(self, error: RuntimeError) -> str:
+        """Name the innermost module of the model that was running when ExpandedWeights gave up."""
+        names = {id(m): name or "<model>" for name, m in self._module.named_modules()}
+        culprit = None
+        for frame, _ in traceback.walk_tb(error.__traceback__):
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and id(owner) in names:
+                culprit = owner
+        where = f" in module '{names[id(culprit)]}' ({type(culprit).__name__})" if culprit is not None else ""
+        location = location_from_traceback(error.__traceback__)
+        if location is not None:
+            where += f" at {location} ({location.code})" if location.code else f" at {location}"
+        return (
+            f"fxdp: grad_sample_mode='ew' (PyTorch ExpandedWeights) failed{where}: {error}. "
+            "ExpandedWeights only handles parameters passed to F.linear, F.conv*, F.embedding, "
+            "F.group_norm, F.instance_norm and F.layer_norm; use grad_sample_mode='fx', 'hooks' or "
+            "'functorch' for this model."
+        )
+
+
+def _take_grad_samples(params) -> Dict[nn.Parameter, torch.Tensor]:
+    taken = {}
+    for p in params:
+        gs = getattr(p, "grad_sample", None)
+        if gs is not None:
+            taken[p] = gs
+            p.grad_sample = None
+    return taken
+
+
+def _restore_grad_samples(taken: Dict[nn.Parameter, torch.Tensor]) -> None:
+    for p, gs in taken.items():
+        p.grad_sample = gs
+
+
+def _leading_size(args, kwargs) -> int:
+    for t in pytree.tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return t.shape[0]
+    raise ValueError(
+        "fxdp: grad_sample_mode='ew' found no tensor argument to read the batch size from"
+    )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} values"
+    return f"a {type(value).__name__}"

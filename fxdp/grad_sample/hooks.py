@@ -1,0 +1,362 @@
+"""The hooks engine: per-sample gradients for a model that is not compiled.
+
+:class:`GradSampleModule` wraps a model (sharing its parameters) and puts two hooks on every *layer*:
+a forward hook that keeps the layer's tensor inputs, and a tensor hook on the layer's output that
+receives the output gradient and turns (inputs, output gradient) into ``p.grad_sample`` with the
+layer's registered rule (or the generic functorch rule). Tensor hooks on outputs, unlike full backward
+hooks, keep working when an in-place op (``ReLU(inplace=True)``, ``out += x``) follows the layer: a
+hook registered before the in-place op receives the gradient of the value the layer returned.
+
+Which modules are layers (decided once, walking the model from the top):
+
+- a module with a registered rule owns its whole subtree (the rule returns every trainable parameter
+  in it), whether or not it has parameters of its own;
+- a module with trainable parameters of its own and no trainable descendants uses the generic
+  functorch rule;
+- a module with trainable parameters of its own *and* trainable descendants (a container with a bare
+  ``nn.Parameter``, ``nn.MultiheadAttention``) gets the generic rule for its own parameters, plus those
+  of its descendants that no hooked module saw during the call (``MultiheadAttention`` uses
+  ``out_proj.weight`` without calling ``out_proj``); the others are handled by their own hooks, so
+  nothing is counted twice.
+
+Non-tensor keyword arguments reach the generic rule; tensor ones are refused (the hooks cannot tell
+whether they are batched). What the hooks cannot see: the batch dimension is assumed at 0 (1 with
+``batch_first=False``) in every layer's input and output, and a parameter used by a module without
+parameters of its own that does not own it (``F.linear(x, self.fc.weight)`` in a plain container)
+contributes nothing. The compiled engine (``fxdp.compile_for_dp``) checks both;
+:func:`fxdp.check_per_sample_gradients_are_correct` catches them at run time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from fxdp.grad_sample.accumulate import (
+    accumulate_grad_samples,
+    check_loss_reduction,
+    compute_grad_samples,
+    zero_grad_sample,
+)
+from fxdp.grad_sample.registry import find_grad_sampler
+from fxdp.layout import BatchLayout
+
+
+def trainable_own_params(module: nn.Module) -> List[nn.Parameter]:
+    return [p for p in module.parameters(recurse=False) if p.requires_grad]
+
+
+def has_trainable_params(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def vmap_vjp_grad_samples(
+    module: nn.Module,
+    params: Dict[str, torch.Tensor],
+    activations: Sequence[Any],
+    backprops: torch.Tensor,
+    *,
+    batch_dim: int = 0,
+    kwargs: Optional[Dict[str, Any]] = None,
+    tie_weights: bool = True,
+) -> Dict[str, torch.Tensor]:
+    """Per-sample gradients of ``module``'s output w.r.t. ``params`` (name -> value), by vmap over vjp.
+
+    ``activations`` are the module's positional inputs, batch first (non-tensors are passed as they
+    are); ``backprops`` the output gradient, batch first. Each sample is run alone as a batch of one,
+    in the module's own layout (the batch at ``batch_dim``). Parameters not in ``params`` are used as
+    they are and not differentiated (``tie_weights=False`` keeps a tied copy elsewhere undifferentiated).
+    """
+    kwargs = kwargs or {}
+    tensor_positions = [i for i, a in enumerate(activations) if isinstance(a, torch.Tensor)]
+    tensors = [activations[i] for i in tensor_positions]
+
+    def one_sample(sample_tensors, sample_grad):
+        args = list(activations)
+        for pos, t in zip(tensor_positions, sample_tensors):
+            args[pos] = t.unsqueeze(batch_dim)
+
+        def forward(p):
+            out = torch.func.functional_call(module, p, tuple(args), kwargs, tie_weights=tie_weights, strict=False)
+            return out if isinstance(out, torch.Tensor) else first_tensor_output("", module, out)[0]
+
+        _, vjp_fn = torch.func.vjp(forward, params)
+        return vjp_fn(sample_grad.unsqueeze(batch_dim))[0]
+
+    return torch.func.vmap(one_sample)(tensors, backprops)
+
+
+def first_tensor_output(module_name: str, module: nn.Module, output: Any):
+    """The output whose gradient the rules receive, and the other tensors the loss must not use."""
+    if isinstance(output, torch.Tensor):
+        return output, []
+    leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+    if not leaves:
+        raise TypeError(
+            f"fxdp: module '{module_name}' ({type(module).__name__}) has trainable parameters but returned "
+            f"{type(output).__name__}, which holds no tensor; the hooks engine needs a tensor output."
+        )
+    return leaves[0], leaves[1:]
+
+
+class GradSampleModuleBase(nn.Module):
+    """What every engine's wrapper shares: the wrapped model, forward, ``zero_grad`` that also clears
+    ``p.grad_sample``, and attribute access that falls through to the wrapped model."""
+
+    def __init__(self, model: nn.Module, *, batch_first: bool = True, loss_reduction: str = "mean"):
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"fxdp: expected an nn.Module to wrap, got {type(model).__name__}")
+        check_loss_reduction(loss_reduction)
+        self._module = model
+        self.batch_first = batch_first
+        self.loss_reduction = loss_reduction
+
+    @property
+    def module(self) -> nn.Module:
+        return self._module
+
+    @property
+    def batch_dim(self) -> int:
+        return 0 if self.batch_first else 1
+
+    def forward(self, *args, **kwargs):
+        return self._module(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        zero_grad_sample(self)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError as outer:
+            if name == "_module":
+                raise
+            try:
+                return getattr(self._module, name)
+            except AttributeError:
+                raise outer from None
+
+    def extra_repr(self) -> str:
+        return f"batch_first={self.batch_first}, loss_reduction={self.loss_reduction!r}"
+
+
+class GradSampleModule(GradSampleModuleBase):
+    """Wraps ``model`` so that ``loss.backward()`` also sets ``p.grad_sample`` (hooks engine).
+
+    ``p.grad_sample[i]`` is the gradient sample ``i`` alone would give; uses of a parameter within
+    one backward pass add up (tied weights, a module called twice); successive backward passes append
+    along dim 0 until :meth:`zero_grad` (see :mod:`fxdp.grad_sample.accumulate`).
+
+    ``strict=True`` raises instead of using the generic functorch rule for a module without a
+    registered rule. :attr:`functorch_fallbacks` lists the modules that use it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch_first: bool = True,
+        loss_reduction: str = "mean",
+        strict: bool = False,
+    ):
+        super().__init__(model, batch_first=batch_first, loss_reduction=loss_reduction)
+        self.strict = strict
+        self._hook_handles: List[Any] = []
+        self._recomputing = False  # the generic rule re-runs modules: our forward hooks stand aside
+        self.grad_sample_layers: Dict[str, str] = {}  # module name -> how its per-sample grads are computed
+        self.functorch_fallbacks: List[str] = []
+        self._open_calls: List[Any] = []  # (container, ids of parameters covered so far in its call)
+        self._add_hooks()
+
+    # -- which modules get hooks ------------------------------------------------------------------
+
+    def _add_hooks(self) -> None:
+        seen = set()
+        without_rule = []
+
+        def visit(name: str, module: nn.Module) -> None:
+            if id(module) in seen:
+                return
+            seen.add(id(module))
+            label = name or "<model>"
+            if find_grad_sampler(module) is not None and has_trainable_params(module):
+                self._hook(label, module, direct=False)
+                self.grad_sample_layers[label] = f"rule for {type(module).__name__}"
+                return  # the rule covers the whole subtree
+            if trainable_own_params(module):
+                trainable_children = any(has_trainable_params(c) for c in module.children())
+                if trainable_children:
+                    self._hook(label, module, direct=True)
+                    self.grad_sample_layers[label] = "functorch (own parameters, children's used uncalled)"
+                else:
+                    self._hook(label, module, direct=False)
+                    self.grad_sample_layers[label] = "functorch"
+                without_rule.append(f"'{label}' ({type(module).__name__})")
+                self.functorch_fallbacks.append(label)
+            for child_name, child in module.named_children():
+                visit(f"{name}.{child_name}" if name else child_name, child)
+
+        visit("", self._module)
+        if self.strict and without_rule:
+            for handle in self._hook_handles:
+                handle.remove()
+            self._hook_handles.clear()
+            raise ValueError(
+                "fxdp: strict=True and no per-sample rule is registered for "
+                + ", ".join(without_rule)
+                + ". Register one with @fxdp.register_grad_sampler(YourModule), or pass strict=False "
+                "to use the generic functorch rule."
+            )
+
+    def _hook(self, name: str, module: nn.Module, *, direct: bool) -> None:
+        """Forward hook (and, for a container with parameters of its own, a pre-hook) on ``module``."""
+        if direct:
+
+            def pre_hook(mod, args, kwargs):
+                if not self._recomputing and torch.is_grad_enabled():
+                    self._open_calls.append((mod, set()))
+
+            self._hook_handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+
+        def forward_hook(mod, inputs, kwargs, output):
+            if self._recomputing or not torch.is_grad_enabled():
+                return
+            names = None
+            if direct:
+                # Its own parameters, and its children's that no hooked module saw during this call
+                # (MultiheadAttention uses out_proj.weight without calling out_proj).
+                covered = self._close_call(mod)
+                own = {id(p) for p in mod.parameters(recurse=False)}
+                names = [n for n, p in mod.named_parameters() if id(p) in own or id(p) not in covered]
+            for _, covered_in_call in self._open_calls:
+                covered_in_call.update(id(p) for p in mod.parameters())
+            if not any(p.requires_grad for p in mod.parameters()):
+                return  # frozen after wrapping
+            out, others = first_tensor_output(name, mod, output)
+            if not out.requires_grad:
+                return
+            if kwargs and find_grad_sampler(mod) is None:
+                tensor_kwargs = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+                if tensor_kwargs:
+                    raise TypeError(
+                        f"fxdp: module '{name}' ({type(mod).__name__}) was called with tensor keyword "
+                        f"argument(s) {', '.join(repr(k) for k in tensor_kwargs)}; the hooks engine's "
+                        "generic rule only knows where the batch is in positional inputs. Pass them "
+                        "positionally, register a rule for the module with fxdp.register_grad_sampler, "
+                        "or use grad_sample_mode='fx'."
+                    )
+            activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in inputs]
+            if direct:
+                backward_hook = self._generic_hook(mod, activations, dict(kwargs), names=names)
+            else:
+                backward_hook = self._layer_hook(mod, activations, dict(kwargs))
+            out.register_hook(backward_hook)
+            for k, other in enumerate(others, start=1):
+                if other.requires_grad:
+                    other.register_hook(self._unsupported_output_hook(name, mod, k))
+
+        self._hook_handles.append(module.register_forward_hook(forward_hook, with_kwargs=True))
+
+    def _close_call(self, module: nn.Module) -> set:
+        """End ``module``'s open call; what was covered in it (calls left open by an error are dropped)."""
+        while self._open_calls:
+            mod, covered = self._open_calls.pop()
+            if mod is module:
+                return covered
+        return set()
+
+    def forward(self, *args, **kwargs):
+        self._open_calls.clear()
+        return self._module(*args, **kwargs)
+
+    def remove_hooks(self) -> None:
+        """Detach the engine from the model: later backward passes set no ``grad_sample``."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+
+    # -- backward hooks ---------------------------------------------------------------------------
+
+    def _to_batch_first(self, activations: List[Any], backprops: torch.Tensor):
+        if self.batch_first:
+            return activations, backprops, backprops.shape[0]
+        n = backprops.shape[1]
+        layout = BatchLayout.at(1)
+        moved = [
+            layout.to_batch_first(a, n) if isinstance(a, torch.Tensor) and a.dim() >= 2 else a
+            for a in activations
+        ]
+        return moved, layout.to_batch_first(backprops, n), n
+
+    @contextlib.contextmanager
+    def _recompute(self):
+        previous, self._recomputing = self._recomputing, True
+        try:
+            yield
+        finally:
+            self._recomputing = previous
+
+    def _layer_hook(self, module: nn.Module, activations: List[Any], kwargs: Dict[str, Any]):
+        if find_grad_sampler(module) is None and (kwargs or not self.batch_first):
+            # Rules take neither keyword arguments nor a batch position: run the generic rule here,
+            # each sample as a batch of one in the module's own layout.
+            return self._generic_hook(module, activations, kwargs)
+
+        def hook(grad: torch.Tensor) -> None:
+            acts, backprops, n = self._to_batch_first(activations, grad)
+            with self._recompute():
+                grad_samples = compute_grad_samples(
+                    module, acts, backprops, loss_reduction=self.loss_reduction, batch_size=n
+                )
+            accumulate_grad_samples(grad_samples)
+
+        return hook
+
+    def _generic_hook(
+        self, module: nn.Module, activations: List[Any], kwargs: Dict[str, Any], *, names: Optional[List[str]] = None
+    ):
+        """vmap over vjp for the module's trainable parameters (those in ``names``, when given)."""
+        wanted = None if names is None else set(names)
+
+        def hook(grad: torch.Tensor) -> None:
+            acts, backprops, n = self._to_batch_first(activations, grad)
+            params = {
+                pname: p
+                for pname, p in module.named_parameters()
+                if p.requires_grad and (wanted is None or pname in wanted)
+            }
+            if not params:
+                return
+            if self.loss_reduction == "mean":
+                backprops = backprops * n
+            with self._recompute(), torch.enable_grad():
+                per_name = vmap_vjp_grad_samples(
+                    module,
+                    {pname: p.detach() for pname, p in params.items()},
+                    acts,
+                    backprops,
+                    batch_dim=self.batch_dim,
+                    kwargs=kwargs,
+                    # only the named parameters: a tied copy in a child is differentiated by its own hook
+                    tie_weights=wanted is None,
+                )
+            accumulate_grad_samples({params[pname]: gs for pname, gs in per_name.items()})
+
+        return hook
+
+    @staticmethod
+    def _unsupported_output_hook(name: str, module: nn.Module, index: int):
+        def hook(grad: torch.Tensor) -> None:
+            raise RuntimeError(
+                f"fxdp: the loss depends on output #{index} of module '{name}' ({type(module).__name__}), "
+                "but per-sample rules only receive the gradient of its first output, so its "
+                "per-sample gradients would be wrong. Use grad_sample_mode='fx' or 'functorch', or "
+                "make the loss depend on the first output only."
+            )
+
+        return hook

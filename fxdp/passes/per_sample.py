@@ -1,0 +1,202 @@
+"""Pass 4, per_sample: replace every parametrised call with a DP-aware op from :mod:`fxdp.runtime`.
+
+- ``call_module`` nodes of layers with trainable parameters become
+  ``per_sample_call(self.<layer>, self.fxdp_site_<node>, batch_size, *args)``;
+- torch functions and Tensor methods that take a trainable parameter directly (``F.linear(x, self.w)``,
+  ``x * self.scale``, ``x + self.pos_embedding``, ``x @ self.proj``) become
+  ``per_sample_function(<fn>, self.fxdp_site_<node>, batch_size, *args)``.
+
+Each site records where the batch sits in the call's inputs and output (from the batch_dim pass, or
+the default ``batch@<batch_dim>`` until the first batch fills it in), so per-sample gradients stay
+right when a layer sees its input time-major, merged ``(N*T, d)`` or broadcast ``(1, T)``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Dict, List, Optional, Set, Tuple
+
+import torch
+import torch.fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from fxdp import meta, runtime
+from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity
+from fxdp.grad_sample.registry import rule_name
+from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED, UNKNOWN, BatchLayout
+from fxdp.tracing import source_location
+
+PASS_NAME = "per_sample"
+
+
+def _inputs_reach(graph: torch.fx.Graph) -> Set[torch.fx.Node]:
+    """Nodes whose value depends on a model input (the others are parameters and constants)."""
+    reached: Set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" or any(a in reached for a in node.all_input_nodes):
+            reached.add(node)
+    return reached
+
+
+def _trainable_param(gm: torch.fx.GraphModule, node) -> Optional[nn.Parameter]:
+    if isinstance(node, torch.fx.Node) and node.op == "get_attr":
+        try:
+            value = gm.get_parameter(node.target)
+        except AttributeError:
+            return None
+        return value if value.requires_grad else None
+    return None
+
+
+def _layout_of(node, default: BatchLayout, reached: Set[torch.fx.Node]) -> BatchLayout:
+    layout = node.meta.get(meta.BATCH_DIM, default) if isinstance(node, torch.fx.Node) else default
+    if isinstance(layout, (tuple, list)):  # tuple outputs: the first tensor carries the batch
+        layout = next((lay for lay in layout if lay is not None), default)
+    if layout is None or (meta.BATCH_DIM not in node.meta and node not in reached):
+        return BatchLayout(UNBATCHED)
+    return layout
+
+
+def _site_layouts(node, default, reached) -> Tuple[List[BatchLayout], BatchLayout]:
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    ins = [_layout_of(a, default, reached) for a in leaves if isinstance(a, torch.fx.Node)]
+    return ins, _layout_of(node, default, reached)
+
+
+def _finding(node, message: str, fix: str, kind=Kind.NOT_YET_SUPPORTED, severity=Severity.ERROR, op="") -> Finding:
+    return Finding(PASS_NAME, node.name, op or str(node.target), kind, severity, message, fix, source_location(node))
+
+
+def _check_layouts(node, ins: List[BatchLayout], out: BatchLayout, gm) -> Tuple[Optional[BatchLayout], Optional[Finding]]:
+    """Decide the output layout a site will see; a finding when per-sample gradients cannot be had."""
+    if any(lay.kind == UNKNOWN for lay in ins) or out.kind == UNKNOWN:
+        return None, _finding(
+            node, "where the batch sits in this call's input or output is unknown (an op upstream has no batch rule)",
+            "see the batch_dim findings; fxdp uses the whole-model functorch engine instead", Kind.UNVERIFIED,
+            Severity.WARNING)
+    if out.kind in (BATCHED, MERGED):
+        return out, None
+    if out.kind == BROADCAST and any(lay.kind == BROADCAST for lay in ins):
+        # (1, T) position ids: expanding the input to N is invisible iff every consumer broadcasts it
+        fake = node.meta.get(meta.FAKE_VALUE)
+        for user in node.users:
+            u = user.meta.get(meta.BATCH_DIM)
+            u_fake = user.meta.get(meta.FAKE_VALUE)
+            if not (isinstance(u, BatchLayout) and u.kind == BATCHED and u.dim == out.dim
+                    and fake is not None and u_fake is not None and u_fake.dim() == fake.dim()):
+                return None, _finding(
+                    node, f"this layer's input is broadcast over the batch, and its consumer '{user.name}' does "
+                    "not simply broadcast the output against per-sample data",
+                    "expand the input to the batch size before the layer; fxdp uses the whole-model functorch "
+                    "engine instead", Severity.WARNING)
+        return BatchLayout.at(out.dim), None
+    return None, _finding(
+        node, f"this layer's output carries no batch dimension ({out}), so no per-sample gradient can be read "
+        "from its backward", "feed the layer per-sample data; fxdp uses the whole-model functorch engine instead",
+        severity=Severity.WARNING)
+
+
+def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "mean", batch_dim: int = 0) -> PassResult:
+    graph = gm.graph
+    default = BatchLayout.at(batch_dim)
+    reached = _inputs_reach(graph)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if not placeholders:
+        raise ValueError("the model takes no inputs, so there is no batch to compute per-sample gradients over")
+
+    gm.fxdp_batch = runtime.BatchSource(*_batch_source(placeholders, batch_dim))
+    with graph.inserting_after(placeholders[-1]):
+        source = _get_attr(graph, "fxdp_batch")
+    with graph.inserting_after(source):
+        n = graph.call_function(runtime.batch_size, (source, *placeholders))
+    n.name = "batch_size"
+
+    changes: List[Finding] = []
+    findings: List[Finding] = []
+    for node in list(graph.nodes):
+        if node.op == "call_module":
+            module = gm.get_submodule(node.target)
+            if not any(p.requires_grad for p in module.parameters()):
+                continue
+            target, rule = node.target, rule_name(module) or "functorch"
+            call, fn, what = runtime.per_sample_call, None, f"layer '{node.target}' ({type(module).__name__})"
+        elif node.op in ("call_function", "call_method"):
+            params = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if _trainable_param(gm, a) is not None]
+            if not params:
+                continue
+            if node not in reached:
+                findings.append(_finding(
+                    node, f"parameter '{params[0].target}' goes through '{node.name}' before it meets per-sample data",
+                    "use the parameter directly in the op that consumes the input (e.g. `x @ self.w.t()` as "
+                    "`F.linear(x, self.w)`); fxdp uses the whole-model functorch engine instead", severity=Severity.WARNING))
+                continue
+            target, rule = node.target if isinstance(node.target, str) else torch.typename(node.target), "functorch"
+            call, fn = runtime.per_sample_function, node.target
+            what = f"'{node.name}' using {', '.join(repr(p.target) for p in params)}"
+        else:
+            continue
+
+        ins, out = _site_layouts(node, default, reached)
+        out, problem = _check_layouts(node, ins, out, gm)
+        if problem is not None:
+            findings.append(problem)
+            continue
+        site = runtime.PerSampleSite(node.name, str(target), rule, loss_reduction, [str(lay) for lay in ins],
+                                     str(out), fn)
+        site_attr = f"fxdp_site_{node.name}"
+        setattr(gm, site_attr, site)
+        with graph.inserting_before(node):
+            head = (graph.get_attr(node.target),) if fn is None else ()
+            new = graph.call_function(call, (*head, _get_attr(graph, site_attr), n, *node.args), dict(node.kwargs))
+        new.meta.update(node.meta)
+        new.meta[meta.PER_SAMPLE_RULE] = rule
+        node.replace_all_uses_with(new)
+        if node in reached:
+            reached.add(new)
+        graph.erase_node(node)
+        changes.append(Finding(
+            PASS_NAME, node.name, call.__name__, Kind.REWRITE, Severity.INFO,
+            f"{what}: per-sample gradients by the {rule} rule; input {', '.join(site.layouts) or '-'}, "
+            f"output {site.out_layout}", "", source_location(new)))
+
+    graph.lint()
+    gm.recompile()
+    return PassResult(gm, PassReport(PASS_NAME, tuple(changes), tuple(findings)))
+
+
+def _get_attr(graph: torch.fx.Graph, name: str) -> torch.fx.Node:
+    # sites are plain Python objects on the GraphModule, not modules or tensors; FX warns about that
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return graph.get_attr(name)
+
+
+def _batch_source(placeholders, batch_dim: int) -> Tuple[int, int]:
+    for i, ph in enumerate(placeholders):
+        layout = ph.meta.get(meta.BATCH_DIM)
+        if isinstance(layout, BatchLayout) and layout.kind == BATCHED:
+            return i, layout.dim
+    return 0, batch_dim
+
+
+def update_site_layouts(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule, batch_dim: int) -> List[Finding]:
+    """Fill the sites of a compiled graph with the layouts the batch_dim pass found on ``analysed``
+    (the same graph before the per_sample pass). Used when the first batch arrives."""
+    by_name = {node.name: node for node in analysed.graph.nodes}
+    reached = _inputs_reach(analysed.graph)
+    default = BatchLayout.at(batch_dim)
+    problems = []
+    placeholders = [n for n in analysed.graph.nodes if n.op == "placeholder"]
+    gm.fxdp_batch.input_index, gm.fxdp_batch.dim = _batch_source(placeholders, batch_dim)
+    for attr, site in list(vars(gm).items()):
+        if not isinstance(site, runtime.PerSampleSite):
+            continue
+        node = by_name[site.node]
+        ins, out = _site_layouts(node, default, reached)
+        out, problem = _check_layouts(node, ins, out, analysed)
+        if problem is not None:
+            problems.append(problem)
+            continue
+        site.layouts, site.out_layout = [str(lay) for lay in ins], str(out)
+    return problems

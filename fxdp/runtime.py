@@ -1,0 +1,199 @@
+"""The DP-aware ops that the per_sample pass puts into the compiled graph.
+
+A compiled model's code reads, for a Linear layer ``fc``::
+
+    batch_size = fxdp_runtime_batch_size(self.fxdp_batch, x)
+    fc = fxdp_runtime_per_sample_call(self.fc, self.fxdp_site_fc, batch_size, x)
+
+The forward is the ordinary one. What differs is backward: a hook on the layer's output receives the
+output gradient G, and together with the saved input A (both moved to batch-first with the layouts
+the batch_dim pass recorded in the *site*) the layer's per-sample rule turns them into
+``p.grad_sample``. The same (A, G, layout) pair is what book-keeping clipping needs, so a later
+engine can compute norms and clipped sums from it instead of materialising gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from fxdp.grad_sample.accumulate import accumulate_grad_samples, compute_grad_samples
+from fxdp.grad_sample.registry import find_grad_sampler
+from fxdp.layout import BROADCAST, BatchLayout, parse_layout
+
+
+@dataclass
+class BatchSource:
+    """Which model input carries the batch, and in which dimension (read at every forward)."""
+
+    input_index: int
+    dim: int
+
+    def __repr__(self) -> str:
+        return f"BatchSource(input {self.input_index}, dim {self.dim})"
+
+
+@dataclass
+class PerSampleSite:
+    """What the per_sample pass knows about one parametrised call in the graph.
+
+    ``layouts`` holds, per tensor argument (flattened args then kwargs), the layout string of where
+    the batch sits (``"batch@0"``, ``"merged@0(inner=8)"``, ``"broadcast@0"``, ``"unbatched"``);
+    ``out_layout`` the same for the output. Sites are mutable: without example inputs the layouts
+    are filled in on the first forward, before its backward.
+    """
+
+    node: str  # the original node's name
+    target: str  # "fc" (module) or "torch.nn.functional.linear" / "mul" (function / method)
+    rule: str  # rule name for the report: "Linear", "functorch", ...
+    loss_reduction: str
+    layouts: List[str] = field(default_factory=list)
+    out_layout: str = "batch@0"
+    fn: Union[Callable, str, None] = None  # functional uses: the torch function, or the Tensor method's name
+
+    def in_layout(self, i: int) -> BatchLayout:
+        return parse_layout(self.layouts[i]) if i < len(self.layouts) else parse_layout(self.layouts[0])
+
+
+def batch_size(source: BatchSource, *inputs) -> int:
+    x = inputs[source.input_index]
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(
+            f"fxdp: model input {source.input_index} was recorded as the one carrying the batch, "
+            f"but it is a {type(x).__name__} at run time"
+        )
+    return x.shape[source.dim]
+
+
+def _expand_broadcast(tensors: List[Any], layouts: List[BatchLayout], n: int) -> Tuple[List[Any], List[BatchLayout]]:
+    """Inputs broadcast over the batch (position ids of shape (1, T)) become (N, T): the layer's output
+    is then per-sample, so its backprops are too. Consumers broadcast it anyway (checked by the pass)."""
+    out_t, out_l = [], []
+    for t, lay in zip(tensors, layouts):
+        if isinstance(t, torch.Tensor) and lay.kind == BROADCAST:
+            shape = list(t.shape)
+            shape[lay.dim] = n
+            t, lay = t.expand(shape), BatchLayout.at(lay.dim)
+        out_t.append(t)
+        out_l.append(lay)
+    return out_t, out_l
+
+
+def _tensor_layouts(site: PerSampleSite, leaves: List[Any]) -> List[BatchLayout]:
+    layouts, k = [], 0
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            layouts.append(site.in_layout(k))
+            k += 1
+        else:
+            layouts.append(None)
+    return layouts
+
+
+def _needs_grad_samples(out) -> bool:
+    return torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad
+
+
+def _per_sample_vjp(call, leaves, layouts, param_positions, out_layout, backprops, n):
+    """Per-sample gradients of ``call(leaves)`` w.r.t. the leaves at ``param_positions``.
+
+    Each sample runs alone, as a batch of one in the layout the graph gives it (batch at dim 1 stays
+    at dim 1), vmapped over the batch: this is the definition of a per-sample gradient, for any op.
+    """
+    batched = [i for i, lay in enumerate(layouts) if lay is not None and lay.is_batched]
+    batched_values = [layouts[i].to_batch_first(leaves[i].detach(), n) for i in batched]
+    fixed = [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    params = [fixed[i] for i in param_positions]
+
+    def one_sample(sample_values, sample_grad):
+        def f(*param_values):
+            flat = list(fixed)
+            for i, v in zip(batched, sample_values):
+                flat[i] = layouts[i].from_batch_first(v.unsqueeze(0))
+            for i, v in zip(param_positions, param_values):
+                flat[i] = v
+            return call(flat)
+
+        _, vjp_fn = torch.func.vjp(f, *params)
+        return vjp_fn(out_layout.from_batch_first(sample_grad.unsqueeze(0)))
+
+    return torch.func.vmap(one_sample)(batched_values, out_layout.to_batch_first(backprops, n))
+
+
+def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwargs):
+    """Call a parametrised module; in backward, add its parameters' per-sample gradients."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    layouts = _tensor_layouts(site, leaves)
+    leaves, layouts = _expand_broadcast(leaves, layouts, n)
+    args, kwargs = pytree.tree_unflatten(leaves, spec)
+    out = module(*args, **kwargs)
+    trainable = {name: p for name, p in module.named_parameters() if p.requires_grad}
+    if not _needs_grad_samples(out) or not trainable:
+        return out
+    out_layout = parse_layout(site.out_layout)
+
+    if find_grad_sampler(module) is not None:
+        # hand-written rule: it sees batch-first activations and backprops
+        activations = [
+            lay.to_batch_first(t.detach(), n) for t, lay in zip(leaves, layouts) if isinstance(t, torch.Tensor)
+        ]
+
+        def record(grad: torch.Tensor) -> None:
+            backprops = out_layout.to_batch_first(grad, n)
+            accumulate_grad_samples(
+                compute_grad_samples(module, activations, backprops, loss_reduction=site.loss_reduction, batch_size=n)
+            )
+
+    else:
+        # generic rule: the module as a function of its parameters, each sample alone
+        names = list(trainable)
+        n_inputs = len(leaves)
+        all_leaves = list(leaves) + [trainable[k] for k in names]
+        all_layouts = list(layouts) + [None] * len(names)
+
+        def call(flat):
+            a, k = pytree.tree_unflatten(flat[:n_inputs], spec)
+            return torch.func.functional_call(module, dict(zip(names, flat[n_inputs:])), a, k, strict=False)
+
+        def record(grad: torch.Tensor) -> None:
+            scale = n if site.loss_reduction == "mean" else 1
+            grads = _per_sample_vjp(call, all_leaves, all_layouts, list(range(n_inputs, len(all_leaves))),
+                                    out_layout, grad * scale, n)
+            accumulate_grad_samples({trainable[k]: g for k, g in zip(names, grads)})
+
+    out.register_hook(record)
+    return out
+
+
+def per_sample_function(site: PerSampleSite, n: int, *args, **kwargs):
+    """Call a torch function (or Tensor method, by name) that uses parameters directly
+    (``F.linear(x, self.w)``, ``x * self.scale``); in backward, add their per-sample gradients."""
+    fn = site.fn
+    call_fn = (lambda *a, **k: getattr(a[0], fn)(*a[1:], **k)) if isinstance(fn, str) else fn
+    out = call_fn(*args, **kwargs)
+    if not _needs_grad_samples(out):
+        return out
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    layouts = _tensor_layouts(site, leaves)
+    param_positions = [
+        i for i, leaf in enumerate(leaves) if isinstance(leaf, nn.Parameter) and leaf.requires_grad
+    ]
+    if not param_positions:
+        return out
+    out_layout = parse_layout(site.out_layout)
+
+    def call(flat):
+        a, k = pytree.tree_unflatten(flat, spec)
+        return call_fn(*a, **k)
+
+    def record(grad: torch.Tensor) -> None:
+        scale = n if site.loss_reduction == "mean" else 1
+        grads = _per_sample_vjp(call, leaves, layouts, param_positions, out_layout, grad * scale, n)
+        accumulate_grad_samples({leaves[i]: g for i, g in zip(param_positions, grads)})
+
+    out.register_hook(record)
+    return out

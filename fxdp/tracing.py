@@ -1,0 +1,161 @@
+"""Symbolic tracing that remembers, for every node, the line of the user's code that created it.
+
+- Modules with a per-sample rule (and the usual ``torch.nn`` layers) stay leaves: the graph calls
+  them whole, so the per_sample pass can apply their rule.
+- Augmented assignment (``out += x``) and item assignment (``x[m] = v``) on traced tensors are
+  recorded as ``operator.iadd`` / ``operator.setitem`` nodes instead of being silently turned into
+  out-of-place ops (``+=``) or failing (``[]=``); the inplace pass then rewrites and reports them.
+- A model that cannot be traced is not an error: :func:`trace` returns the error and the user's line.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import re
+import traceback
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxdp import meta
+from fxdp.grad_sample.registry import find_grad_sampler
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_FXDP_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass(frozen=True)
+class SourceLocation:
+    """A line of the user's code."""
+
+    file: str
+    line: int
+    function: str = ""
+    code: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    @property
+    def short(self) -> str:
+        return f"{os.path.basename(self.file)}:{self.line}"
+
+
+def _is_library_file(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith(_TORCH_DIR) or path.startswith(_FXDP_DIR)
+
+
+_FRAME_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?:    (?P<code>[^\n]*))?')
+
+
+def location_from_stack_trace(stack_trace: Optional[str]) -> Optional[SourceLocation]:
+    """The innermost frame of ``node.stack_trace`` that is in the user's code."""
+    if not stack_trace:
+        return None
+    user = None
+    for m in _FRAME_RE.finditer(stack_trace):
+        if not _is_library_file(m["file"]):
+            user = SourceLocation(m["file"], int(m["line"]), m["func"], (m["code"] or "").strip())
+    return user
+
+
+def location_from_traceback(tb) -> Optional[SourceLocation]:
+    """The innermost frame of a traceback that is in the user's code."""
+    user = None
+    for frame in traceback.extract_tb(tb):
+        if not _is_library_file(frame.filename):
+            user = SourceLocation(frame.filename, frame.lineno, frame.name, (frame.line or "").strip())
+    return user
+
+
+def source_location(node: torch.fx.Node) -> Optional[SourceLocation]:
+    """Where in the user's code ``node`` was created, if known."""
+    loc = node.meta.get(meta.SOURCE)
+    if loc is None:
+        loc = location_from_stack_trace(node.stack_trace)
+    return loc
+
+
+class _InplaceRecordingProxy(torch.fx.Proxy):
+    """A Proxy that records ``x += y`` and ``x[i] = v`` as in-place nodes."""
+
+    def __setitem__(self, index, value):
+        self.tracer.create_proxy("call_function", operator.setitem, (self, index, value), {})
+
+
+def _make_inplace_magic(name):
+    op = getattr(operator, name)
+
+    def impl(self, other):
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    impl.__name__ = f"__{name}__"
+    return impl
+
+
+for _name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul",
+              "iand", "ior", "ixor", "ilshift", "irshift"):
+    setattr(_InplaceRecordingProxy, f"__{_name}__", _make_inplace_magic(_name))
+
+
+def is_leaf_layer(module: nn.Module) -> bool:
+    """Modules the graph calls whole: torch.nn layers and anything with a registered per-sample rule."""
+    if find_grad_sampler(module) is not None:
+        return True
+    if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+        return False
+    return type(module).__module__.startswith("torch.nn")
+
+
+class DPTracer(torch.fx.Tracer):
+    def __init__(self):
+        super().__init__()
+        self.record_stack_traces = True
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return is_leaf_layer(m)
+
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        return _InplaceRecordingProxy(node, self)
+
+    def create_proxy(self, *args, **kwargs):
+        proxy = super().create_proxy(*args, **kwargs)
+        node = proxy.node
+        node.meta[meta.SOURCE] = location_from_stack_trace(node.stack_trace)
+        return proxy
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    graph_module: Optional[torch.fx.GraphModule]
+    error: Optional[BaseException] = None
+    location: Optional[SourceLocation] = None  # the user's line that made tracing fail
+
+    @property
+    def ok(self) -> bool:
+        return self.graph_module is not None
+
+    @property
+    def reason(self) -> Optional[str]:
+        if self.error is None:
+            return None
+        first_line = str(self.error).strip().splitlines()[0] if str(self.error).strip() else ""
+        return f"{type(self.error).__name__}: {first_line}"
+
+
+def trace(model: nn.Module) -> TraceResult:
+    """Trace ``model`` into a GraphModule, or say why it cannot be traced and where."""
+    tracer = DPTracer()
+    try:
+        graph = tracer.trace(model)
+    except Exception as exc:  # any Python the tracer cannot follow is a reported outcome
+        return TraceResult(None, exc, location_from_traceback(exc.__traceback__))
+    name = type(model).__name__
+    gm = torch.fx.GraphModule(tracer.root, graph, name)
+    gm.train(model.training)
+    return TraceResult(gm)

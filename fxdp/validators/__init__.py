@@ -1,0 +1,36 @@
+"""Find the modules DP-SGD cannot train as they are, and fix them (the API of Opacus' validators).
+
+``ModuleValidator.validate(model)`` lists the problems, ``ModuleValidator.fix(model)`` returns a fixed
+copy. Default rules live one family per module; importing this package registers them:
+
+- :mod:`~fxdp.validators.batch_norm`    — BatchNorm in training mixes samples; replaced by GroupNorm
+- :mod:`~fxdp.validators.instance_norm` — InstanceNorm running statistics; turned off
+- :mod:`~fxdp.validators.inplace_flags` — ``inplace=True`` modules; always turned off by ``fix``
+
+Add rules for your own types with :func:`register_module_validator` / :func:`register_module_fixer`.
+"""
+
+from fxdp.validators.errors import (
+    IllegalModuleConfigurationError,
+    NotYetSupportedModuleError,
+    ShouldReplaceModuleError,
+    UnsupportedError,
+    UnsupportedModuleError,
+)
+from fxdp.validators.module_validator import (
+    ModuleValidator,
+    register_module_fixer,
+    register_module_validator,
+)
+from fxdp.validators import batch_norm, instance_norm  # noqa: E402,F401  (the default rules)
+
+__all__ = [
+    "ModuleValidator",
+    "register_module_validator",
+    "register_module_fixer",
+    "UnsupportedError",
+    "UnsupportedModuleError",
+    "ShouldReplaceModuleError",
+    "IllegalModuleConfigurationError",
+    "NotYetSupportedModuleError",
+]

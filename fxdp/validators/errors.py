@@ -1,0 +1,163 @@
+"""What a validator says about a module that DP-SGD cannot train as it is.
+
+Every error names the module (qualified name and type), says what is wrong and how to fix it, and maps
+to one :class:`fxdp.diagnostics.Kind`, so validation errors and the validate pass's findings speak
+the same language:
+
+- :class:`UnsupportedModuleError` — the module cannot be made private (e.g. BatchNorm in training);
+  it is also what ``strict`` validation raises, carrying every error in ``errors``;
+- :class:`ShouldReplaceModuleError` — works, but a drop-in replacement is needed;
+- :class:`IllegalModuleConfigurationError` — the module's configuration breaks DP-SGD;
+- :class:`NotYetSupportedModuleError` — could be supported, is not yet.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence, Tuple
+
+from fxdp.diagnostics import Finding, Kind, Severity
+from fxdp.tracing import SourceLocation
+
+ROOT_NAME = "<model>"  # how the root module is named in errors and findings
+
+
+def module_type_name(module_or_type) -> str:
+    """``nn.BatchNorm2d`` for torch.nn layers, the bare class name otherwise."""
+    if module_or_type is None:
+        return "?"
+    cls = module_or_type if isinstance(module_or_type, type) else type(module_or_type)
+    if cls.__module__.startswith("torch.nn"):
+        return f"nn.{cls.__name__}"
+    return cls.__name__
+
+
+class UnsupportedError(ValueError):
+    """Base of the taxonomy: a module DP-SGD cannot train as it is.
+
+    ``module_name`` and ``module_type`` may be left out by a validator: the caller (``ModuleValidator``
+    or the validate pass) fills them in, since it knows where the module sits in the model.
+    """
+
+    kind: Kind = Kind.CANNOT_BE_PRIVATE
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        module_name: Optional[str] = None,
+        module_type: Optional[type] = None,
+        fix: str = "",
+        location: Optional[SourceLocation] = None,
+        op: Optional[str] = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.module_name = module_name
+        self.module_type = module_type
+        self.fix = fix
+        self.location = location
+        self._op = op  # what the graph node runs, when the error comes from a node, not a module
+
+    @property
+    def errors(self) -> Tuple["UnsupportedError", ...]:
+        return (self,)
+
+    def locate(self, module_name: str, module_type: Optional[type]) -> "UnsupportedError":
+        """Fill in the module's name and type where the validator left them out."""
+        if self.module_name is None:
+            self.module_name = module_name
+        if self.module_type is None:
+            self.module_type = module_type
+        return self
+
+    @property
+    def type_name(self) -> str:
+        return self._op or module_type_name(self.module_type)
+
+    def describe(self) -> str:
+        """One line: which module, where, what is wrong, how to fix it."""
+        head = f"`{self.module_name}` ({self.type_name})" if self.module_name else self.type_name
+        if self.location is not None:
+            head += f" at {self.location}"
+        text = f"{head}: {self.message}"
+        if self.fix:
+            text += f" How to fix: {self.fix}"
+        return text
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def to_finding(self, pass_name: str = "validate", *, node: Optional[str] = None,
+                   op: Optional[str] = None) -> Finding:
+        return Finding(
+            pass_name=pass_name,
+            node=node if node is not None else (self.module_name or ROOT_NAME),
+            op=op if op is not None else self.type_name,
+            kind=self.kind,
+            severity=Severity.ERROR,
+            message=self.message,
+            fix=self.fix,
+            location=self.location,
+        )
+
+
+class UnsupportedModuleError(UnsupportedError):
+    """The module cannot be made private; also the error strict validation raises for all errors."""
+
+    kind = Kind.CANNOT_BE_PRIVATE
+
+    def __init__(self, message: str = "", *, errors: Sequence[UnsupportedError] = (), **kwargs):
+        super().__init__(message, **kwargs)
+        self._errors = tuple(errors)
+
+    @property
+    def errors(self) -> Tuple[UnsupportedError, ...]:
+        return self._errors or (self,)
+
+    @classmethod
+    def aggregate(cls, errors: Iterable[UnsupportedError], header: str = "") -> "UnsupportedModuleError":
+        """One error that lists all of ``errors`` (raised by ``strict`` validation)."""
+        errors = tuple(errors)
+        header = header or (
+            f"{len(errors)} problem(s) prevent training this model with DP-SGD "
+            f"(fxdp.validators.ModuleValidator.fix fixes the common ones):"
+        )
+        return cls(header, errors=errors)
+
+    def describe(self) -> str:
+        if not self._errors:
+            return super().describe()
+        return "\n".join([self.message] + [f"  - {e.describe()}" for e in self._errors])
+
+
+class ShouldReplaceModuleError(UnsupportedError):
+    """The module works with DP-SGD only once replaced by an equivalent."""
+
+    kind = Kind.SHOULD_BE_REPLACED
+
+
+class IllegalModuleConfigurationError(UnsupportedError):
+    """The module (or model) is configured in a way DP-SGD cannot train."""
+
+    kind = Kind.ILLEGAL_CONFIGURATION
+
+
+class NotYetSupportedModuleError(UnsupportedError):
+    """The module could be trained privately, but fxdp does not support it yet."""
+
+    kind = Kind.NOT_YET_SUPPORTED
+
+
+_ERROR_FOR_KIND = {
+    Kind.CANNOT_BE_PRIVATE: UnsupportedModuleError,
+    Kind.SHOULD_BE_REPLACED: ShouldReplaceModuleError,
+    Kind.ILLEGAL_CONFIGURATION: IllegalModuleConfigurationError,
+    Kind.NOT_YET_SUPPORTED: NotYetSupportedModuleError,
+}
+
+
+def error_from_finding(finding: Finding) -> UnsupportedError:
+    """The taxonomy's error for a finding (``UnsupportedModuleError`` for kinds outside it)."""
+    cls = _ERROR_FOR_KIND.get(finding.kind, UnsupportedModuleError)
+    return cls(finding.message, module_name=finding.node, fix=finding.fix, location=finding.location,
+               op=finding.op)

@@ -1,0 +1,234 @@
+"""compile_for_dp end to end: every trainable parameter's grad_sample equals the gradient of that
+sample alone, for whole models, both loss reductions, with and without example inputs."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxdp
+from per_sample_reference import assert_grad_samples_match, batch_loss, expected_grad_samples
+
+REDUCTIONS = ["mean", "sum"]
+
+
+def mnist_cnn():
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 5, stride=2, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 5 * 5, 16), nn.ReLU(), nn.Linear(16, 10),
+    )
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.gn1 = nn.GroupNorm(2, c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.gn2 = nn.GroupNorm(2, c)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.gn1(self.conv1(x)))
+        out = self.gn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class ResNetGN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.blocks = nn.Sequential(Block(4), Block(4))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+
+class BareParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 4))
+        self.scale = nn.Parameter(torch.randn(5))
+        self.pos = nn.Parameter(torch.randn(3, 5))
+        self.proj = nn.Parameter(torch.randn(5, 2))
+
+    def forward(self, x):  # x: (N, 3, 4)
+        h = F.linear(x, self.w) * self.scale
+        h = torch.tanh(h + self.pos)
+        return h @ self.proj
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.mid = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 11, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.mid(self.mid(self.emb(ids)))))  # mid is called twice
+
+
+class Frozen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 5)
+        self.b = nn.Linear(5, 3)
+        for p in self.a.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: torch.fx cannot trace this
+            return self.fc(x)
+        return self.fc(-x)
+
+
+class TimeMajor(nn.Module):
+    """Batch-first input, made time-major before the layers: hook engines with one global batch_first get
+    this wrong."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.ln = nn.LayerNorm(6)
+        self.out = nn.Linear(6, 2)
+
+    def forward(self, x):  # (N, T, 4)
+        h = self.ln(torch.tanh(self.fc(x.transpose(0, 1))))  # (T, N, 6)
+        return self.out(h).transpose(0, 1)
+
+
+class Merged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.out = nn.Linear(6, 2)
+
+    def forward(self, x):  # (N, T, 4)
+        n, t, d = x.shape
+        h = torch.relu(self.fc(x.reshape(n * t, d)))  # (N*T, 6): batch merged with time
+        return self.out(h).view(n, t, 2)
+
+
+class PositionIds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(10, 6)
+        self.pos = nn.Embedding(5, 6)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, ids, pos_ids):  # ids (N, T), pos_ids (1, T)
+        return self.head(self.tok(ids) + self.pos(pos_ids))
+
+
+def _ids(n=4, t=5, high=10):
+    return torch.randint(0, high, (n, t))
+
+
+CASES = {
+    "mnist_cnn": (mnist_cnn, lambda: torch.randn(3, 1, 20, 20)),
+    "resnet_groupnorm_inplace": (ResNetGN, lambda: torch.randn(3, 3, 8, 8)),
+    "bare_parameter": (BareParameter, lambda: torch.randn(4, 3, 4)),
+    "tied_weights": (Tied, lambda: torch.randint(0, 11, (4, 3))),
+    "frozen": (Frozen, lambda: torch.randn(5, 4)),
+    "time_major": (TimeMajor, lambda: torch.randn(3, 5, 4)),
+    "merged_batch": (Merged, lambda: torch.randn(3, 5, 4)),
+    "position_ids": (PositionIds, lambda: (_ids(), torch.arange(5).unsqueeze(0))),
+}
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_compiled_model_gives_per_sample_gradients(case, reduction):
+    torch.manual_seed(0)
+    factory, make_inputs = CASES[case]
+    compiled = assert_grad_samples_match(factory(), make_inputs(), loss_reduction=reduction)
+    assert isinstance(compiled, torch.fx.GraphModule)
+    assert fxdp.report(compiled).mode == "fx"
+
+
+@pytest.mark.parametrize("case", ["mnist_cnn", "bare_parameter", "time_major", "merged_batch"])
+def test_without_example_inputs_the_first_batch_is_analysed(case):
+    torch.manual_seed(0)
+    factory, make_inputs = CASES[case]
+    compiled = assert_grad_samples_match(factory(), make_inputs(), example_inputs=False)
+    rep = fxdp.report(compiled)
+    assert [p.name for p in rep.passes] == ["validate", "inplace", "batch_dim", "per_sample"]
+
+
+def test_compiled_code_shows_the_dp_ops():
+    compiled = fxdp.compile_for_dp(BareParameter(), example_inputs=torch.randn(2, 3, 4))
+    code = compiled.code
+    assert "per_sample_function" in code and "batch_size" in code
+    compiled = fxdp.compile_for_dp(mnist_cnn(), example_inputs=torch.randn(2, 1, 20, 20))
+    assert compiled.code.count("per_sample_call") == 4  # two convs, two linears
+
+
+def test_untraceable_model_falls_back_to_hooks_and_stays_correct():
+    torch.manual_seed(0)
+    x = torch.randn(4, 4).abs()
+    compiled = assert_grad_samples_match(Untraceable(), x)
+    rep = fxdp.report(compiled)
+    assert not rep.traced and rep.mode == "hooks"
+    assert "cannot be traced" in rep.fallback_reason
+    assert rep.fallback_location.file == __file__
+    assert "if x.sum() > 0" in rep.fallback_location.code
+    assert "not traceable" in str(rep) or "traced: no" in str(rep)
+
+
+def test_outputs_equal_the_original_model():
+    torch.manual_seed(0)
+    model = ResNetGN()
+    x = torch.randn(2, 3, 8, 8)
+    expected = model(x)
+    compiled = fxdp.compile_for_dp(model, example_inputs=x)
+    torch.testing.assert_close(compiled(x), expected)
+
+
+def test_two_backward_passes_append_and_zero_grad_sample_clears():
+    torch.manual_seed(0)
+    model = Frozen()
+    compiled = fxdp.compile_for_dp(model, example_inputs=torch.randn(2, 4))
+    x1, x2 = torch.randn(3, 4), torch.randn(2, 4)
+    exp1, R = expected_grad_samples(model, x1)
+    exp2, _ = expected_grad_samples(model, x2)
+    batch_loss(compiled(x1), R, "sum").backward()
+    batch_loss(compiled(x2), R, "sum").backward()
+    w = model.b.weight
+    assert w.grad_sample.shape == (5, 3, 5)
+    torch.testing.assert_close(w.grad_sample, torch.cat([exp1["b.weight"], exp2["b.weight"]]))
+    fxdp.zero_grad_sample(compiled)
+    assert w.grad_sample is None
+
+
+def test_parameters_are_shared_with_the_users_model():
+    model = Frozen()
+    compiled = fxdp.compile_for_dp(model, example_inputs=torch.randn(2, 4))
+    assert {id(p) for p in compiled.parameters()} == {id(p) for p in model.parameters()}
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="loss_reduction must be one of"):
+        fxdp.compile_for_dp(Frozen(), loss_reduction="avg")
+    with pytest.raises(ValueError, match="grad_sample_mode must be one of"):
+        fxdp.compile_for_dp(Frozen(), grad_sample_mode="magic")
+    with pytest.raises(ValueError, match="batch_dim must be 0"):
+        fxdp.compile_for_dp(Frozen(), batch_dim=2)
+
+
+def test_report_of_a_plain_model_is_a_clear_error():
+    with pytest.raises(ValueError, match="not produced by fxdp.compile_for_dp"):
+        fxdp.report(nn.Linear(2, 2))
