@@ -5,8 +5,8 @@ it directly::
 
     fxdp inspect examples/models.py:resnet_block --input 8,3,16,16
 
-``INPUT_SHAPES`` gives a batch shape that fits each factory. Lines marked ``# fxdp-example:`` are what
-the reports point at; the tests find them by that marker.
+``INPUT_SHAPES`` gives a batch shape that fits each factory. A ``# fxdp-example: NAME`` comment
+precedes each line a report points at; the tests find those lines by it.
 """
 
 from __future__ import annotations
@@ -40,10 +40,13 @@ class BasicBlock(nn.Module):
 
     def forward(self, x):
         identity = x
-        out = self.relu(self.norm1(self.conv1(x)))  # fxdp-example: relu-1
+        # fxdp-example: relu-1 (an inplace=True ReLU: the inplace pass calls an out-of-place copy)
+        out = self.relu(self.norm1(self.conv1(x)))
         out = self.norm2(self.conv2(out))
-        out += identity  # fxdp-example: iadd
-        return self.relu(out)  # fxdp-example: relu-2
+        # fxdp-example: iadd (in-place add: rewritten as `out = out + identity`)
+        out += identity
+        # fxdp-example: relu-2
+        return self.relu(out)
 
 
 class SmallResNet(nn.Module):
@@ -59,7 +62,8 @@ class SmallResNet(nn.Module):
         self.fc = nn.Linear(channels, num_classes)
 
     def forward(self, x):
-        x = self.relu(self.norm(self.stem(x)))  # fxdp-example: relu-stem
+        # fxdp-example: relu-stem
+        x = self.relu(self.norm(self.stem(x)))
         x = self.block(x)
         return self.fc(torch.flatten(self.pool(x), 1))
 
@@ -79,7 +83,8 @@ class BatchNormCNN(nn.Module):
         self.fc = nn.Linear(8, 10)
 
     def forward(self, x):
-        x = F.relu(self.bn(self.conv(x)))  # fxdp-example: batchnorm
+        # fxdp-example: batchnorm (BatchNorm2d in training mode: mixes samples, reported as an error)
+        x = F.relu(self.bn(self.conv(x)))
         return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
 
@@ -98,7 +103,8 @@ class DataDependent(nn.Module):
 
     def forward(self, x):
         x = self.fc1(x)
-        if x.sum() > 0:  # fxdp-example: control-flow
+        # fxdp-example: control-flow (branching on tensor values: torch.fx cannot trace this)
+        if x.sum() > 0:
             x = torch.relu(x)
         return self.fc2(x)
 
@@ -116,8 +122,10 @@ class TimeMajor(nn.Module):
         self.fc2 = nn.Linear(hidden, out)
 
     def forward(self, x):  # x: (batch, time, features)
-        x = x.transpose(0, 1)  # fxdp-example: transpose
-        h = self.fc2(torch.relu(self.fc1(x)))  # (time, batch, out): the batch is now dim 1
+        # fxdp-example: transpose (the batch moves from dim 0 to dim 1)
+        x = x.transpose(0, 1)
+        # fxdp-example: time-major-linear (the Linear layers see the batch at dim 1)
+        h = self.fc2(torch.relu(self.fc1(x)))
         return h.mean(0)
 
 
@@ -134,7 +142,8 @@ class Mixing(nn.Module):
         self.fc = nn.Linear(features, out)
 
     def forward(self, x):
-        x = x - x.mean(0)  # fxdp-example: mixing
+        # fxdp-example: mixing (every sample's output depends on the whole batch)
+        x = x - x.mean(0)
         return self.fc(x)
 
 

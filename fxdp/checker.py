@@ -6,7 +6,13 @@ This catches what no static analysis can promise to: a layer whose batch dimensi
 mixes samples, a wrong custom rule, a parameter used where no hook sees it.
 
 The loss is a fixed random projection of the output, ``l_i = <out_i, R>``, reduced over the batch by
-mean or sum; both reductions are checked, since the engines must undo the mean's ``1/N``.
+mean or sum; both reductions are checked, since the engines must undo the mean's ``1/N``. Two things
+are compared, per parameter: each row of ``p.grad_sample`` with the gradient of its sample run alone,
+and the sum of the rows with the batch gradient ``p.grad`` (they differ when the model mixes samples,
+even if every row is right for its sample alone, as the functorch engine's are by construction).
+
+The model runs as it is (train or eval mode): random layers such as dropout draw different masks for
+the batch and for each sample, so check a model with dropout in eval mode.
 """
 
 from __future__ import annotations
@@ -127,7 +133,9 @@ def check_per_sample_gradients_are_correct(
 ) -> bool:
     """True when, for both loss reductions, every trainable parameter's ``grad_sample`` matches the
     gradients of the samples of ``x`` run one at a time (``|a - b| <= atol + rtol * |b|`` elementwise,
-    ``b`` the batch-of-one gradient). ``module`` itself is not modified: deep copies are checked.
+    ``b`` the batch-of-one gradient, as ``torch.allclose``), and its rows add up to ``p.grad``.
+    ``x`` is a tensor or a tuple of the model's positional inputs, batched at dim 0 (1 with
+    ``batch_first=False``). ``module`` itself is not modified: deep copies are checked.
     See :func:`per_sample_gradient_diagnostics` for what differs."""
     return per_sample_gradient_diagnostics(
         x, module, batch_first=batch_first, atol=atol, rtol=rtol, grad_sample_mode=grad_sample_mode
@@ -167,7 +175,7 @@ def per_sample_gradient_diagnostics(
         one = tuple(t.narrow(batch_dim, i, 1) for t in inputs)
         out = reference(*one)
         if projections is None:
-            projections = _projections(out, batch_dim, n)
+            projections = _projections(out, batch_dim)
         _projected_loss(out, projections, batch_dim, "sum").backward()
         for name, p in reference.named_parameters():
             if name not in names:
@@ -246,7 +254,7 @@ def _output_tensors(out) -> List[torch.Tensor]:
     return tensors
 
 
-def _projections(out_of_one, batch_dim: int, n: int) -> List[torch.Tensor]:
+def _projections(out_of_one, batch_dim: int) -> List[torch.Tensor]:
     """One fixed random tensor per output, shaped like a single sample's output."""
     generator = torch.Generator().manual_seed(0)
     projections = []
@@ -254,7 +262,8 @@ def _projections(out_of_one, batch_dim: int, n: int) -> List[torch.Tensor]:
         if t.dim() <= batch_dim or t.shape[batch_dim] != 1:
             raise ValueError(
                 f"fxdp: for a batch of one sample the model returned shape {tuple(t.shape)}, without a "
-                f"batch dimension {batch_dim} of size 1; the checker needs per-sample outputs."
+                f"batch dimension {batch_dim} of size 1; the checker needs outputs with the batch in the "
+                "same dimension as the inputs."
             )
         shape = t.shape[:batch_dim] + t.shape[batch_dim + 1:]
         projections.append(torch.randn(shape, generator=generator, dtype=t.dtype).to(t.device))

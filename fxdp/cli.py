@@ -1,15 +1,16 @@
 """The ``fxdp`` command line.
 
 ``fxdp inspect TARGET --input SHAPE ...`` loads a model and prints its compile report. Exit codes:
-0 the report has no errors, 1 it has ERROR findings (or, with ``--strict``, a pass raised), 2 usage
-errors (bad target, shape, dtype, ...). Each subcommand is one ``_cmd_*`` function, so later commands
-(``fxdp train``) slot in next to ``inspect``.
+0 the report has no errors, 1 it has ERROR findings (or a pass raised: with ``--strict``, on the
+first problem), 2 usage errors (bad target, shape, dtype, inputs the model does not accept, ...).
+Each subcommand is one ``_cmd_*`` function, so later commands (``fxdp train``) slot in next to it.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import inspect as pyinspect
 import os
 import sys
@@ -21,20 +22,20 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+import fxdp
+
 EXIT_OK = 0
 EXIT_ERRORS = 1
 EXIT_USAGE = 2
 
 TARGET_EXAMPLE = "examples/models.py:resnet_block"
 
-# dtypes an --input can have, and how to draw random values for each.
-_FLOAT_DTYPES = {
+# dtypes an --input can have (floating ones are drawn from N(0, 1), integer ones from [0, --high)).
+DTYPES = {
     "float32": torch.float32, "float": torch.float32,
     "float64": torch.float64, "double": torch.float64,
     "float16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16,
-}
-_INT_DTYPES = {
     "int64": torch.int64, "long": torch.int64,
     "int32": torch.int32, "int": torch.int32,
     "int16": torch.int16, "short": torch.int16,
@@ -42,7 +43,6 @@ _INT_DTYPES = {
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
-DTYPES = {**_FLOAT_DTYPES, **_INT_DTYPES}
 
 
 class UsageError(Exception):
@@ -101,15 +101,15 @@ def _describe(exc: BaseException) -> str:
 
 
 _STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"])
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, fxdp))
 
 
 def _is_user_file(filename: str) -> bool:
-    # Frames of importlib, the rest of the standard library and this file are not where the user's
-    # problem is.
+    # Frames of importlib, the standard library, torch and fxdp are not where the user's problem is.
     if filename.startswith("<"):
         return False
     path = os.path.abspath(filename)
-    if path == os.path.abspath(__file__):
+    if path.startswith(_LIBRARY_DIRS):
         return False
     return not (path.startswith(_STDLIB + os.sep) and "site-packages" not in path)
 
@@ -150,7 +150,8 @@ def load_model(target: str) -> nn.Module:
     module = _load_file(source) if is_file else _import_module(source)
     available = ", ".join(available_factories(module)) or "none"
     if not factory_name:
-        raise UsageError(f"{target!r} names no factory; use {source}:FACTORY with FACTORY one of: {available}")
+        raise UsageError(f"{target!r} names no factory; use {source}:FACTORY with FACTORY one of: "
+                         f"{available}")
     obj = module
     for part in factory_name.split("."):
         if not hasattr(obj, part):
@@ -212,27 +213,39 @@ def random_input(shape: tuple, dtype: torch.dtype, high: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- commands
 
 
+def _check_inputs_fit(model: nn.Module, example_inputs: tuple, texts: list) -> None:
+    """Run the model once, so inputs of the wrong shape or dtype are a one-line usage error rather than a
+    failure deep inside the analysis (and untraceable models, which the analysis never runs, are checked
+    too)."""
+    try:
+        with torch.no_grad():
+            model(*example_inputs)
+    except Exception as exc:
+        given = " ".join(f"--input {t}" for t in texts)
+        dtypes = ", ".join(str(x.dtype).replace("torch.", "") for x in example_inputs)
+        raise UsageError(f"the model's forward fails on {given} ({dtypes}): {_describe(exc)}") from exc
+
+
 def _cmd_inspect(args) -> int:
     default_dtype = parse_dtype(args.dtype)
     specs = [parse_input(text, default_dtype) for text in args.input]
     if args.high <= 0:
         raise UsageError(f"--high must be positive, got {args.high}")
     for (shape, _), text in zip(specs, args.input):
-        if not -len(shape) <= args.batch_dim < len(shape):
+        if not 0 <= args.batch_dim < len(shape):
             raise UsageError(f"--batch-dim {args.batch_dim} is out of range for --input {text} "
                              f"({len(shape)} dimensions)")
 
     torch.manual_seed(args.seed)  # the same weights and inputs on every run
     model = load_model(args.target)
     example_inputs = tuple(random_input(shape, dtype, args.high) for shape, dtype in specs) or None
+    if example_inputs is not None:
+        _check_inputs_fit(model, example_inputs, args.input)
 
-    from fxdp.compiler import inspect  # lazily: keeps `fxdp --version` and usage errors light
-
-    kwargs = {"strict": True} if args.strict else {}
     try:
-        report = inspect(model, example_inputs, batch_dim=args.batch_dim, **kwargs)
+        report = fxdp.inspect(model, example_inputs, batch_dim=args.batch_dim, strict=args.strict)
     except Exception as exc:
-        # With --strict a pass raises instead of reporting; that is the model's problem, not a crash.
+        # With --strict a pass raises instead of reporting: the model's problem, so no traceback.
         text = f"{type(exc).__name__}: {exc}"
         cause = exc.__cause__
         while cause is not None:
@@ -247,13 +260,9 @@ def _cmd_inspect(args) -> int:
 
 def _version() -> str:
     try:
-        from importlib.metadata import version
-
-        return version("fxdp")
-    except Exception:  # not installed (running from a source tree)
-        import fxdp
-
-        return getattr(fxdp, "__version__", "unknown")
+        return importlib.metadata.version("fxdp")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree, not installed
+        return fxdp.__version__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -281,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-dim", type=int, default=0, metavar="N",
                    help="which dimension of the inputs is the batch (default 0)")
     p.add_argument("--strict", action="store_true",
-                   help="fail on the first problem (a pass raises) instead of reporting")
+                   help="strict mode: passes raise on problems instead of reporting them (exit 1)")
     p.add_argument("--seed", type=int, default=0, help="random seed for the weights and inputs (default 0)")
     p.set_defaults(func=_cmd_inspect)
     return parser

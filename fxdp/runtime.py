@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxdp.grad_sample.accumulate import accumulate_grad_samples, compute_grad_samples
+from fxdp.grad_sample.functorch_rule import functional_grad_samples
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.layout import BROADCAST, BatchLayout, parse_layout
 
@@ -101,27 +102,22 @@ def _needs_grad_samples(out) -> bool:
 def _per_sample_vjp(call, leaves, layouts, param_positions, out_layout, backprops, n):
     """Per-sample gradients of ``call(leaves)`` w.r.t. the leaves at ``param_positions``.
 
-    Each sample runs alone, as a batch of one in the layout the graph gives it (batch at dim 1 stays
-    at dim 1), vmapped over the batch: this is the definition of a per-sample gradient, for any op.
+    Each sample runs alone, as a batch of one in the layout the graph gives it (a batch at dim 1 stays
+    at dim 1), vmapped over the batch: the definition of a per-sample gradient, for any op.
     """
     batched = [i for i, lay in enumerate(layouts) if lay is not None and lay.is_batched]
-    batched_values = [layouts[i].to_batch_first(leaves[i].detach(), n) for i in batched]
-    fixed = [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    params = [fixed[i] for i in param_positions]
+    args = [
+        layouts[i].to_batch_first(leaf.detach(), n) if i in batched
+        else leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
+        for i, leaf in enumerate(leaves)
+    ]
 
-    def one_sample(sample_values, sample_grad):
-        def f(*param_values):
-            flat = list(fixed)
-            for i, v in zip(batched, sample_values):
-                flat[i] = layouts[i].from_batch_first(v.unsqueeze(0))
-            for i, v in zip(param_positions, param_values):
-                flat[i] = v
-            return call(flat)
+    def in_graph_layout(*flat):  # one sample, batch first -> the layout the graph gives it, and back
+        flat = [layouts[i].from_batch_first(v) if i in batched else v for i, v in enumerate(flat)]
+        return out_layout.to_batch_first(call(flat), 1)
 
-        _, vjp_fn = torch.func.vjp(f, *params)
-        return vjp_fn(out_layout.from_batch_first(sample_grad.unsqueeze(0)))
-
-    return torch.func.vmap(one_sample)(batched_values, out_layout.to_batch_first(backprops, n))
+    return functional_grad_samples(in_graph_layout, args, {}, param_positions, batched,
+                                   out_layout.to_batch_first(backprops, n))
 
 
 def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwargs):

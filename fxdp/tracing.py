@@ -116,6 +116,8 @@ class DPTracer(torch.fx.Tracer):
     def __init__(self):
         super().__init__()
         self.record_stack_traces = True
+        # buffers appear as get_attr nodes, so writes to them in forward are visible to the passes
+        self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return is_leaf_layer(m)
@@ -157,5 +159,5 @@ def trace(model: nn.Module) -> TraceResult:
         return TraceResult(None, exc, location_from_traceback(exc.__traceback__))
     name = type(model).__name__
     gm = torch.fx.GraphModule(tracer.root, graph, name)
-    gm.train(model.training)
+    gm.training = model.training  # not gm.train(): that would also reset the user's submodules' modes
     return TraceResult(gm)

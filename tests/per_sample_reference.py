@@ -14,8 +14,10 @@ import torch
 import fxdp
 
 
-def _take(x, i, dim):
-    return x.narrow(dim, i, 1) if isinstance(x, torch.Tensor) and x.dim() > dim else x
+def _take(x, i, dim, n):
+    """Sample i of a batched input; inputs without the batch (position ids (1, T), masks) stay whole."""
+    batched = isinstance(x, torch.Tensor) and x.dim() > dim and x.shape[dim] == n
+    return x.narrow(dim, i, 1) if batched else x
 
 
 def expected_grad_samples(model, inputs, batch_dim=0, out_dim=None, seed=0):
@@ -24,12 +26,12 @@ def expected_grad_samples(model, inputs, batch_dim=0, out_dim=None, seed=0):
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     n = inputs[0].shape[batch_dim]
     with torch.no_grad():
-        sample_out = model(*(_take(x, 0, batch_dim) for x in inputs))
+        sample_out = model(*(_take(x, 0, batch_dim, n) for x in inputs))
     R = torch.randn(sample_out.shape, generator=torch.Generator().manual_seed(seed), dtype=sample_out.dtype)
     params = {k: p for k, p in model.named_parameters() if p.requires_grad}
     rows = []
     for i in range(n):
-        loss = (model(*(_take(x, i, batch_dim) for x in inputs)) * R).sum()
+        loss = (model(*(_take(x, i, batch_dim, n) for x in inputs)) * R).sum()
         grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
         rows.append([torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())])
     return {k: torch.stack([row[j] for row in rows]) for j, k in enumerate(params)}, R

@@ -15,6 +15,7 @@ from fxdp.checker import (
     check_per_sample_gradients_are_correct,
     per_sample_gradient_diagnostics,
 )
+from fxdp.diagnostics import BatchMixingError
 from fxdp.grad_sample.registry import _GRAD_SAMPLERS, register_grad_sampler
 
 
@@ -56,16 +57,25 @@ def gain_rule():
     del _GRAD_SAMPLERS[Gain]
 
 
-@pytest.mark.parametrize("mode", ["hooks", "ew", "functorch"])
+@pytest.mark.parametrize("mode", ["fx", "hooks", "ew", "functorch"])
 def test_correct_engines_pass(mode):
     assert check_per_sample_gradients_are_correct(x_of(5, 4), mlp(), grad_sample_mode=mode)
 
 
-def test_float32_cnn_passes_with_the_default_tolerances():
+def test_the_default_mode_is_the_compiler():
+    # a parameter used by a parent module: the compiler handles it, the hooks engine does not
+    torch.manual_seed(0)
+    model, x = WeightUsedByParent().double(), x_of(3, 4)
+    assert check_per_sample_gradients_are_correct(x, model)
+    assert not check_per_sample_gradients_are_correct(x, model, grad_sample_mode="hooks")
+
+
+@pytest.mark.parametrize("mode", ["fx", "hooks"])
+def test_float32_cnn_passes_with_the_default_tolerances(mode):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 2))
     x = torch.randn(4, 2, 6, 6)
-    assert check_per_sample_gradients_are_correct(x, model, grad_sample_mode="hooks")
+    assert check_per_sample_gradients_are_correct(x, model, grad_sample_mode=mode)
 
 
 def test_a_correct_custom_rule_passes(gain_rule):
@@ -73,6 +83,7 @@ def test_a_correct_custom_rule_passes(gain_rule):
 
 
 def test_a_wrong_rule_fails_and_the_diagnostics_name_the_samples(gain_rule):
+    mode = "hooks"
     def wrong_for_samples_1_and_3(gs):
         gs = gs.clone()
         gs[1] += 1.0
@@ -81,8 +92,8 @@ def test_a_wrong_rule_fails_and_the_diagnostics_name_the_samples(gain_rule):
 
     gain_rule["perturb"] = wrong_for_samples_1_and_3
     model, x = gain_model(), x_of(5, 4)
-    assert not check_per_sample_gradients_are_correct(x, model, grad_sample_mode="hooks")
-    records = per_sample_gradient_diagnostics(x, model, grad_sample_mode="hooks")
+    assert not check_per_sample_gradients_are_correct(x, model, grad_sample_mode=mode)
+    records = per_sample_gradient_diagnostics(x, model, grad_sample_mode=mode)
     assert [(r.name, r.reduction) for r in records] == [
         (name, red) for red in ("mean", "sum") for name in ("0.weight", "0.bias", "1.w")
     ]
@@ -131,7 +142,7 @@ class MovesTheBatch(nn.Module):
         return self.fc(x.transpose(0, 1)).transpose(0, 1)
 
 
-def test_a_moved_batch_dimension_is_caught():
+def test_a_moved_batch_dimension_is_caught_with_hooks_and_handled_by_the_compiler():
     torch.manual_seed(0)
     records = per_sample_gradient_diagnostics(x_of(5, 2, 4), MovesTheBatch().double(), grad_sample_mode="hooks")
     assert not records.ok
@@ -139,6 +150,8 @@ def test_a_moved_batch_dimension_is_caught():
     assert weight.name == "fc.weight"
     assert weight.grad_sample_shape == (2, 3, 4) and weight.expected_shape == (5, 3, 4)
     assert weight.problem == "grad_sample has shape (2, 3, 4), expected (5, 3, 4)"
+    # the compiled graph knows where the batch went
+    assert check_per_sample_gradients_are_correct(x_of(5, 2, 4), MovesTheBatch().double(), grad_sample_mode="fx")
 
 
 class WeightUsedByParent(nn.Module):
@@ -159,9 +172,10 @@ def test_a_parameter_no_hook_sees_is_reported_missing():
     assert "missing" in str(records)
 
 
-def test_the_functorch_engine_handles_it():
+@pytest.mark.parametrize("mode", ["fx", "functorch"])
+def test_the_compiler_and_the_functorch_engine_handle_it(mode):
     torch.manual_seed(0)
-    assert check_per_sample_gradients_are_correct(x_of(3, 4), WeightUsedByParent().double(), grad_sample_mode="functorch")
+    assert check_per_sample_gradients_are_correct(x_of(3, 4), WeightUsedByParent().double(), grad_sample_mode=mode)
 
 
 class TwoInputs(nn.Module):
@@ -174,9 +188,10 @@ class TwoInputs(nn.Module):
         return torch.tanh(self.a(x)) * self.b(y)
 
 
-def test_several_inputs():
+@pytest.mark.parametrize("mode", ["fx", "hooks", "functorch"])
+def test_several_inputs(mode):
     torch.manual_seed(0)
-    assert check_per_sample_gradients_are_correct((x_of(4, 4), x_of(4, 2)), TwoInputs().double(), grad_sample_mode="hooks")
+    assert check_per_sample_gradients_are_correct((x_of(4, 4), x_of(4, 2)), TwoInputs().double(), grad_sample_mode=mode)
 
 
 class TimeMajor(nn.Module):
@@ -190,13 +205,17 @@ class TimeMajor(nn.Module):
         return self.fc2(torch.tanh(h + h.mean(0, keepdim=True)))  # mixes time steps, not samples
 
 
-@pytest.mark.parametrize("mode", ["hooks", "functorch"])
+@pytest.mark.parametrize("mode", ["fx", "hooks", "functorch"])
 def test_batch_second(mode):
     torch.manual_seed(0)
     x = x_of(2, 5, 4)
     assert check_per_sample_gradients_are_correct(x, TimeMajor().double(), batch_first=False, grad_sample_mode=mode)
     # read batch first, the T = 2 time steps would be the "samples", and the model mixes them
-    assert not check_per_sample_gradients_are_correct(x, TimeMajor().double(), batch_first=True, grad_sample_mode=mode)
+    if mode == "fx":  # the compiler sees the mixing before running anything
+        with pytest.raises(BatchMixingError, match="The model mixes samples across the batch dimension"):
+            check_per_sample_gradients_are_correct(x, TimeMajor().double(), batch_first=True, grad_sample_mode=mode)
+    else:
+        assert not check_per_sample_gradients_are_correct(x, TimeMajor().double(), batch_first=True, grad_sample_mode=mode)
 
 
 def test_the_checked_module_is_left_untouched():
@@ -263,6 +282,9 @@ def test_mixing_samples_is_caught_even_when_each_row_is_right_for_its_sample_alo
     assert "NO" in str(records)
     # the hooks engine's rows are the batch's, so they differ from the batches of one
     assert not check_per_sample_gradients_are_correct(x, model, grad_sample_mode="hooks")
+    # and the compiler refuses the model outright
+    with pytest.raises(BatchMixingError, match="The model mixes samples across the batch dimension"):
+        check_per_sample_gradients_are_correct(x, model, grad_sample_mode="fx")
 
 
 def test_engines_without_p_grad_skip_the_sum_check():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import runpy
 import subprocess
 import sys
 from importlib.metadata import version
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fxdp.cli import main
+from fxdp.cli import load_model, main
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = "examples/models.py"
@@ -28,11 +29,15 @@ def run(capsys, *argv):
 
 
 def marker_line(marker: str) -> int:
-    """Line number in examples/models.py of the line tagged ``# fxdp-example: <marker>``."""
+    """Line number in examples/models.py of the code line after the comment ``# fxdp-example: <marker>``."""
+    lines = (ROOT / MODELS).read_text().splitlines()
     tag = f"# fxdp-example: {marker}"
-    lines = [i for i, text in enumerate((ROOT / MODELS).read_text().splitlines(), 1) if text.rstrip().endswith(tag)]
-    assert len(lines) == 1, f"marker {tag!r} should tag exactly one line of {MODELS}, found {lines}"
-    return lines[0]
+    tagged = [i for i, text in enumerate(lines, 1)
+              if text.strip() == tag or text.strip().startswith(tag + " (")]
+    assert len(tagged) == 1, f"marker {marker!r} should tag exactly one line of {MODELS}, found {tagged}"
+    line = tagged[0] + 1
+    assert not lines[line - 1].strip().startswith("#")
+    return line
 
 
 def report_line(out: str, where: str) -> str:
@@ -152,3 +157,117 @@ def test_argparse_errors_and_no_command_exit_2(capsys):
 def test_version(capsys):
     code, out, err = run(capsys, "--version")
     assert (code, out, err) == (0, f"fxdp {version('fxdp')}\n", "")
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def test_resnet_block_lists_every_inplace_rewrite_with_its_line(capsys):
+    code, out, err = run(capsys, "inspect", f"{MODELS}:resnet_block", "--input", "8,3,16,16")
+    assert (code, err) == (0, "")
+    assert out.startswith("fxdp compile report for SmallResNet\ntraced: yes (torch.fx)")
+    iadd = report_line(out, f"{MODELS}:{marker_line('iadd')} ")
+    assert "operator.iadd" in iadd and "rewrite" in iadd
+    for marker in ("relu-stem", "relu-1", "relu-2"):
+        relu = report_line(out, f"{MODELS}:{marker_line(marker)} ")
+        assert "nn.ReLU(inplace=True)" in relu and "rewrite" in relu
+    summary = report_line(out, "inplace ")
+    assert summary.split() == ["inplace", "4", "0", "0"]
+
+
+def test_batchnorm_exits_1_naming_the_module_and_its_line(capsys):
+    code, out, err = run(capsys, "inspect", f"{MODELS}:batchnorm_cnn", "--input", "8,3,16,16")
+    assert (code, err) == (1, "")
+    row = report_line(out, f"{MODELS}:{marker_line('batchnorm')} ")
+    assert row.split()[:6] == ["validate", "error", "cannot", "be", "made", "private"]
+    assert " bn " in row and "nn.BatchNorm2d" in row
+
+
+def test_untraceable_says_why_and_where(capsys):
+    code, out, err = run(capsys, "inspect", f"{MODELS}:untraceable", "--input", "8,16")
+    assert (code, err) == (0, "")
+    assert out.splitlines()[:3] == [
+        "fxdp compile report for DataDependent",
+        "traced: no, falling back to the hooks engine (GradSampleModule)",
+        f"fallback reason at {MODELS}:{marker_line('control-flow')}: the model cannot be traced by torch.fx "
+        "(TraceError: symbolically traced variables cannot be used as inputs to control flow)",
+    ]
+
+
+def test_batch_moves_and_sample_mixing_are_reported_with_their_lines(capsys):
+    code, out, err = run(capsys, "inspect", f"{MODELS}:time_major", "--input", "8,5,16")
+    assert (code, err) == (0, "")
+    row = report_line(out, f"{MODELS}:{marker_line('transpose')} ")
+    assert "moves the batch" in row and "transpose" in row
+
+    code, out, err = run(capsys, "inspect", f"{MODELS}:mixing", "--input", "8,16")
+    assert (code, err) == (1, "")
+    row = report_line(out, f"{MODELS}:{marker_line('mixing')} ")
+    assert row.split()[:4] == ["batch_dim", "error", "mixes", "samples"]
+
+
+def test_inputs_the_model_does_not_accept_are_a_usage_error(capsys):
+    code, out, err = run(capsys, "inspect", f"{MODELS}:time_major", "--input", "8,5,3")
+    assert (code, out) == (2, "")
+    assert err.startswith(
+        "fxdp inspect: error: the model's forward fails on --input 8,5,3 (float32): RuntimeError: ")
+    assert err.endswith(f" ({MODELS}:{marker_line('time-major-linear')})\n")
+
+    code, out, err = run(capsys, "inspect", f"{MODELS}:untraceable", "--input", "8,16",
+                         "--input", "8,16:long")
+    assert (code, out) == (2, "")
+    assert err == ("fxdp inspect: error: the model's forward fails on --input 8,16 --input 8,16:long "
+                   "(float32, int64): TypeError: DataDependent.forward() takes 2 positional arguments but 3 "
+                   "were given\n")
+
+
+def test_strict_mode_stops_at_the_first_error_with_exit_1(capsys):
+    code, out, err = run(capsys, "inspect", f"{MODELS}:batchnorm_cnn", "--input", "8,3,16,16", "--strict")
+    assert (code, out) == (1, "")
+    assert err.startswith("fxdp inspect: ")
+    assert "bn" in err and "BatchNorm2d" in err and f"{MODELS}:{marker_line('batchnorm')}" in err
+
+
+def test_without_inputs_the_report_says_batch_dim_was_skipped(capsys):
+    code, out, err = run(capsys, "inspect", f"{MODELS}:mlp")
+    assert (code, err) == (0, "")
+    assert "batch_dim: not run (no example_inputs)" in out
+    assert [line.split()[0] for line in out.splitlines() if line.endswith(" 0")] == ["validate", "inplace"]
+
+
+def test_module_target_and_integer_inputs(capsys, tmp_path, monkeypatch):
+    (tmp_path / "fxdp_cli_embed.py").write_text(
+        "from torch import nn\n"
+        "def model():\n"
+        "    return nn.Sequential(nn.Embedding(5, 4), nn.Flatten(), nn.Linear(12, 2))\n"
+    )
+    monkeypatch.chdir(tmp_path)  # module targets import from the current directory, as `python -m` does
+    code, out, err = run(capsys, "inspect", "fxdp_cli_embed:model", "--input", "8x3", "--dtype", "long",
+                         "--high", "5")
+    assert (code, err) == (0, ""), err
+    assert out.startswith("fxdp compile report for Sequential\ntraced: yes (torch.fx)")
+    assert "batch_dim" in out and "not run" not in out
+
+
+EXPECTED_EXIT = {"resnet_block": 0, "batchnorm_cnn": 1, "untraceable": 0, "time_major": 0, "mixing": 1,
+                 "mnist_cnn": 0, "mlp": 0}
+
+
+def test_every_example_factory_builds_a_documented_training_model_for_its_shape(capsys):
+    namespace = runpy.run_path(str(ROOT / MODELS))
+    assert set(namespace["INPUT_SHAPES"]) == set(EXPECTED_EXIT)
+    for name, shape in namespace["INPUT_SHAPES"].items():
+        assert namespace[name].__doc__, f"{name} has no docstring"
+        model = load_model(f"{MODELS}:{name}")
+        assert all(m.training for m in model.modules()), name
+        code, out, err = run(capsys, "inspect", f"{MODELS}:{name}", "--input", ",".join(map(str, shape)))
+        assert (code, err) == (EXPECTED_EXIT[name], ""), name
+
+
+def test_python_dash_m_fxdp_runs_the_command_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "fxdp", "inspect", f"{MODELS}:resnet_block", "--input", "8,3,16,16"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert (result.returncode, result.stderr) == (0, "")
+    assert "operator.iadd" in report_line(result.stdout, f"{MODELS}:{marker_line('iadd')} ")

@@ -11,6 +11,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 from torch import nn
 
@@ -349,6 +351,23 @@ def test_hooks_generic_rule_refuses_tensor_keyword_arguments():
     )
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    n=st.integers(1, 4),
+    t=st.integers(1, 3),
+    d_in=st.integers(1, 4),
+    d_out=st.integers(1, 3),
+    batch_first=st.booleans(),
+    reduction=st.sampled_from(REDUCTIONS),
+    mode=st.sampled_from(["hooks", "functorch"]),
+)
+def test_sequence_mlp_over_shapes(n, t, d_in, d_out, batch_first, reduction, mode):
+    torch.manual_seed(n * 100 + t * 10 + d_in)
+    model = nn.Sequential(nn.Linear(d_in, 3), nn.ReLU(), nn.LayerNorm(3), nn.Linear(3, d_out)).double()
+    shape = (n, t, d_in) if batch_first else (t, n, d_in)
+    assert_engine_matches_loop(model, x_of(*shape), mode, reduction, batch_first=batch_first)
+
+
 # -- GradSampleModule ------------------------------------------------------------------------------
 
 
@@ -507,6 +526,16 @@ def test_unknown_mode_lists_the_valid_ones():
     assert str(info.value) == (
         "fxdp: unknown grad_sample_mode 'magic'; valid modes are 'fx', 'hooks', 'ew', 'functorch', 'no_op'"
     )
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_wrap_model_fx_delegates_to_the_compiler(reduction):
+    import torch.fx
+
+    wrapped, _ = assert_engine_matches_loop(mlp(), x_of(4, 5), "fx", reduction)
+    assert isinstance(wrapped, torch.fx.GraphModule)
+    wrapped, _ = assert_engine_matches_loop(build(TimeMajor), x_of(3, 5, 4), "fx", reduction, batch_first=False)
+    assert isinstance(wrapped, torch.fx.GraphModule)
 
 
 def test_wrappers_forward_attribute_access_to_the_model():

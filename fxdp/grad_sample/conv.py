@@ -44,7 +44,7 @@ def _pad_activations(module: _Conv, x: torch.Tensor) -> Tuple[torch.Tensor, Sequ
     """The input padded as the forward pads it, and the padding left for the convolution itself."""
     pads = conv_padding(module)
     symmetric = all(before == after for before, after in pads)
-    if module.padding_mode == "zeros" and symmetric:
+    if symmetric and (module.padding_mode == "zeros" or not any(before for before, _ in pads)):
         return x, [before for before, _ in pads]
     flat = [p for before_after in reversed(pads) for p in before_after]  # F.pad wants the last dim first
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode

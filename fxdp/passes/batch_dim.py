@@ -1,10 +1,550 @@
-"""Pass 3, batch_dim: where is the batch dimension at every node, and which ops move it or mix samples."""
-from fxdp.diagnostics import PassReport, PassResult
+"""Pass 3, batch_dim: where is the batch dimension at every node, and which ops move it or mix samples.
+
+The pass interprets the graph on fake tensors (``FakeTensorMode``: shapes and dtypes, no data, no
+real compute). The model's parameters and buffers are swapped for fake copies while it runs and put
+back afterwards, so the user's model is left as it was. For every node it writes
+
+- ``node.meta[fxdp.meta.BATCH_DIM]``: a :class:`fxdp.layout.BatchLayout` (a tuple for tuple outputs,
+  None for values that are not tensors), the per_sample pass's map of where each sample's rows are;
+- ``node.meta[fxdp.meta.FAKE_VALUE]``: the fake output.
+
+The per-op knowledge lives in :mod:`fxdp.passes.batch_rules`. Findings (each with the user's line and
+the path from the batched input):
+
+- ``MOVES_BATCH`` (warning): the op changed where the batch sits (transpose(0, 1), permute, a
+  reshape merging the batch with time, unsqueeze(0), ...) and did not put it back where it was;
+- ``MIXES_SAMPLES`` (error): the op lets samples influence each other (a reduction over the batch,
+  batch norm in training, softmax over the batch, ...): no DP guarantee survives it;
+- ``UNVERIFIED`` (warning): a per-sample tensor reached an op with no rule; strict mode raises.
+
+Which inputs are batched: ``N`` is the size at ``batch_dim`` of the first tensor input; another
+tensor input is batched when its size there is ``N`` too, broadcast when it is 1 (position ids of
+shape ``(1, T)``) and unbatched otherwise (a ``(T, T)`` mask).
+"""
+
+from __future__ import annotations
+
+import builtins
+import operator
+from typing import Any, Dict, List, Optional, Tuple
+
+import networkx as nx
+import torch
+import torch.fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.node import map_aggregate
+from torch.nn.utils.stateless import _reparametrize_module
+
+from fxdp import meta
+from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity
+from fxdp.layout import BATCHED, BROADCAST, UNBATCHED_LAYOUT, UNKNOWN, UNKNOWN_LAYOUT, BatchLayout
+from fxdp.passes import batch_rules
+from fxdp.passes.batch_rules import Facts, OpCall, Verdict, find_batch_rule, mirror, op_name, per_sample
+from fxdp.tracing import source_location, trace
+
+PASS_NAME = "batch_dim"
+
+try:  # ops whose output shape depends on the data cannot run on fake tensors
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedOperatorException,
+    )
+
+    _DATA_DEPENDENT: Tuple[type, ...] = (
+        DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+except ImportError:  # pragma: no cover - older torch
+    _DATA_DEPENDENT = ()
 
 
-def propagate_batch_dim(gm, example_inputs, *, batch_dim: int = 0, strict: bool = False) -> PassResult:
-    raise NotImplementedError("batch_dim pass: being written")
+class BatchDimAnalysisError(RuntimeError):
+    """The batch-dimension analysis could not run (untraceable model, inputs that do not fit, ...)."""
 
 
-def find_batch_dim_violations(model, example_inputs, batch_dim: int = 0):
-    raise NotImplementedError("batch_dim pass: being written")
+class MissingBatchRuleError(BatchDimAnalysisError):
+    """Strict mode: a per-sample tensor reached an op that has no batch rule."""
+
+
+class _Unknown:
+    """The value of a node that could not run on fake tensors (its shape depends on the data)."""
+
+    def __repr__(self) -> str:
+        return "<unknown>"
+
+
+_UNKNOWN_VALUE = _Unknown()
+
+# ops that keep "this is torch.arange(N), each sample's own index" when applied to it
+_INDEX_PRESERVING = {"unsqueeze", "view", "reshape", "expand", "contiguous", "to", "long", "int",
+                     torch.unsqueeze, torch.reshape, operator.getitem}
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+
+
+def _bind_inputs(placeholders: List[torch.fx.Node], example_inputs) -> List[Any]:
+    """One value per placeholder, from a tensor, a tuple/list of positional inputs, or a dict by name."""
+    if isinstance(example_inputs, dict):
+        values = []
+        known = set()
+        for p in placeholders:
+            name = str(p.target).lstrip("*")
+            known.update((name, p.name))
+            if name in example_inputs:
+                values.append(example_inputs[name])
+            elif p.name in example_inputs:
+                values.append(example_inputs[p.name])
+            elif p.args:  # a parameter with a default value
+                values.append(p.args[0])
+            else:
+                raise BatchDimAnalysisError(
+                    f"fxdp batch_dim: example_inputs has no value for the model input '{name}'; "
+                    f"give one for each of {[str(q.target) for q in placeholders]}.")
+        extra = sorted(set(example_inputs) - known)
+        if extra:
+            raise BatchDimAnalysisError(
+                f"fxdp batch_dim: example_inputs names {extra}, which forward() does not take; "
+                f"its inputs are {[str(q.target) for q in placeholders]}.")
+        return values
+    values = list(example_inputs) if isinstance(example_inputs, (tuple, list)) else [example_inputs]
+    if len(values) > len(placeholders):
+        raise BatchDimAnalysisError(
+            f"fxdp batch_dim: {len(values)} example inputs for a forward() that takes "
+            f"{len(placeholders)} ({[str(p.target) for p in placeholders]}).")
+    for p in placeholders[len(values):]:
+        if not p.args:
+            raise BatchDimAnalysisError(
+                f"fxdp batch_dim: example_inputs has no value for the model input '{p.target}'.")
+        values.append(p.args[0])
+    return values
+
+
+def _first_tensor(values) -> Optional[torch.Tensor]:
+    for v in values:
+        for t, _ in batch_rules._tensor_pairs(v, None):
+            return t
+    return None
+
+
+def _input_layout(value, batch_dim: int, n: int):
+    """Batched if the size at batch_dim is N, broadcast if it is 1, unbatched otherwise."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() > batch_dim and value.shape[batch_dim] == n:
+            return BatchLayout.at(batch_dim)
+        if value.dim() > batch_dim and value.shape[batch_dim] == 1:
+            return BatchLayout.broadcast(batch_dim)
+        return UNBATCHED_LAYOUT
+    if isinstance(value, (list, tuple)):
+        return tuple(_input_layout(v, batch_dim, n) for v in value)
+    if isinstance(value, dict):
+        return {k: _input_layout(v, batch_dim, n) for k, v in value.items()}
+    return None
+
+
+def _to_fake(value, mode: FakeTensorMode):
+    if isinstance(value, torch.Tensor):
+        return value if isinstance(value, FakeTensor) else mode.from_tensor(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_fake(v, mode) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_fake(v, mode) for k, v in value.items()}
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# The interpreter
+# --------------------------------------------------------------------------------------------
+
+
+class _Raw:
+    """A finding before its path is known."""
+
+    __slots__ = ("node", "op", "kind", "severity", "message", "fix")
+
+    def __init__(self, node, op, kind, severity, message, fix):
+        self.node, self.op, self.kind, self.severity, self.message, self.fix = node, op, kind, severity, message, fix
+
+
+class BatchDimInterpreter(torch.fx.Interpreter):
+    """Runs the graph on fake tensors; records each node's batch layout and the findings."""
+
+    def __init__(self, gm: torch.fx.GraphModule, mode: FakeTensorMode, input_layouts: Dict[torch.fx.Node, Any],
+                 batch_size: int, home: BatchLayout, strict: bool):
+        super().__init__(gm)
+        self.mode = mode
+        self.input_layouts = input_layouts
+        self.batch_size = batch_size
+        self.home = home
+        self.strict = strict
+        self.layouts: Dict[torch.fx.Node, Any] = {}
+        self.facts = Facts()
+        self.raw: List[_Raw] = []
+        self._fake_constants: Dict[int, torch.Tensor] = {}
+        # batch moves travel with the values they produced until an op computes with them (then they
+        # are reported) or a rearranging op puts the batch back home (then they are dropped)
+        self.pending: Dict[torch.fx.Node, Tuple[_Raw, ...]] = {}
+        self._emitted: set = set()
+        self._rearranged: set = set()
+
+    # -- running ---------------------------------------------------------------------------
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        with self._set_current_node(n):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            if _contains_unknown(args) or _contains_unknown(kwargs):
+                out = _UNKNOWN_VALUE
+            else:
+                try:
+                    out = getattr(self, n.op)(n.target, args, kwargs)
+                except _DATA_DEPENDENT as exc:
+                    out = _UNKNOWN_VALUE
+                    if self._any_per_sample(n):
+                        self._report(n, Kind.UNVERIFIED, Severity.WARNING,
+                                     "its output's shape depends on the data (boolean masks, nonzero, "
+                                     f"item(), ...): fxdp cannot follow the batch past it ({type(exc).__name__})",
+                                     "Use shape-preserving ops (torch.where, masked_fill) instead of "
+                                     "data-dependent selection.")
+                except Exception as exc:
+                    raise self._error(n, exc) from exc
+            layout = self._layout(n, args, kwargs, out)
+        self.layouts[n] = layout
+        if n in self._rearranged:
+            self._carry_moves(n, layout)
+        elif n.op != "placeholder" and (_has_tensor(out) or n.op == "output" or n.target is operator.setitem):
+            for a in _flat_nodes(n):  # an op computing with moved values: their moves count now
+                self._emit(self.pending.get(a, ()))
+        n.meta[meta.BATCH_DIM] = layout
+        n.meta[meta.FAKE_VALUE] = None if out is _UNKNOWN_VALUE else out
+        return out
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        # constants that are not parameters or buffers (tensors stored on modules) become fake too
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            key = id(value)
+            if key not in self._fake_constants:
+                self._fake_constants[key] = self.mode.from_tensor(value)
+            value = self._fake_constants[key]
+        return value
+
+    def _error(self, n: torch.fx.Node, exc: BaseException) -> BatchDimAnalysisError:
+        loc = source_location(n)
+        where = f" at {loc}" + (f" ({loc.code})" if loc and loc.code else "") if loc else ""
+        return BatchDimAnalysisError(
+            f"fxdp batch_dim: running {self._op_label(n)} (node {n.name}){where} on the example inputs' "
+            f"shapes failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\n"
+            f"  node: {n.format_node()}\n"
+            "Check that example_inputs have the shapes and dtypes the model is trained with.")
+
+    # -- layouts ---------------------------------------------------------------------------
+
+    def _arg_layout(self, a):
+        return map_aggregate(a, lambda x: self.layouts.get(x) if isinstance(x, torch.fx.Node) else None)
+
+    def _any_per_sample(self, n: torch.fx.Node) -> bool:
+        found = []
+        map_aggregate((n.args, n.kwargs), lambda x: found.append(x) if isinstance(x, torch.fx.Node) else None)
+        return any(_has_per_sample(self.layouts.get(x)) for x in found)
+
+    def _layout(self, n: torch.fx.Node, args, kwargs, out):
+        if n.op == "placeholder":
+            return self.input_layouts.get(n)
+        if n.op == "get_attr":
+            return mirror(out, UNBATCHED_LAYOUT)
+        if n.op == "output":
+            return self._arg_layout(n.args[0])
+        if out is _UNKNOWN_VALUE:
+            return UNKNOWN_LAYOUT
+        self._record_facts(n, args)
+        if n.op == "call_function" and n.target in (operator.getitem, builtins.getattr) and \
+                isinstance(args[0], (tuple, list, dict)):  # an element of a tuple output, or .values
+            self._rearranged.add(n)
+            return _select_layout(self._arg_layout(n.args[0]), args[0], args[1], out, n.target)
+
+        arg_layouts = self._arg_layout(n.args)
+        kwarg_layouts = self._arg_layout(n.kwargs)
+        module = self.fetch_attr(n.target) if n.op == "call_module" else None
+        op = module if module is not None else n.target
+        call = OpCall(op, args, kwargs, arg_layouts, kwarg_layouts, out, self.batch_size, self.home, n, self.facts)
+        pairs = call.operands()
+        writes = n.target is operator.setitem
+        if not _has_tensor(out) and not writes:
+            return mirror(out, None)
+        if any(isinstance(lay, BatchLayout) and lay.kind == UNKNOWN for _, lay in pairs):
+            return mirror(out, UNKNOWN_LAYOUT)  # the op that lost the batch was reported already
+        per = any(per_sample(lay) for _, lay in pairs)
+        uses_facts = any(isinstance(a, torch.fx.Node) and (a in self.facts.batch_size or a in self.facts.shapes)
+                         for a in _flat_nodes(n)) or n.target is torch.arange
+        broadcast = any(isinstance(lay, BatchLayout) and lay.kind == BROADCAST for _, lay in pairs)
+
+        rule = find_batch_rule(op)
+        if rule is None:
+            if per:
+                self._unverified(n, pairs, f"fxdp has no batch rule for {op_name(op)}, so it cannot tell whether it "
+                                           "keeps samples apart or where the batch is afterwards")
+                return mirror(out, UNKNOWN_LAYOUT)
+            return mirror(out, UNBATCHED_LAYOUT)
+        if not (per or uses_facts or broadcast):
+            return mirror(out, UNBATCHED_LAYOUT)  # nothing per-sample flows in: nothing to mix or move
+        try:
+            verdict = rule(call)
+        except Exception as exc:  # a rule that cannot handle these arguments is a reported outcome
+            if self.strict:
+                raise self._error(n, exc) from exc
+            if per:
+                self._report(n, Kind.UNVERIFIED, Severity.WARNING,
+                             f"fxdp's batch rule for {op_name(op)} could not handle this call "
+                             f"({type(exc).__name__}: {exc}), so the op is unverified",
+                             "Report this at fxdp with the op and its arguments; meanwhile check the op by hand.")
+            return mirror(out, UNKNOWN_LAYOUT if per else UNBATCHED_LAYOUT)
+        return self._apply(n, call, verdict, per, rule)
+
+    def _apply(self, n: torch.fx.Node, call: OpCall, verdict: Verdict, per: bool, rule):
+        if getattr(rule, "rearranges", False):
+            self._rearranged.add(n)
+        if verdict.mixes:
+            self._report(n, Kind.MIXES_SAMPLES, Severity.ERROR, verdict.mixes, verdict.fix)
+        elif verdict.moves:
+            move = _Raw(n, self._op_label(n), Kind.MOVES_BATCH, Severity.WARNING, verdict.moves, verdict.fix)
+            if n in self._rearranged:
+                self.pending[n] = (move,)
+            else:
+                self._emit((move,))
+        elif per and _first_layout(verdict.layout) is not None and _first_layout(verdict.layout).kind == UNKNOWN:
+            self._unverified(n, call.operands(), f"fxdp's rule for {call.name} cannot tell where the batch is "
+                                                 "after this call")
+        target = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
+        if target is not None:
+            if verdict.updates_input is not None:
+                self.layouts[target] = verdict.updates_input  # later readers of the written tensor see it
+            elif _is_inplace(n) and isinstance(verdict.layout, BatchLayout):
+                self.layouts[target] = verdict.layout
+            if (target in self.facts.sample_index and n.target in _INDEX_PRESERVING and not verdict.mixes
+                    and per_sample(verdict.layout)):
+                self.facts.sample_index.add(n)
+        return verdict.layout
+
+    def _record_facts(self, n: torch.fx.Node, args) -> None:
+        """Remember ints that are the batch size (x.size(0), x.shape[0]) and torch.arange(N)."""
+        t = n.target
+        first = n.args[0] if n.args else None
+        lay = self.layouts.get(first) if isinstance(first, torch.fx.Node) else None
+        if n.op == "call_method" and t == "size" and isinstance(args[0], torch.Tensor):
+            d = args[1] if len(args) > 1 else n.kwargs.get("dim")
+            if d is None:
+                self.facts.shapes[n] = lay
+            elif _is_batched(lay) and batch_rules._norm_dim(d, args[0].dim()) == lay.dim:
+                self.facts.batch_size.add(n)
+        elif n.op == "call_function" and t is builtins.getattr and args[1] == "shape" and isinstance(args[0], torch.Tensor):
+            self.facts.shapes[n] = lay
+        elif n.op == "call_function" and t is operator.getitem and first in self.facts.shapes and isinstance(args[1], int):
+            shape_of = self.facts.shapes[first]
+            if _is_batched(shape_of) and batch_rules._norm_dim(args[1], len(args[0])) == shape_of.dim:
+                self.facts.batch_size.add(n)
+        elif n.op == "call_function" and t is builtins.len and _is_batched(lay) and lay.dim == 0:
+            self.facts.batch_size.add(n)
+        elif n.op == "call_function" and t is torch.arange:
+            a = list(n.args)
+            step_one = n.kwargs.get("step", a[2] if len(a) > 2 else 1) == 1
+            end = a[0] if len(a) == 1 else (a[1] if len(a) > 1 and args[0] == 0 else n.kwargs.get("end"))
+            if step_one and isinstance(end, torch.fx.Node) and end in self.facts.batch_size:
+                self.facts.sample_index.add(n)
+
+    # -- findings --------------------------------------------------------------------------
+
+    def _op_label(self, n: torch.fx.Node) -> str:
+        if n.op == "call_module":
+            return op_name(self.fetch_attr(n.target))
+        if n.op == "call_function" and n.target is builtins.getattr and len(n.args) > 1:
+            return f"Tensor.{n.args[1]}"
+        if n.op in ("call_function", "call_method"):
+            return op_name(n.target)
+        return n.op
+
+    def _report(self, n, kind, severity, message, fix) -> None:
+        self.raw.append(_Raw(n, self._op_label(n), kind, severity, message, fix))
+
+    def _carry_moves(self, n: torch.fx.Node, layout) -> None:
+        """A rearranging op passes on the moves behind its inputs unless the batch is back home."""
+        carried = [m for a in _flat_nodes(n) for m in self.pending.get(a, ())] + list(self.pending.get(n, ()))
+        lay = _first_layout(layout)
+        if carried and per_sample(lay) and lay != self.home:
+            self.pending[n] = tuple(dict.fromkeys(carried))
+        else:
+            self.pending.pop(n, None)
+
+    def _emit(self, moves) -> None:
+        for m in moves:
+            if id(m) not in self._emitted:
+                self._emitted.add(id(m))
+                self.raw.append(m)
+
+    def _unverified(self, n: torch.fx.Node, pairs, message: str) -> None:
+        lays = ", ".join(str(lay) for _, lay in pairs if per_sample(lay))
+        if self.strict:
+            loc = source_location(n)
+            raise MissingBatchRuleError(
+                f"fxdp batch_dim (strict): {message}. It receives a per-sample tensor ({lays}) at node "
+                f"{n.name}" + (f", {loc} ({loc.code})" if loc else "") + f".\n  node: {n.format_node()}\n"
+                f"Register a rule with fxdp.passes.batch_rules.register_batch_rule(...) or run with "
+                "strict=False to report the op as unverified.")
+        self._report(n, Kind.UNVERIFIED, Severity.WARNING,
+                     f"{message}; it receives a per-sample tensor ({lays})",
+                     "Register a batch rule for it (fxdp.passes.batch_rules.register_batch_rule), or check "
+                     "by hand that it treats samples independently.")
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _contains_unknown(value) -> bool:
+    found = []
+    map_aggregate(value, lambda x: found.append(x) if x is _UNKNOWN_VALUE else None)
+    return bool(found)
+
+
+def _has_tensor(value) -> bool:
+    return any(True for _ in batch_rules._tensor_pairs(value, None))
+
+
+def _has_per_sample(layout) -> bool:
+    if isinstance(layout, (tuple, list)):
+        return any(_has_per_sample(x) for x in layout)
+    if isinstance(layout, dict):
+        return any(_has_per_sample(x) for x in layout.values())
+    return per_sample(layout)
+
+
+def _is_batched(layout) -> bool:
+    return isinstance(layout, BatchLayout) and layout.kind == BATCHED
+
+
+def _first_layout(layout) -> Optional[BatchLayout]:
+    if isinstance(layout, BatchLayout):
+        return layout
+    if isinstance(layout, (tuple, list)):
+        for x in layout:
+            found = _first_layout(x)
+            if found is not None:
+                return found
+    return None
+
+
+def _select_layout(layout, container, index, out, how):
+    """The layout of ``container[index]`` (or of the field ``index`` of a named tuple like max's)."""
+    if how is builtins.getattr:  # torch.return_types: find the field by identity
+        index = next((i for i, v in enumerate(container) if v is out), None)
+        if index is None:
+            return mirror(out, UNKNOWN_LAYOUT)
+    try:
+        picked = layout[index]
+    except (TypeError, KeyError, IndexError):
+        return None
+    return tuple(picked) if isinstance(index, slice) else picked
+
+
+def _flat_nodes(n: torch.fx.Node) -> List[torch.fx.Node]:
+    found: List[torch.fx.Node] = []
+    map_aggregate((n.args, n.kwargs), lambda x: found.append(x) if isinstance(x, torch.fx.Node) else None)
+    return found
+
+
+def _is_inplace(n: torch.fx.Node) -> bool:
+    if n.kwargs.get("inplace") is True:
+        return True
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    if n.op == "call_function" and getattr(n.target, "__module__", "") in ("_operator", "operator"):
+        return name.startswith("i") and name not in ("is_", "is_not", "index", "invert", "itemgetter")
+    return n.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("__")
+
+
+def _paths(gm: torch.fx.GraphModule, sources: List[str], layouts) -> Dict[str, List[str]]:
+    """Shortest path (node names) from the nearest batched input to every node reachable from one.
+
+    Paths follow per-sample values first (not shape arithmetic such as ``x.size(0)``); a node reached
+    only through other values gets its shortest path in the whole graph.
+    """
+    data, full = nx.DiGraph(), nx.DiGraph()
+    for node in gm.graph.nodes:
+        for g in (data, full):
+            g.add_node(node.name)
+        for user in node.users:
+            full.add_edge(node.name, user.name)
+            if _has_per_sample(layouts.get(node)):
+                data.add_edge(node.name, user.name)
+    if not sources:
+        return {}
+    _, paths = nx.multi_source_dijkstra(full, set(sources))
+    _, data_paths = nx.multi_source_dijkstra(data, set(sources))
+    paths.update(data_paths)
+    return paths
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points
+# --------------------------------------------------------------------------------------------
+
+
+def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: int = 0,
+                        strict: bool = False) -> PassResult:
+    """Record where the batch is at every node (``meta.BATCH_DIM``, ``meta.FAKE_VALUE``) and report
+    the ops that move it (warnings), mix samples (errors) or have no rule (unverified warnings).
+
+    ``example_inputs``: a tensor, a tuple/list of positional inputs, or a dict of inputs by name.
+    ``batch_dim``: where the batch sits in the batched inputs (1 for time-major ``(T, N, ...)``).
+    ``strict``: raise :class:`MissingBatchRuleError` on an op with no rule instead of reporting it.
+    """
+    if not isinstance(batch_dim, int) or batch_dim < 0:
+        raise ValueError(f"fxdp batch_dim: batch_dim must be a non-negative int, got {batch_dim!r}")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = _bind_inputs(placeholders, example_inputs)
+    first = _first_tensor(values)
+    if first is None:
+        raise BatchDimAnalysisError("fxdp batch_dim: example_inputs contain no tensor; give at least the "
+                                    "batched input (a tensor with the batch at batch_dim).")
+    if first.dim() <= batch_dim:
+        raise BatchDimAnalysisError(
+            f"fxdp batch_dim: the first tensor input has shape {tuple(first.shape)}, which has no dimension "
+            f"{batch_dim} to hold the batch; pass batch_dim=<where the batch is> (0 for batch-first).")
+    n = first.shape[batch_dim]
+    input_layouts = {p: _input_layout(v, batch_dim, n) for p, v in zip(placeholders, values)}
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_values = [_to_fake(v, mode) for v in values]
+    # fake copies of every parameter and buffer, under every name (tied ones stay tied)
+    state = {name: mode.from_tensor(t) for name, t in
+             list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))}
+    interpreter = BatchDimInterpreter(gm, mode, input_layouts, n, BatchLayout.at(batch_dim), strict)
+    with _reparametrize_module(gm, state), mode:
+        interpreter.run(*fake_values)
+
+    findings: Tuple[Finding, ...] = ()
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    interpreter.raw.sort(key=lambda r: order[r.node])
+    if interpreter.raw:
+        sources = [p.name for p in placeholders if _has_per_sample(input_layouts.get(p))]
+        paths = _paths(gm, sources, interpreter.layouts)
+        findings = tuple(
+            Finding(PASS_NAME, r.node.name, r.op, r.kind, r.severity, r.message, r.fix,
+                    source_location(r.node), tuple(paths.get(r.node.name, ())))
+            for r in interpreter.raw)
+    return PassResult(gm, PassReport(PASS_NAME, (), findings))
+
+
+def find_batch_dim_violations(model: nn.Module, example_inputs, batch_dim: int = 0) -> List[Finding]:
+    """Trace ``model`` and return what the batch_dim pass finds: ops that mix samples (errors), ops that
+    move the batch dimension (warnings) and per-sample ops it cannot verify, each with your source line."""
+    result = trace(model)
+    if not result.ok:
+        where = f" at {result.location} ({result.location.code})" if result.location else ""
+        raise BatchDimAnalysisError(
+            f"fxdp: cannot analyse {type(model).__name__}: torch.fx cannot trace it{where}: {result.reason}. "
+            "The batch-dimension analysis needs a traceable forward(); move data-dependent Python control "
+            "flow out of it, or check per-sample gradients with fxdp.check_per_sample_gradients_are_correct."
+        ) from result.error
+    return list(propagate_batch_dim(result.graph_module, example_inputs, batch_dim=batch_dim).report.findings)

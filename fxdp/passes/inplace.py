@@ -26,7 +26,9 @@ import ast
 import copy
 import functools
 import inspect
+import io
 import operator
+import tokenize
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -152,10 +154,6 @@ OUT_OF_PLACE_OPERATORS = {
     operator.irshift: operator.rshift,
 }
 _DUNDER_OPERATORS = {f"__{op.__name__}__": op for op in OUT_OF_PLACE_OPERATORS}
-_SYMBOLS = {
-    "add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%", "pow": "**",
-    "matmul": "@", "and_": "&", "or_": "|", "xor": "^", "lshift": "<<", "rshift": ">>",
-}
 
 # Named like in-place ops but do not write a tensor's values: nothing to rewrite.
 _NOT_VALUE_WRITES = {"requires_grad_", "share_memory_"}
@@ -300,9 +298,21 @@ def find_inplace_op(node: Node, gm: Optional[torch.fx.GraphModule] = None) -> Op
         if has_inplace_flag(module):
             kind = f"nn.{type(module).__name__}" if type(module).__module__.startswith("torch.nn") \
                 else type(module).__name__
-            return InplaceOp(node, _first_input(node), "module", f"{kind}(inplace=True)",
+            # A module whose forward ignores the flag writes nothing: swap it all the same (harmless,
+            # and no module is left flagged), but its input keeps its value.
+            written = _first_input(node) if _forward_reads_inplace_flag(type(module)) else None
+            return InplaceOp(node, written, "module", f"{kind}(inplace=True)",
                              f"{kind}(inplace=False)", "call_module", node.target, node.args, dict(node.kwargs))
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_reads_inplace_flag(module_type: type) -> bool:
+    """False for modules such as nn.AlphaDropout whose forward never passes ``inplace`` on."""
+    try:
+        return "inplace" in inspect.getsource(module_type.forward)
+    except (OSError, TypeError):
+        return True  # no source: trust the flag
 
 
 def _function_equivalent(node: Node, target, name: str) -> Optional[InplaceOp]:
@@ -432,7 +442,7 @@ def _check_aliasing(op: InplaceOp, gm: torch.fx.GraphModule, code: str) -> _Verd
     chain = alias_chain(mutated, gm)
     root = chain[-1]
     if root.op == "get_attr":
-        kind = _attribute_kind(gm, root.target)
+        kind = attribute_kind(gm, root.target)
         return _Verdict(
             False,
             f"`{code}` writes into {kind} `{root.target}` during forward; the change must persist between "
@@ -488,7 +498,8 @@ def _resolve_live_aliases(op: InplaceOp, live: List[Node], order, code: str, gm)
     )
 
 
-def _attribute_kind(gm: torch.fx.GraphModule, target: str) -> str:
+def attribute_kind(gm: torch.fx.GraphModule, target: str) -> str:
+    """"parameter", "buffer" or "attribute", for a ``get_attr`` target."""
     module_path, _, name = target.rpartition(".")
     try:
         owner = gm.get_submodule(module_path) if module_path else gm
@@ -614,8 +625,18 @@ def _change_message(op: InplaceOp, code: str, suggestion: Optional[str], gm) -> 
 
 
 def _node_code(node: Node) -> str:
+    """The user's line, without a trailing comment."""
     loc = source_location(node)
-    return loc.code if loc is not None and loc.code else ""
+    if loc is None or not loc.code:
+        return ""
+    code = loc.code.strip()
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(code).readline):
+            if token.type == tokenize.COMMENT:
+                return code[: token.start[1]].rstrip()
+    except (tokenize.TokenError, SyntaxError):
+        pass
+    return code
 
 
 # ---------------------------------------------------------------------------------------------------
