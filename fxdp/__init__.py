@@ -9,6 +9,8 @@ The pipeline, in the order it runs::
     fxdp.passes.per_sample DP-aware ops (fxdp.runtime) that record per-sample gradients
 """
 
+from fxdp import grad_sample, validators  # grad_sample registers the built-in per-sample rules
+from fxdp.checker import check_per_sample_gradients_are_correct, per_sample_gradient_diagnostics
 from fxdp.compiler import compile_for_dp, inspect, report
 from fxdp.diagnostics import (
     BatchMixingError,
@@ -20,6 +22,7 @@ from fxdp.diagnostics import (
     Severity,
 )
 from fxdp.grad_sample.accumulate import zero_grad_sample
+from fxdp.grad_sample.hooks import GradSampleModule
 from fxdp.grad_sample.registry import register_grad_sampler
 from fxdp.passes.batch_dim import find_batch_dim_violations
 

@@ -85,7 +85,9 @@ def _import_module(name: str):
     try:
         return importlib.import_module(name)
     except (Exception, SystemExit) as exc:
-        raise UsageError(f"cannot import module {name!r}: {_describe(exc)}") from exc
+        as_file = os.path.join(*name.split(".")) + ".py"
+        hint = f"; to load the file, give it as {as_file}:FACTORY" if os.path.isfile(as_file) else ""
+        raise UsageError(f"cannot import module {name!r}: {_describe(exc)}{hint}") from exc
 
 
 def _describe(exc: BaseException) -> str:

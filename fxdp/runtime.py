@@ -44,7 +44,7 @@ class PerSampleSite:
 
     ``layouts`` holds, per tensor argument (flattened args then kwargs), the layout string of where
     the batch sits (``"batch@0"``, ``"merged@0(inner=8)"``, ``"broadcast@0"``, ``"unbatched"``);
-    ``out_layout`` the same for the output. Sites are mutable: without example inputs the layouts
+    ``out_layouts`` the same for each tensor output. Sites are mutable: without example inputs the layouts
     are filled in on the first forward, before its backward.
     """
 
@@ -53,7 +53,7 @@ class PerSampleSite:
     rule: str  # rule name for the report: "Linear", "functorch", ...
     loss_reduction: str
     layouts: List[str] = field(default_factory=list)
-    out_layout: str = "batch@0"
+    out_layouts: List[str] = field(default_factory=lambda: ["batch@0"])  # one per tensor output
     fn: Union[Callable, str, None] = None  # functional uses: the torch function, or the Tensor method's name
 
     def in_layout(self, i: int) -> BatchLayout:
@@ -95,15 +95,17 @@ def _tensor_layouts(site: PerSampleSite, leaves: List[Any]) -> List[BatchLayout]
     return layouts
 
 
-def _needs_grad_samples(out) -> bool:
-    return torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad
+def _output_tensors(out) -> List[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
-def _per_sample_vjp(call, leaves, layouts, param_positions, out_layout, backprops, n):
+def _per_sample_vjp(call, leaves, layouts, param_positions, out_layouts, grads, n):
     """Per-sample gradients of ``call(leaves)`` w.r.t. the leaves at ``param_positions``.
 
-    Each sample runs alone, as a batch of one in the layout the graph gives it (a batch at dim 1 stays
-    at dim 1), vmapped over the batch: the definition of a per-sample gradient, for any op.
+    ``grads`` holds the gradient of each tensor output (None where the loss did not use it). Each
+    sample runs alone, as a batch of one in the layout the graph gives it (a batch at dim 1 stays at
+    dim 1), vmapped over the batch: the definition of a per-sample gradient, for any op. Several
+    outputs are handled as one scalar per sample, ``sum_k <out_k, grad_k>``, whose gradient is the vjp.
     """
     batched = [i for i, lay in enumerate(layouts) if lay is not None and lay.is_batched]
     args = [
@@ -111,13 +113,45 @@ def _per_sample_vjp(call, leaves, layouts, param_positions, out_layout, backprop
         else leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
         for i, leaf in enumerate(leaves)
     ]
+    used = [k for k, g in enumerate(grads) if g is not None]
+    cotangents = [out_layouts[k].to_batch_first(grads[k], n) for k in used]
+    n_args = len(args)
 
-    def in_graph_layout(*flat):  # one sample, batch first -> the layout the graph gives it, and back
-        flat = [layouts[i].from_batch_first(v) if i in batched else v for i, v in enumerate(flat)]
-        return out_layout.to_batch_first(call(flat), 1)
+    def sample_loss(*flat):  # one sample, batch first -> the layout the graph gives it -> <out, grad>
+        inputs = [layouts[i].from_batch_first(v) if i in batched else v for i, v in enumerate(flat[:n_args])]
+        outs = _output_tensors(call(inputs))
+        total = sum((out_layouts[k].to_batch_first(outs[k], 1) * g).sum() for k, g in zip(used, flat[n_args:]))
+        return total.reshape(1)
 
-    return functional_grad_samples(in_graph_layout, args, {}, param_positions, batched,
-                                   out_layout.to_batch_first(backprops, n))
+    ones = torch.ones(n, dtype=cotangents[0].dtype, device=cotangents[0].device)
+    cotangent_positions = list(range(n_args, n_args + len(used)))
+    return functional_grad_samples(sample_loss, args + cotangents, {}, param_positions,
+                                   batched + cotangent_positions, ones)
+
+
+def _on_backward(outputs: List[torch.Tensor], record) -> bool:
+    """Call ``record(grads)`` once the gradients of all ``outputs`` are known; False if none needs them."""
+    needing = [t for t in outputs if t.requires_grad]
+    if not torch.is_grad_enabled() or not needing:
+        return False
+    if len(outputs) == 1:
+        outputs[0].register_hook(lambda g: record([g]))
+        return True
+    positions = [k for k, t in enumerate(outputs) if t.requires_grad]
+
+    def all_grads(grads):
+        full = [None] * len(outputs)
+        for k, g in zip(positions, grads):
+            full[k] = g
+        record(full)
+
+    torch.autograd.graph.register_multi_grad_hook(needing, all_grads)
+    return True
+
+
+def _out_layouts(site: PerSampleSite, count: int) -> List[BatchLayout]:
+    layouts = [parse_layout(text) for text in site.out_layouts]
+    return layouts + [layouts[-1]] * (count - len(layouts))
 
 
 def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwargs):
@@ -128,18 +162,20 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
     args, kwargs = pytree.tree_unflatten(leaves, spec)
     out = module(*args, **kwargs)
     trainable = {name: p for name, p in module.named_parameters() if p.requires_grad}
-    if not _needs_grad_samples(out) or not trainable:
+    outputs = _output_tensors(out)
+    if not trainable or not outputs:
         return out
-    out_layout = parse_layout(site.out_layout)
+    out_layouts = _out_layouts(site, len(outputs))
+    scale = n if site.loss_reduction == "mean" else 1
 
-    if find_grad_sampler(module) is not None:
+    if find_grad_sampler(module) is not None and len(outputs) == 1:
         # hand-written rule: it sees batch-first activations and backprops
         activations = [
             lay.to_batch_first(t.detach(), n) for t, lay in zip(leaves, layouts) if isinstance(t, torch.Tensor)
         ]
 
-        def record(grad: torch.Tensor) -> None:
-            backprops = out_layout.to_batch_first(grad, n)
+        def record(grads) -> None:
+            backprops = out_layouts[0].to_batch_first(grads[0], n)
             accumulate_grad_samples(
                 compute_grad_samples(module, activations, backprops, loss_reduction=site.loss_reduction, batch_size=n)
             )
@@ -155,13 +191,20 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
             a, k = pytree.tree_unflatten(flat[:n_inputs], spec)
             return torch.func.functional_call(module, dict(zip(names, flat[n_inputs:])), a, k, strict=False)
 
-        def record(grad: torch.Tensor) -> None:
-            scale = n if site.loss_reduction == "mean" else 1
-            grads = _per_sample_vjp(call, all_leaves, all_layouts, list(range(n_inputs, len(all_leaves))),
-                                    out_layout, grad * scale, n)
-            accumulate_grad_samples({trainable[k]: g for k, g in zip(names, grads)})
+        def record(grads) -> None:
+            grads = [None if g is None else g * scale for g in grads]
+            try:
+                samples = _per_sample_vjp(call, all_leaves, all_layouts, list(range(n_inputs, len(all_leaves))),
+                                          out_layouts, grads, n)
+            except Exception as exc:  # re-raised naming the layer; the cause is kept
+                raise RuntimeError(
+                    f"fxdp: the generic per-sample rule (torch.func vmap) failed on layer '{site.target}' "
+                    f"({type(module).__name__}) at node '{site.node}': {exc}. Register a rule for it with "
+                    "@fxdp.register_grad_sampler."
+                ) from exc
+            accumulate_grad_samples({trainable[k]: g for k, g in zip(names, samples)})
 
-    out.register_hook(record)
+    _on_backward(outputs, record)
     return out
 
 
@@ -171,25 +214,25 @@ def per_sample_function(site: PerSampleSite, n: int, *args, **kwargs):
     fn = site.fn
     call_fn = (lambda *a, **k: getattr(a[0], fn)(*a[1:], **k)) if isinstance(fn, str) else fn
     out = call_fn(*args, **kwargs)
-    if not _needs_grad_samples(out):
-        return out
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    layouts = _tensor_layouts(site, leaves)
     param_positions = [
         i for i, leaf in enumerate(leaves) if isinstance(leaf, nn.Parameter) and leaf.requires_grad
     ]
-    if not param_positions:
+    outputs = _output_tensors(out)
+    if not param_positions or not outputs:
         return out
-    out_layout = parse_layout(site.out_layout)
+    layouts = _tensor_layouts(site, leaves)
+    out_layouts = _out_layouts(site, len(outputs))
+    scale = n if site.loss_reduction == "mean" else 1
 
     def call(flat):
         a, k = pytree.tree_unflatten(flat, spec)
         return call_fn(*a, **k)
 
-    def record(grad: torch.Tensor) -> None:
-        scale = n if site.loss_reduction == "mean" else 1
-        grads = _per_sample_vjp(call, leaves, layouts, param_positions, out_layout, grad * scale, n)
-        accumulate_grad_samples({leaves[i]: g for i, g in zip(param_positions, grads)})
+    def record(grads) -> None:
+        grads = [None if g is None else g * scale for g in grads]
+        samples = _per_sample_vjp(call, leaves, layouts, param_positions, out_layouts, grads, n)
+        accumulate_grad_samples({leaves[i]: g for i, g in zip(param_positions, samples)})
 
-    out.register_hook(record)
+    _on_backward(outputs, record)
     return out

@@ -436,7 +436,11 @@ class Swapaxes(nn.Module):
 
 
 class TransposeT(nn.Module):
-    """x.T on a (N, D) input: the weight multiplies from the left, the batch sits in the columns."""
+    """x.T on a (N, D) input: the weight multiplies from the left, the batch sits in the columns.
+
+    (torch.fx creates the node of an attribute such as ``.T`` where it is first used, so the move is
+    reported on the line that uses ``x.T``.)
+    """
 
     def __init__(self):
         super().__init__()
@@ -444,8 +448,7 @@ class TransposeT(nn.Module):
         self.head = nn.Linear(E, 2)
 
     def forward(self, x):
-        h = x.T  # MOVE
-        y = self.weight @ h
+        y = self.weight @ x.T  # MOVE
         return self.head(y.T)
 
 
@@ -456,8 +459,7 @@ class TransposeMT(nn.Module):
         self.head = nn.Linear(E, 2)
 
     def forward(self, x):
-        h = x.mT  # MOVE
-        y = torch.mm(self.weight, h)
+        y = torch.mm(self.weight, x.mT)  # MOVE
         return self.head(y.mT)
 
 

@@ -145,6 +145,24 @@ def test_file_that_fails_to_import_shows_the_error_and_its_line(capsys, tmp_path
     assert err == f"fxdp inspect: error: importing '{path}' failed: SyntaxError: invalid syntax ({path}:1)\n"
 
 
+def test_failed_module_import_suggests_the_file_when_it_exists(capsys, tmp_path, monkeypatch):
+    # An installed package of the same name shadows the local folder (some wheels ship `examples`).
+    (tmp_path / "site" / "fxdp_cli_shadowed").mkdir(parents=True)
+    (tmp_path / "site" / "fxdp_cli_shadowed" / "__init__.py").write_text("")
+    (tmp_path / "work" / "fxdp_cli_shadowed").mkdir(parents=True)
+    (tmp_path / "work" / "fxdp_cli_shadowed" / "nets.py").write_text(
+        "from torch import nn\nnet = nn.Linear(4, 2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.chdir(tmp_path / "work")
+    code, out, err = run(capsys, "inspect", "fxdp_cli_shadowed.nets:net")
+    assert (code, out) == (2, "")
+    assert err == ("fxdp inspect: error: cannot import module 'fxdp_cli_shadowed.nets': ModuleNotFoundError: "
+                   "No module named 'fxdp_cli_shadowed.nets'; to load the file, give it as "
+                   "fxdp_cli_shadowed/nets.py:FACTORY\n")
+    code, out, err = run(capsys, "inspect", "fxdp_cli_shadowed/nets.py:net")
+    assert (code, err) == (0, "") and out.startswith("fxdp compile report for Linear\n")
+
+
 def test_argparse_errors_and_no_command_exit_2(capsys):
     code, out, err = run(capsys)
     assert code == 2 and "inspect" in err and out == ""

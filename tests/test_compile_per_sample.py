@@ -134,6 +134,30 @@ class PositionIds(nn.Module):
         return self.head(self.tok(ids) + self.pos(pos_ids))
 
 
+class Attention(nn.Module):
+    """A layer with a tuple output and no hand-written rule (the generic rule, on the graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        out, _ = self.attn(x, x, x)
+        return self.head(out)
+
+
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(4, 5, batch_first=True)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x):
+        out, h = self.rnn(x)
+        return self.head(out) + self.head(h.transpose(0, 1))
+
+
 def _ids(n=4, t=5, high=10):
     return torch.randint(0, high, (n, t))
 
@@ -146,6 +170,7 @@ CASES = {
     "frozen": (Frozen, lambda: torch.randn(5, 4)),
     "time_major": (TimeMajor, lambda: torch.randn(3, 5, 4)),
     "merged_batch": (Merged, lambda: torch.randn(3, 5, 4)),
+    "attention": (Attention, lambda: torch.randn(3, 4, 6)),
     "position_ids": (PositionIds, lambda: (_ids(), torch.arange(5).unsqueeze(0))),
 }
 
@@ -187,6 +212,12 @@ def test_untraceable_model_falls_back_to_hooks_and_stays_correct():
     assert rep.fallback_location.file == __file__
     assert "if x.sum() > 0" in rep.fallback_location.code
     assert "not traceable" in str(rep) or "traced: no" in str(rep)
+
+
+def test_a_layer_the_generic_rule_cannot_vmap_is_named_in_the_error():
+    compiled = fxdp.compile_for_dp(Recurrent(), example_inputs=torch.randn(3, 4, 4))
+    with pytest.raises(RuntimeError, match=r"generic per-sample rule .* failed on layer 'rnn' \(GRU\).*register_grad_sampler"):
+        compiled(torch.randn(3, 4, 4)).sum().backward()
 
 
 def test_outputs_equal_the_original_model():

@@ -58,19 +58,23 @@ class _PendingGradSamples:
     def __init__(self):
         self.current: Dict[int, torch.Tensor] = {}
         self.params: Dict[int, nn.Parameter] = {}
-        self.callback_queued = False
+        self.task = None  # the autograd graph task (one backward call) the sums belong to
 
     def add(self, param: nn.Parameter, grad_sample: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            # a new backward pass; sums left by one that raised before finishing are dropped
+            self.current.clear()
+            self.params.clear()
+            self.task = task
+            # runs once, when the autograd engine finishes this backward pass
+            torch.autograd.Variable._execution_engine.queue_callback(self.publish)
         key = id(param)
         if key in self.current:
             self.current[key] = self.current[key] + grad_sample
         else:
             self.current[key] = grad_sample
             self.params[key] = param
-        if not self.callback_queued:
-            # runs once, when the autograd engine finishes the current backward pass
-            torch.autograd.Variable._execution_engine.queue_callback(self.publish)
-            self.callback_queued = True
 
     def publish(self) -> None:
         for key, grad_sample in self.current.items():
@@ -82,7 +86,7 @@ class _PendingGradSamples:
                 param.grad_sample = torch.cat([previous, grad_sample], dim=0)
         self.current.clear()
         self.params.clear()
-        self.callback_queued = False
+        self.task = None
 
 
 _PENDING = _PendingGradSamples()

@@ -51,8 +51,8 @@ def _trainable_param(gm: torch.fx.GraphModule, node) -> Optional[nn.Parameter]:
 
 def _layout_of(node, default: BatchLayout, reached: Set[torch.fx.Node]) -> BatchLayout:
     layout = node.meta.get(meta.BATCH_DIM, default) if isinstance(node, torch.fx.Node) else default
-    if isinstance(layout, (tuple, list)):  # tuple outputs: the first tensor carries the batch
-        layout = next((lay for lay in layout if lay is not None), default)
+    if isinstance(layout, (tuple, list)):  # tuple outputs: the first tensor's layout
+        layout = next((lay for lay in pytree.tree_leaves(layout) if isinstance(lay, BatchLayout)), default)
     if layout is None or (meta.BATCH_DIM not in node.meta and node not in reached):
         return BatchLayout(UNBATCHED)
     return layout
@@ -62,6 +62,13 @@ def _site_layouts(node, default, reached) -> Tuple[List[BatchLayout], BatchLayou
     leaves = pytree.tree_leaves((node.args, node.kwargs))
     ins = [_layout_of(a, default, reached) for a in leaves if isinstance(a, torch.fx.Node)]
     return ins, _layout_of(node, default, reached)
+
+
+def _out_layout_strings(node, first: BatchLayout, default: BatchLayout) -> List[str]:
+    """Layouts of every tensor output (tuple outputs: MultiheadAttention, LSTM), the first as checked."""
+    recorded = node.meta.get(meta.BATCH_DIM)
+    rest = [lay for lay in pytree.tree_leaves(recorded) if isinstance(lay, BatchLayout)][1:]
+    return [str(first)] + [str(lay if lay.kind != UNKNOWN else default) for lay in rest]
 
 
 def _finding(node, message: str, fix: str, kind=Kind.NOT_YET_SUPPORTED, severity=Severity.ERROR, op="") -> Finding:
@@ -143,7 +150,7 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
             findings.append(problem)
             continue
         site = runtime.PerSampleSite(node.name, str(target), rule, loss_reduction, [str(lay) for lay in ins],
-                                     str(out), fn)
+                                     _out_layout_strings(node, out, default), fn)
         site_attr = f"fxdp_site_{node.name}"
         setattr(gm, site_attr, site)
         with graph.inserting_before(node):
@@ -158,7 +165,7 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
         changes.append(Finding(
             PASS_NAME, node.name, call.__name__, Kind.REWRITE, Severity.INFO,
             f"{what}: per-sample gradients by the {rule} rule; input {', '.join(site.layouts) or '-'}, "
-            f"output {site.out_layout}", "", source_location(new)))
+            f"output {', '.join(site.out_layouts)}", "", source_location(new)))
 
     graph.lint()
     gm.recompile()
@@ -198,5 +205,5 @@ def update_site_layouts(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule
         if problem is not None:
             problems.append(problem)
             continue
-        site.layouts, site.out_layout = [str(lay) for lay in ins], str(out)
+        site.layouts, site.out_layouts = [str(lay) for lay in ins], _out_layout_strings(node, out, default)
     return problems
