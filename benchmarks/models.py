@@ -27,7 +27,7 @@ class BasicBlock(nn.Module):
         self.gn1 = nn.GroupNorm(8, cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.gn2 = nn.GroupNorm(8, cout)
-        self.relu = nn.ReLU(inplace=True)
+        self.relu = nn.ReLU()  # no in-place ops: Opacus's hooks engine would crash on them
         self.down = None
         if stride != 1 or cin != cout:
             self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.GroupNorm(8, cout))
@@ -36,7 +36,7 @@ class BasicBlock(nn.Module):
         identity = x if self.down is None else self.down(x)
         out = self.relu(self.gn1(self.conv1(x)))
         out = self.gn2(self.conv2(out))
-        out += identity
+        out = out + identity
         return self.relu(out)
 
 

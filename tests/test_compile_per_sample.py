@@ -1,6 +1,9 @@
 """compile_for_dp end to end: every trainable parameter's grad_sample equals the gradient of that
 sample alone, for whole models, both loss reductions, with and without example inputs."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +13,10 @@ import fxdp
 from per_sample_reference import assert_grad_samples_match, batch_loss, expected_grad_samples
 
 REDUCTIONS = ["mean", "sum"]
+
+_spec = importlib.util.spec_from_file_location("fxdp_bench_models", Path(__file__).parents[1] / "benchmarks" / "models.py")
+bench_models = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_models)
 
 
 def mnist_cnn():
@@ -171,6 +178,9 @@ CASES = {
     "time_major": (TimeMajor, lambda: torch.randn(3, 5, 4)),
     "merged_batch": (Merged, lambda: torch.randn(3, 5, 4)),
     "attention": (Attention, lambda: torch.randn(3, 4, 6)),
+    "benchmark_transformer": (lambda: bench_models.Transformer(vocab=20, d=16, heads=2, max_len=8),
+                              lambda: torch.randint(0, 20, (3, 8))),
+    "benchmark_resnet": (lambda: bench_models.ResNetGN(width=8), lambda: torch.randn(2, 3, 8, 8)),
     "position_ids": (PositionIds, lambda: (_ids(), torch.arange(5).unsqueeze(0))),
 }
 

@@ -371,7 +371,7 @@ class BatchDimInterpreter(torch.fx.Interpreter):
         """A rearranging op passes on the moves behind its inputs unless the batch is back home."""
         carried = [m for a in _flat_nodes(n) for m in self.pending.get(a, ())] + list(self.pending.get(n, ()))
         lay = _first_layout(layout)
-        if carried and per_sample(lay) and lay != self.home:
+        if carried and lay is not None and lay != self.home and (per_sample(lay) or lay.kind == UNKNOWN):
             self.pending[n] = tuple(dict.fromkeys(carried))
         else:
             self.pending.pop(n, None)

@@ -556,7 +556,9 @@ def along(dim_pos: Optional[int], names: Sequence[str] = ("dim",), default: Any 
         if varargs and dim_pos is not None and len(call.args) > dim_pos + 1:
             d = tuple(call.args[dim_pos:])
         else:
-            d = call.arg(dim_pos, *names, default=default)
+            d = call.arg(dim_pos, *names, default=None)
+        if d is None:  # F.softmax(x, dim=None) means the implicit dim, not every dim
+            d = default
         if callable(d):
             d = d(x.dim())
         dims = tuple(range(x.dim())) if d is None or d == "all" else _dims(d, x.dim())
@@ -1665,15 +1667,16 @@ def _transformer_layer(call: OpCall) -> Verdict:
     """nn.TransformerEncoderLayer & co.: attention along the sequence dimension."""
     m = call.module
     batch_at, seq_at = (0, 1) if _batch_first(m) else (1, 0)
-    names = ("src", "tgt", "memory")
+    # the sequences: the first two positional arguments (src/tgt, memory/tgt) or their keywords
+    pairs = list(_tensor_pairs(call.args[:2], call.arg_layouts[:2]))
+    for name in ("src", "tgt", "memory"):
+        if name in call.kwargs:
+            pairs.extend(_tensor_pairs(call.kwargs[name], call.kwarg_layouts.get(name)))
     why = ""
     kind = None
-    for i, name in enumerate(names[:2] if isinstance(m, nn.Transformer) else names[:2]):
-        t, lay = call.arg(i, name), call.layout(i, name)
-        if not isinstance(t, torch.Tensor):
-            continue
+    for t, lay in pairs:
         b = batch_at if t.dim() == 3 else None
-        why = why or _sequence_check(call, name, t, lay, b, seq_at if t.dim() == 3 else 0)
+        why = why or _sequence_check(call, "input", t, lay, b, seq_at if t.dim() == 3 else 0)
         if per_sample(lay) and kind is None:
             kind = lay
     if kind is None:

@@ -58,10 +58,22 @@ def _layout_of(node, default: BatchLayout, reached: Set[torch.fx.Node]) -> Batch
     return layout
 
 
-def _site_layouts(node, default, reached) -> Tuple[List[BatchLayout], BatchLayout]:
-    leaves = pytree.tree_leaves((node.args, node.kwargs))
-    ins = [_layout_of(a, default, reached) for a in leaves if isinstance(a, torch.fx.Node)]
-    return ins, _layout_of(node, default, reached)
+def _has_batch_size(node, dim: int, n: Optional[int]) -> bool:
+    fake = node.meta.get(meta.FAKE_VALUE) if isinstance(node, torch.fx.Node) else None
+    return n is not None and isinstance(fake, torch.Tensor) and fake.dim() > dim and fake.shape[dim] == n
+
+
+def _site_layouts(node, default, reached, n=None) -> Tuple[List[BatchLayout], BatchLayout]:
+    args = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
+    ins = [_layout_of(a, default, reached) for a in args]
+    out = _layout_of(node, default, reached)
+    if out.kind == UNBATCHED and _has_batch_size(node, default.dim, n):
+        # shared data expanded to the batch (`arange(T).expand(N, T)` position ids): each row is
+        # computed on its own, so the layer's output rows -- and their gradients -- are per-sample
+        ins = [BatchLayout.at(default.dim) if lay.kind == UNBATCHED and _has_batch_size(a, default.dim, n)
+               else lay for a, lay in zip(args, ins)]
+        out = BatchLayout.at(default.dim)
+    return ins, out
 
 
 def _out_layout_strings(node, first: BatchLayout, default: BatchLayout) -> List[str]:
@@ -113,6 +125,7 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
         raise ValueError("the model takes no inputs, so there is no batch to compute per-sample gradients over")
 
     gm.fxdp_batch = runtime.BatchSource(*_batch_source(placeholders, batch_dim))
+    n_example = _example_batch_size(placeholders, batch_dim)
     with graph.inserting_after(placeholders[-1]):
         source = _get_attr(graph, "fxdp_batch")
     with graph.inserting_after(source):
@@ -144,7 +157,7 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
         else:
             continue
 
-        ins, out = _site_layouts(node, default, reached)
+        ins, out = _site_layouts(node, default, reached, n_example)
         out, problem = _check_layouts(node, ins, out, gm)
         if problem is not None:
             findings.append(problem)
@@ -179,6 +192,12 @@ def _get_attr(graph: torch.fx.Graph, name: str) -> torch.fx.Node:
         return graph.get_attr(name)
 
 
+def _example_batch_size(placeholders, batch_dim: int) -> Optional[int]:
+    index, dim = _batch_source(placeholders, batch_dim)
+    fake = placeholders[index].meta.get(meta.FAKE_VALUE)
+    return fake.shape[dim] if isinstance(fake, torch.Tensor) and fake.dim() > dim else None
+
+
 def _batch_source(placeholders, batch_dim: int) -> Tuple[int, int]:
     for i, ph in enumerate(placeholders):
         layout = ph.meta.get(meta.BATCH_DIM)
@@ -196,11 +215,12 @@ def update_site_layouts(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule
     problems = []
     placeholders = [n for n in analysed.graph.nodes if n.op == "placeholder"]
     gm.fxdp_batch.input_index, gm.fxdp_batch.dim = _batch_source(placeholders, batch_dim)
+    n_example = _example_batch_size(placeholders, batch_dim)
     for attr, site in list(vars(gm).items()):
         if not isinstance(site, runtime.PerSampleSite):
             continue
         node = by_name[site.node]
-        ins, out = _site_layouts(node, default, reached)
+        ins, out = _site_layouts(node, default, reached, n_example)
         out, problem = _check_layouts(node, ins, out, analysed)
         if problem is not None:
             problems.append(problem)
