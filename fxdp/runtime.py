@@ -99,7 +99,7 @@ def _output_tensors(out) -> List[torch.Tensor]:
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
-def _per_sample_vjp(call, leaves, layouts, param_positions, out_layouts, grads, n):
+def _per_sample_vjp(call, leaves, layouts, param_positions, out_layouts, grads, n, site):
     """Per-sample gradients of ``call(leaves)`` w.r.t. the leaves at ``param_positions``.
 
     ``grads`` holds the gradient of each tensor output (None where the loss did not use it). Each
@@ -125,8 +125,15 @@ def _per_sample_vjp(call, leaves, layouts, param_positions, out_layouts, grads, 
 
     ones = torch.ones(n, dtype=cotangents[0].dtype, device=cotangents[0].device)
     cotangent_positions = list(range(n_args, n_args + len(used)))
-    return functional_grad_samples(sample_loss, args + cotangents, {}, param_positions,
-                                   batched + cotangent_positions, ones)
+    try:
+        return functional_grad_samples(sample_loss, args + cotangents, {}, param_positions,
+                                       batched + cotangent_positions, ones)
+    except Exception as exc:  # re-raised naming the node; the cause is kept
+        raise RuntimeError(
+            f"fxdp: the generic per-sample rule failed on '{site.target}' at node '{site.node}' (each sample is "
+            f"re-run alone as a batch of one): {exc}. Register a rule for this layer with "
+            "@fxdp.register_grad_sampler, or make the code work on a batch of one."
+        ) from exc
 
 
 def _on_backward(outputs: List[torch.Tensor], record) -> bool:
@@ -193,15 +200,8 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
 
         def record(grads) -> None:
             grads = [None if g is None else g * scale for g in grads]
-            try:
-                samples = _per_sample_vjp(call, all_leaves, all_layouts, list(range(n_inputs, len(all_leaves))),
-                                          out_layouts, grads, n)
-            except Exception as exc:  # re-raised naming the layer; the cause is kept
-                raise RuntimeError(
-                    f"fxdp: the generic per-sample rule (torch.func vmap) failed on layer '{site.target}' "
-                    f"({type(module).__name__}) at node '{site.node}': {exc}. Register a rule for it with "
-                    "@fxdp.register_grad_sampler."
-                ) from exc
+            samples = _per_sample_vjp(call, all_leaves, all_layouts, list(range(n_inputs, len(all_leaves))),
+                                      out_layouts, grads, n, site)
             accumulate_grad_samples({trainable[k]: g for k, g in zip(names, samples)})
 
     _on_backward(outputs, record)
@@ -231,7 +231,7 @@ def per_sample_function(site: PerSampleSite, n: int, *args, **kwargs):
 
     def record(grads) -> None:
         grads = [None if g is None else g * scale for g in grads]
-        samples = _per_sample_vjp(call, leaves, layouts, param_positions, out_layouts, grads, n)
+        samples = _per_sample_vjp(call, leaves, layouts, param_positions, out_layouts, grads, n, site)
         accumulate_grad_samples({leaves[i]: g for i, g in zip(param_positions, samples)})
 
     _on_backward(outputs, record)

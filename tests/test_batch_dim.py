@@ -205,6 +205,51 @@ def test_changing_one_sample_changes_only_its_slice_where_the_layout_says(entry)
     assert checked >= 2
 
 
+def _sample(inputs, i: int, batch_dim: int):
+    def take(v):
+        if isinstance(v, torch.Tensor):
+            v = v.double() if v.is_floating_point() else v
+            if v.dim() > batch_dim and v.shape[batch_dim] == N:
+                return v.narrow(batch_dim, i, 1)
+        return v
+
+    if isinstance(inputs, dict):
+        return {k: take(v) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(take(v) for v in inputs)
+    return take(inputs)
+
+
+def _as_double(inputs):
+    if isinstance(inputs, dict):
+        return {k: _as_double(v) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_as_double(v) for v in inputs)
+    return inputs.double() if isinstance(inputs, torch.Tensor) and inputs.is_floating_point() else inputs
+
+
+def _call(model, inputs):
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
+
+
+@pytest.mark.parametrize("entry", by_category("benign") + by_category("moves"),
+                         ids=ids(by_category("benign") + by_category("moves")))
+def test_benign_and_moving_models_compute_each_sample_as_if_it_were_alone(entry):
+    """What the per-sample gradient checks rely on: these models keep samples apart for any batch
+    size (also 1), and their output has the batch where the analysis says."""
+    gm, _ = analyse(entry)
+    out_layout = [n for n in gm.graph.nodes if n.op == "output"][0].meta[meta.BATCH_DIM]
+    model, inputs = entry.build()
+    model = model.double()
+    with torch.no_grad():
+        batch = out_layout.to_batch_first(_call(model, _as_double(inputs)), N)
+        for i in range(N):
+            alone = out_layout.to_batch_first(_call(model, _sample(inputs, i, entry.batch_dim)), 1)
+            torch.testing.assert_close(batch[i:i + 1], alone)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     sizes=st.lists(st.integers(2, 3), min_size=2, max_size=3),
@@ -410,8 +455,7 @@ class Scale(ScaleBase):
     pass
 
 
-@register_grad_sampler(Scale)
-def _scale_grad_sampler(module, activations, backprops):  # makes Scale a leaf layer of the graph
+def _scale_grad_sampler(module, activations, backprops):
     return {module.scale: (activations[0] * backprops).reshape(backprops.shape[0], -1, E).sum(1)}
 
 
@@ -426,14 +470,24 @@ class UsesScale(nn.Module):
 
 
 def test_a_registered_rule_for_a_base_class_serves_its_subclasses():
-    model = UsesScale()
-    _, findings = analyse(model, torch.randn(N, D))
-    assert [(f.kind, f.op) for f in findings] == [(Kind.UNVERIFIED, "Scale")]
-    register_batch_rule(ScaleBase)(keeps_layout)
-    gm, findings = analyse(model, torch.randn(N, D))
-    assert findings == []
-    assert node_named(gm, "scale").meta[meta.BATCH_DIM] == BatchLayout.at(0)
-    assert find_batch_rule(Scale()) is keeps_layout
+    from fxdp.grad_sample.registry import _GRAD_SAMPLERS
+
+    register_grad_sampler(Scale)(_scale_grad_sampler)  # makes Scale a layer the graph calls whole
+    try:
+        model = UsesScale()
+        # no batch rule yet: the per-sample rule's contract (batch in dimension 0, in and out) is used
+        gm, findings = analyse(model, torch.randn(N, D))
+        assert findings == []
+        assert node_named(gm, "scale").meta[meta.BATCH_DIM] == BatchLayout.at(0)
+        assert find_batch_rule(Scale()) is batch_rules._registered_layer
+        register_batch_rule(ScaleBase)(keeps_layout)
+        gm, findings = analyse(model, torch.randn(N, D))
+        assert findings == []
+        assert node_named(gm, "scale").meta[meta.BATCH_DIM] == BatchLayout.at(0)
+        assert find_batch_rule(Scale()) is keeps_layout
+    finally:
+        _GRAD_SAMPLERS.pop(Scale, None)
+        batch_rules._RULES.pop(ScaleBase, None)
 
 
 def test_registry_lookup_walks_the_mro_and_names_ops():
@@ -526,3 +580,152 @@ def test_einsum_equations_with_ellipsis_and_implicit_output():
     assert out == (("...", 0), ("...", 1), "i", "k")
     labels, out = parse_einsum("bij, bjk -> bik", [(2, 3, 4), (2, 4, 5)])
     assert out == ("b", "i", "k")
+
+
+# --------------------------------------------------------------------------------------------
+# One op at a time: the families' rules on inputs with the batch at dim 0 (N=4)
+# --------------------------------------------------------------------------------------------
+
+
+class Apply(nn.Module):
+    """Runs ``fn(self, x)``; ``layer`` is a submodule the graph calls whole."""
+
+    def __init__(self, fn, layer=None):
+        super().__init__()
+        self.fn = fn
+        self.layer = layer
+
+    def forward(self, x):
+        return self.fn(self, x)
+
+
+class Apply2(Apply):
+    def forward(self, x, y):
+        return self.fn(self, x, y)
+
+
+B0, B1, B2 = BatchLayout.at(0), BatchLayout.at(1), BatchLayout.at(2)
+MIXES, MOVES = {Kind.MIXES_SAMPLES}, {Kind.MOVES_BATCH}
+x2, x3, x4 = (lambda: torch.randn(N, D)), (lambda: torch.randn(N, T, D)), (lambda: torch.randn(N, C_, 6, 6))
+C_ = 3
+
+OPS = [
+    # (name, fn, layer, inputs, layout of the output, kinds of findings)
+    ("repeat_features", lambda s, x: x.repeat(1, 2), None, x2, B0, set()),
+    ("repeat_batch_merges", lambda s, x: x.repeat(2, 1) + 1, None, x2, BatchLayout.merged(0, 1), MOVES),
+    ("tile_leading", lambda s, x: torch.tile(x, (2, 1, 1)) * 2, None, x2, B1, MOVES),
+    ("repeat_interleave_batch", lambda s, x: x.repeat_interleave(3, dim=0) * 2, None, x2, BatchLayout.merged(0, 3), MOVES),
+    ("expand_new_leading", lambda s, x: x.expand(2, N, D) * 2, None, x2, B1, MOVES),
+    ("squeeze_keeps", lambda s, x: x.unsqueeze(1).squeeze(1), None, x2, B0, set()),
+    ("select_time", lambda s, x: x.select(1, 0), None, x3, B0, set()),
+    ("select_batch", lambda s, x: x.select(0, 1), None, x3, UNBATCHED_LAYOUT, MIXES),
+    ("narrow_time", lambda s, x: x.narrow(1, 1, 2), None, x3, B0, set()),
+    ("narrow_batch", lambda s, x: x.narrow(0, 1, 2), None, x3, UNBATCHED_LAYOUT, MIXES),
+    ("index_select_time", lambda s, x: x.index_select(1, torch.tensor([0, 2])), None, x3, B0, set()),
+    ("gather_batch_index_per_sample", lambda s, x, i: torch.gather(x, 1, i), None,
+     lambda: (torch.randn(N, D), torch.zeros(N, 2, dtype=torch.long)), B0, set()),
+    ("scatter_features", lambda s, x: torch.zeros_like(x).scatter(1, torch.zeros(N, 1, dtype=torch.long), x), None,
+     x2, B0, set()),
+    ("scatter_batch", lambda s, x: torch.zeros_like(x).scatter_add(0, torch.zeros(N, D, dtype=torch.long), x), None,
+     x2, UNBATCHED_LAYOUT, MIXES),
+    ("take_flat", lambda s, x: torch.take(x, torch.tensor([0, 5])), None, x2, UNBATCHED_LAYOUT, MIXES),
+    ("cosine_similarity_features", lambda s, x: F.cosine_similarity(x, x + 1), None, x2, B0, set()),
+    ("cosine_similarity_batch", lambda s, x: F.cosine_similarity(x, x + 1, dim=0), None, x2, UNBATCHED_LAYOUT, MIXES),
+    ("pairwise_distance", lambda s, x: F.pairwise_distance(x, x * 2), None, x2, B0, set()),
+    ("tensordot_features", lambda s, x: torch.tensordot(x, torch.ones(D, 5), dims=1), None, x2, B0, set()),
+    ("tensordot_batch", lambda s, x: torch.tensordot(x, torch.ones(N, 5), dims=([0], [0])), None, x2,
+     UNBATCHED_LAYOUT, MIXES),
+    ("outer_pairs", lambda s, x: torch.outer(x[:, 0], x[:, 1]), None, x2, B0, MIXES),
+    ("addmm", lambda s, x: torch.addmm(torch.zeros(5), x, torch.ones(D, 5)), None, x2, B0, set()),
+    ("functional_linear", lambda s, x: F.linear(x, torch.ones(5, D), torch.zeros(5)), None, x3, B0, set()),
+    ("bilinear_layer", lambda s, x: s.layer(x, x), nn.Bilinear(D, D, 3), x2, B0, set()),
+    ("functional_conv", lambda s, x: F.conv2d(x, torch.ones(2, C_, 3, 3)), None, x4, B0, set()),
+    ("functional_pool", lambda s, x: F.max_pool2d(x, 2), None, x4, B0, set()),
+    ("pool_with_indices", lambda s, x: F.max_pool2d(x, 2, return_indices=True)[0], None, x4, B0, set()),
+    ("pool_batch_in_space", lambda s, x: F.avg_pool1d(x.T.unsqueeze(0), 2), None, x2, B2, MIXES | MOVES),
+    ("interpolate", lambda s, x: F.interpolate(x, scale_factor=2.0), None, x4, B0, set()),
+    ("pad_space", lambda s, x: F.pad(x, (1, 1)), None, x4, B0, set()),
+    ("pad_batch", lambda s, x: F.pad(x, (0, 0, 1, 0)), None, x2, UNKNOWN_LAYOUT, MIXES),
+    ("zero_pad_layer", lambda s, x: s.layer(x), nn.ZeroPad2d(1), x4, B0, set()),
+    ("pixel_shuffle", lambda s, x: F.pixel_shuffle(x.repeat(1, 4, 1, 1)[:, :4], 2), None, x4, B0, set()),
+    ("group_norm", lambda s, x: F.group_norm(x, 1), None, x4, B0, set()),
+    ("instance_norm_layer", lambda s, x: s.layer(x), nn.InstanceNorm2d(C_), x4, B0, set()),
+    ("instance_norm_batch_in_space", lambda s, x: s.layer(x.T.unsqueeze(0)), nn.InstanceNorm1d(D), x2, B2, MIXES | MOVES),
+    ("layer_norm_module", lambda s, x: s.layer(x), nn.LayerNorm(D), x3, B0, set()),
+    ("local_response_norm_batch", lambda s, x: s.layer(x.transpose(0, 1)), nn.LocalResponseNorm(2), x4, B1,
+     MIXES | MOVES),
+    ("embedding_functional", lambda s, x: F.embedding(x, torch.ones(10, 3)), None,
+     lambda: torch.randint(0, 10, (N, T)), B0, set()),
+    ("one_hot", lambda s, x: F.one_hot(x, 10).float(), None, lambda: torch.randint(0, 10, (N, T)), B0, set()),
+    ("embedding_bag", lambda s, x: s.layer(x), nn.EmbeddingBag(10, 3), lambda: torch.randint(0, 10, (N, T)), B0, set()),
+    ("split_features", lambda s, x: torch.split(x, 3, dim=1)[1], None, x2, B0, set()),
+    ("unbind_time", lambda s, x: x.unbind(1)[0], None, x3, B0, set()),
+    ("unbind_batch", lambda s, x: x.unbind(0)[0], None, x3, UNBATCHED_LAYOUT, MIXES),
+    ("where_clamp", lambda s, x: torch.where(x > 0, x, torch.zeros(D)).clamp(-1, 1), None, x2, B0, set()),
+    ("data_attribute", lambda s, x: x.data * 2, None, x2, B0, set()),
+    ("lstm_cell", lambda s, x: s.layer(x)[0], nn.LSTMCell(D, 3), x2, B0, set()),
+    ("flatten_layer_from_0", lambda s, x: s.layer(x) * 2, nn.Flatten(0), x3, BatchLayout.merged(0, T * D), MOVES),
+    ("unflatten_layer", lambda s, x: s.layer(x), nn.Unflatten(1, (2, 4)), x2, B0, set()),
+    ("softmax_layer_batch", lambda s, x: s.layer(x), nn.Softmax(dim=0), x2, B0, MIXES),
+    ("softmax_implicit_dim", lambda s, x: F.softmax(x, dim=None), None, x2, B0, set()),
+    ("cosine_similarity_layer", lambda s, x: s.layer(x, x), nn.CosineSimilarity(), x2, B0, set()),
+    ("loss_reduction_none", lambda s, x: s.layer(x, torch.zeros(N, D)), nn.MSELoss(reduction="none"), x2, B0, set()),
+    ("loss_mean_layer", lambda s, x: s.layer(x, torch.zeros(N, D)), nn.L1Loss(), x2, UNBATCHED_LAYOUT, MIXES),
+    ("new_zeros_batch_sized", lambda s, x: x.new_zeros(x.size(0), 3), None, x2, B0, set()),
+    ("arange_sample_index", lambda s, x: torch.arange(x.shape[0]), None, x2, B0, set()),
+    ("full_unbatched", lambda s, x: x.new_full((2, 3), 1.0), None, x2, UNBATCHED_LAYOUT, set()),
+    # the in-place add makes the zeros per-sample: summing them over the batch then mixes samples
+    ("inplace_add_then_mix", lambda s, x: [b := x.new_zeros(N, D), b.add_(x), b.sum(0)][-1], None, x2,
+     UNBATCHED_LAYOUT, MIXES),
+    ("stack_time", lambda s, x: torch.stack([x, x], dim=1), None, x2, B0, set()),
+    ("cat_two_layouts", lambda s, x: torch.cat([x[:, :N], x[:, :N].T], 1), None, x2, UNKNOWN_LAYOUT, MIXES | MOVES),
+    ("baddbmm", lambda s, x: torch.baddbmm(torch.zeros(T, T), x, x.transpose(1, 2)), None, x3, B0, set()),
+    ("matmul_vector", lambda s, x: x @ torch.ones(D), None, x3, B0, set()),
+    ("einsum_implicit_output", lambda s, x: torch.einsum("ntd,de", x, torch.ones(D, 2)), None, x3, B1, set()),
+]
+
+
+@pytest.mark.parametrize("name, fn, layer, inputs, layout, kinds", OPS, ids=[o[0] for o in OPS])
+def test_rule_gives_the_output_layout_and_findings(name, fn, layer, inputs, layout, kinds):
+    example = inputs()
+    model = (Apply2 if isinstance(example, tuple) else Apply)(fn, layer)
+    gm, findings = analyse(model, example)
+    out = [n for n in gm.graph.nodes if n.op == "output"][0].meta[meta.BATCH_DIM]
+    assert out == layout, render_findings(findings)
+    assert {f.kind for f in findings} == kinds, render_findings(findings)
+
+
+class InPlaceBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.b = nn.Linear(D, E)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.a(x)
+        out += x
+        out = self.act(out)
+        out[:, 0] = x[:, 1]
+        y = self.b(out)
+        y.clamp_(min=0)
+        w = y.clone()
+        w[1:] = y[:-1]  # MIX
+        return w
+
+
+def test_graph_rewritten_by_the_inplace_pass_is_analysed_like_the_original():
+    from fxdp.passes.inplace import remove_inplace_ops
+
+    model = InPlaceBlock()
+    x = torch.randn(N, D)
+    _, direct = analyse(model, x)
+    gm = remove_inplace_ops(trace(model).graph_module).graph_module
+    rewritten = list(propagate_batch_dim(gm, x).report.findings)
+    line = marker_line(model, "MIX")[1]
+    for findings in (direct, rewritten):
+        assert [(f.kind, f.location.line) for f in findings] == [(Kind.MIXES_SAMPLES, line)], render_findings(findings)
+    out = [n for n in gm.graph.nodes if n.op == "output"][0]
+    assert out.meta[meta.BATCH_DIM] == B0
+    assert all(n.meta[meta.BATCH_DIM] is not None for n in gm.graph.nodes
+               if isinstance(n.meta[meta.FAKE_VALUE], torch.Tensor))

@@ -178,6 +178,7 @@ CASES = {
     "time_major": (TimeMajor, lambda: torch.randn(3, 5, 4)),
     "merged_batch": (Merged, lambda: torch.randn(3, 5, 4)),
     "attention": (Attention, lambda: torch.randn(3, 4, 6)),
+    "recurrent_generic_rule": (Recurrent, lambda: torch.randn(3, 4, 4)),
     "benchmark_transformer": (lambda: bench_models.Transformer(vocab=20, d=16, heads=2, max_len=8),
                               lambda: torch.randint(0, 20, (3, 8))),
     "benchmark_resnet": (lambda: bench_models.ResNetGN(width=8), lambda: torch.randn(2, 3, 8, 8)),
@@ -224,10 +225,15 @@ def test_untraceable_model_falls_back_to_hooks_and_stays_correct():
     assert "not traceable" in str(rep) or "traced: no" in str(rep)
 
 
-def test_a_layer_the_generic_rule_cannot_vmap_is_named_in_the_error():
-    compiled = fxdp.compile_for_dp(Recurrent(), example_inputs=torch.randn(3, 4, 4))
-    with pytest.raises(RuntimeError, match=r"generic per-sample rule .* failed on layer 'rnn' \(GRU\).*register_grad_sampler"):
-        compiled(torch.randn(3, 4, 4)).sum().backward()
+def test_a_failing_generic_rule_names_the_node_in_the_error(monkeypatch):
+    def cannot_rerun(*args, **kwargs):
+        raise RuntimeError("this op cannot run on one sample")
+
+    monkeypatch.setattr(fxdp.runtime, "functional_grad_samples", cannot_rerun)
+    compiled = fxdp.compile_for_dp(BareParameter(), example_inputs=torch.randn(4, 3, 4))
+    with pytest.raises(RuntimeError, match=r"generic per-sample rule failed on '_operator.matmul' at node "
+                                           r"'matmul' .*: this op cannot run on one sample\. Register a rule"):
+        compiled(torch.randn(4, 3, 4)).sum().backward()
 
 
 def test_outputs_equal_the_original_model():

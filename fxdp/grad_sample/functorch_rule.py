@@ -144,5 +144,10 @@ def functional_grad_samples(
             )
         return vjp_fn(sample_backprops.unsqueeze(0).to(output.dtype))
 
-    grads = vmap(one_sample, in_dims=(None, 0, 0))(params, batched, backprops)
+    try:
+        grads = vmap(one_sample, in_dims=(None, 0, 0))(params, batched, backprops)
+    except RuntimeError:
+        # some kernels cannot be vmapped (the fused RNN kernels); the same vjp, one sample at a time
+        rows = [one_sample(params, [x[i] for x in batched], backprops[i]) for i in range(backprops.shape[0])]
+        grads = [torch.stack(per_param) for per_param in zip(*rows)]
     return list(grads)

@@ -322,8 +322,8 @@ class BatchDimInterpreter(torch.fx.Interpreter):
                 self.layouts[target] = verdict.updates_input  # later readers of the written tensor see it
             elif _is_inplace(n) and isinstance(verdict.layout, BatchLayout):
                 self.layouts[target] = verdict.layout
-            if (target in self.facts.sample_index and n.target in _INDEX_PRESERVING and not verdict.mixes
-                    and per_sample(verdict.layout)):
+            if (target in self.facts.sample_index and n.op != "call_module" and n.target in _INDEX_PRESERVING
+                    and not verdict.mixes and per_sample(verdict.layout)):
                 self.facts.sample_index.add(n)
         return verdict.layout
 

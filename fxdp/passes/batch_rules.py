@@ -40,6 +40,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from fxdp.passes import inplace as _inplace
+from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.layout import (
     BATCHED,
     BROADCAST,
@@ -177,6 +179,8 @@ def find_batch_rule(op) -> Optional[BatchRule]:
             rule = _RULES.get(klass)
             if rule is not None:
                 return rule
+        if find_grad_sampler(op) is not None:
+            return _registered_layer
         return None
     try:
         return _RULES.get(op)
@@ -442,9 +446,9 @@ def _factory(call: OpCall) -> Verdict:
         if isinstance(a, (list, tuple)):
             sizes = list(a)
             break
-        if isinstance(a, torch.fx.Node) and a in call.facts.shapes:  # torch.zeros(x.shape)
-            return Verdict(mirror(call.out, _at(call.facts.shapes[a], call.facts.shapes[a].dim))
-                           if per_sample(call.facts.shapes[a]) else mirror(call.out, UNBATCHED_LAYOUT))
+        if isinstance(a, torch.fx.Node) and a in call.facts.shapes:  # x.new_zeros(x.shape)
+            like = call.facts.shapes[a]
+            return Verdict(mirror(call.out, like if per_sample(like) else UNBATCHED_LAYOUT))
     if sizes is None:
         sizes = [a for a in node_args if isinstance(a, (int, torch.fx.Node))]
     hits = [j for j, s in enumerate(sizes) if call.is_batch_size(s)]
@@ -1185,7 +1189,7 @@ _PER_SAMPLE_ROWS = mixes_from(lambda c, x: 1, "treats dim 0 as the batch and mix
 
 def _batch_norm(call: OpCall) -> Verdict:
     """Batch statistics (training, or no running stats) mix samples; running statistics do not."""
-    x, lay = call.args[0], call.arg_layouts[0]
+    lay = call.arg_layouts[0]
     m = call.module
     if m is not None:
         batch_stats = m.training or m.running_mean is None
@@ -1515,9 +1519,9 @@ def _gather(call: OpCall) -> Verdict:
 
 def _scatter(call: OpCall) -> Verdict:
     """scatter/index_add/index_copy(x, dim, index, src): writing along the batch mixes samples."""
-    x, lay = call.args[0], call.arg_layouts[0]
+    x = call.args[0]
     d = _norm_dim(call.arg(1, "dim"), x.dim())
-    tensors = [(t, tl) for t, tl in call.operands()]
+    tensors = call.operands()
     for t, tl in tensors:
         if per_sample(tl) and tl.dim == d and t.dim() == x.dim():
             return Verdict(mirror(call.out, UNBATCHED_LAYOUT), fix=_FIX_INDEX,
@@ -1687,6 +1691,32 @@ def _transformer_layer(call: OpCall) -> Verdict:
 
 
 # --------------------------------------------------------------------------------------------
+# The out-of-place helpers the inplace pass writes into the graph
+# --------------------------------------------------------------------------------------------
+
+
+def _index_assign(call: OpCall) -> Verdict:
+    """index_assign(x, index, value): ``x[index] = value`` out of place."""
+    verdict = _setitem(call)
+    lay = verdict.updates_input if verdict.updates_input is not None else call.arg_layouts[0]
+    if not isinstance(lay, BatchLayout):
+        lay = UNBATCHED_LAYOUT
+    return Verdict(mirror(call.out, lay), mixes=verdict.mixes, fix=verdict.fix)
+
+
+def _apply_out_of_place(call: OpCall) -> Verdict:
+    """apply_out_of_place(x, "method_", *args): the in-place method's own rule decides."""
+    method = call.args[1]
+    rule = find_batch_rule(method)
+    if rule is None:
+        return Verdict(mirror(call.out, UNKNOWN_LAYOUT))
+    inner = OpCall(method, (call.args[0],) + tuple(call.args[2:]), call.kwargs,
+                   (call.arg_layouts[0],) + tuple(call.arg_layouts[2:]), call.kwarg_layouts, call.out,
+                   call.batch_size, call.home, None, call.facts)
+    return rule(inner)
+
+
+# --------------------------------------------------------------------------------------------
 # The families, registered one line each
 # --------------------------------------------------------------------------------------------
 
@@ -1715,7 +1745,7 @@ _F_ELEMENTWISE = (
     "relu relu_ relu6 elu elu_ selu selu_ celu celu_ gelu silu mish hardswish hardsigmoid hardtanh hardtanh_ "
     "leaky_relu leaky_relu_ logsigmoid softplus softshrink hardshrink tanhshrink softsign threshold "
     "threshold_ rrelu rrelu_ prelu sigmoid tanh dropout dropout1d dropout2d dropout3d alpha_dropout "
-    "feature_alpha_dropout one_hot"
+    "feature_alpha_dropout"
 ).split()
 _SPECIAL = (
     "expit erf erfc erfcx erfinv exp2 expm1 gammaln digamma psi i0 i0e i1 i1e log1p logit ndtr ndtri "
@@ -1756,6 +1786,7 @@ register_batch_rule(_keys(*_UNARY, *_BINARY, *_INPLACE) + _fn(*_F_ELEMENTWISE) +
                     + _keys(*_SPECIAL, methods=False, namespaces=(torch.special,)))(elementwise)
 register_batch_rule(_keys(*_IDENTITY))(rearranging(lambda call: keeps_layout(call)))
 register_batch_rule(_modules(*_ACTIVATION_LAYERS))(elementwise)
+register_batch_rule(_fn("one_hot"))(keeps_layout)  # appends a class dimension
 # tensors made from sizes, not from data
 register_batch_rule(_keys(*_FACTORIES, methods=False) + ["new_zeros", "new_ones", "new_empty", "new_full"] + _NEW_METHODS)(_factory)
 register_batch_rule(["new_tensor", torch.Tensor.new_tensor, torch.tril_indices, torch.triu_indices])(_constant)
@@ -1841,9 +1872,19 @@ register_batch_rule(_fn("embedding") + _modules("Embedding"))(_embedding)
 register_batch_rule(_modules("EmbeddingBag"))(_embedding_bag)
 # losses (every nn loss derives from _Loss)
 register_batch_rule(_fn(*_LOSSES) + [nn.modules.loss._Loss])(_loss)
+# the inplace pass's out-of-place helpers
+register_batch_rule([_inplace.index_assign])(_index_assign)
+register_batch_rule([_inplace.copy_into])(elementwise)
+register_batch_rule([_inplace.random_like, torch.fill])(keeps_layout)
+register_batch_rule([_inplace.apply_out_of_place])(_apply_out_of_place)
 # sequence and attention layers
 register_batch_rule([nn.RNNBase])(_rnn)
 register_batch_rule([nn.RNNCellBase])(_rnn_cell)
 register_batch_rule(_modules("MultiheadAttention"))(_multihead_attention)
 register_batch_rule(_modules("TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
                              "TransformerDecoder", "Transformer"))(_transformer_layer)
+
+
+# A layer with a user-registered per-sample rule and no batch rule: the grad-sampler contract says it
+# takes and returns the batch in dimension 0, and may combine everything else.
+_registered_layer = mixes_from(lambda call, x: 1, "a layer with a registered per-sample rule combines every dimension but the first")
