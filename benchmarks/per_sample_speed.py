@@ -5,7 +5,7 @@
 - Opacus's hooks engine (``opacus.GradSampleModule``), when ``opacus`` is installed
   (``pip install -e .[bench]``; it is not a dependency of fxdp).
 
-Usage: python benchmarks/per_sample_speed.py [--repeats 10] [--models mlp,cnn,resnet,transformer]
+Usage: python benchmarks/per_sample_speed.py [--repeats 20] [--models mlp,cnn,resnet,transformer]
 Prints one row per model: milliseconds per step and the ratio to the non-private step.
 """
 
@@ -35,28 +35,30 @@ CASES = {
 }
 
 
-def _step_time(model, x, y, repeats, clear):
+def _make_step(model, x, y, clear):
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step():
-        out = model(x)
-        F.cross_entropy(out, y).backward()
+        F.cross_entropy(model(x), y).backward()
         for p in params:
             p.grad = None
         clear()
 
-    for _ in range(2):  # warm-up
+    return step
+
+
+def _median_times(steps, repeats):
+    """Median milliseconds per step; the engines take turns, so drift in machine load hits all alike."""
+    for step in steps.values():  # warm-up
         step()
-    times = []
+        step()
+    times = {name: [] for name in steps}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
-def _clear_grad_sample(model):
-    return lambda: fxdp.zero_grad_sample(model)
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
 def run(names, repeats):
@@ -71,27 +73,30 @@ def run(names, repeats):
         torch.manual_seed(0)
         model = factory()
         x, y = make_x(n), torch.randint(0, classes, (n,))
-        plain = _step_time(model, x, y, repeats, lambda: None)
-
         fx_model = fxdp.compile_for_dp(copy.deepcopy(model), example_inputs=x)
-        engine = fxdp.report(fx_model).mode
-        fx = _step_time(fx_model, x, y, repeats, _clear_grad_sample(fx_model))
-        row = [name, n, f"{plain:.1f}", f"{fx:.1f} ({engine})", f"{fx / plain:.2f}"]
+        steps = {
+            "plain": _make_step(model, x, y, lambda: None),
+            "fxdp": _make_step(fx_model, x, y, lambda: fxdp.zero_grad_sample(fx_model)),
+        }
         if opacus is not None:
             op_model = opacus.GradSampleModule(copy.deepcopy(model))
-            op = _step_time(op_model, x, y, repeats, lambda: op_model.zero_grad(set_to_none=True))
-            row += [f"{op:.1f}", f"{op / plain:.2f}", f"{fx / op:.2f}"]
+            steps["opacus"] = _make_step(op_model, x, y, lambda: op_model.zero_grad(set_to_none=True))
+        ms = _median_times(steps, repeats)
+        row = [name, n, f"{ms['plain']:.1f}", f"{ms['fxdp']:.1f} ({fxdp.report(fx_model).mode})",
+               f"{ms['fxdp'] / ms['plain']:.2f}"]
+        if opacus is not None:
+            row += [f"{ms['opacus']:.1f}", f"{ms['opacus'] / ms['plain']:.2f}", f"{ms['fxdp'] / ms['opacus']:.2f}"]
         rows.append(row)
-    headers = ["model", "batch", "plain ms", "fxdp ms", "fxdp/plain"]
+    headers = ["model", "batch", "plain ms", "fxdp ms (engine)", "fxdp/plain"]
     if opacus is not None:
         headers += ["opacus ms", "opacus/plain", "fxdp/opacus"]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {repeats} steps")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {repeats} steps per engine")
     print(tabulate(rows, headers=headers, tablefmt="github"))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--models", default=",".join(CASES))
     args = parser.parse_args()
     run(args.models.split(","), args.repeats)
