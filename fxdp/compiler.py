@@ -12,6 +12,7 @@ from torch import nn
 from fxdp import passes
 from fxdp.diagnostics import BatchMixingError, CompileReport, Kind, NotPrivateError, PassError, PassReport, PassResult, Severity
 from fxdp.grad_sample.accumulate import check_loss_reduction
+from fxdp.grad_sample.engines import check_grad_sample_mode, wrap_model
 from fxdp.passes.batch_dim import propagate_batch_dim
 from fxdp.passes.inplace import remove_inplace_ops
 from fxdp.passes.per_sample import insert_per_sample_ops, update_site_layouts
@@ -19,7 +20,6 @@ from fxdp.passes.validate import validate_graph
 from fxdp.tracing import trace
 
 _REPORT_ATTR = "fxdp_report"
-GRAD_SAMPLE_MODES = ("fx", "hooks", "ew", "functorch", "no_op")
 
 
 def _run(name: str, fn: Callable[..., PassResult], gm: torch.fx.GraphModule, reports: List[PassReport], **kwargs):
@@ -94,8 +94,6 @@ def _refuse_if_not_private(reports: List[PassReport]) -> None:
 
 
 def _wrap(model, mode, batch_dim, loss_reduction):
-    from fxdp.grad_sample.engines import wrap_model
-
     return wrap_model(model, mode, batch_first=(batch_dim == 0), loss_reduction=loss_reduction)
 
 
@@ -116,8 +114,7 @@ def compile_for_dp(
     ops that mix samples), with a table of the findings.
     """
     check_loss_reduction(loss_reduction)
-    if grad_sample_mode not in GRAD_SAMPLE_MODES:
-        raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}")
+    check_grad_sample_mode(grad_sample_mode)
     if batch_dim not in (0, 1):
         raise ValueError(f"batch_dim must be 0 (batch first) or 1 (time major), got {batch_dim!r}")
 

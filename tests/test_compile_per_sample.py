@@ -270,7 +270,7 @@ def test_parameters_are_shared_with_the_users_model():
 def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="loss_reduction must be one of"):
         fxdp.compile_for_dp(Frozen(), loss_reduction="avg")
-    with pytest.raises(ValueError, match="grad_sample_mode must be one of"):
+    with pytest.raises(ValueError, match="unknown grad_sample_mode 'magic'; valid modes are 'fx', 'hooks'"):
         fxdp.compile_for_dp(Frozen(), grad_sample_mode="magic")
     with pytest.raises(ValueError, match="batch_dim must be 0"):
         fxdp.compile_for_dp(Frozen(), batch_dim=2)
