@@ -13,22 +13,25 @@ from fxdp import passes
 from fxdp.diagnostics import BatchMixingError, CompileReport, Kind, NotPrivateError, PassError, PassReport, PassResult, Severity
 from fxdp.grad_sample.accumulate import check_loss_reduction
 from fxdp.grad_sample.engines import check_grad_sample_mode, wrap_model
-from fxdp.passes.batch_dim import propagate_batch_dim
+from fxdp.passes.batch_dim import BatchDimAnalysisError, propagate_batch_dim
 from fxdp.passes.inplace import remove_inplace_ops
 from fxdp.passes.per_sample import insert_per_sample_ops, update_site_layouts
 from fxdp.passes.validate import validate_graph
 from fxdp.tracing import trace
+from fxdp.validators.errors import UnsupportedError
 
 _REPORT_ATTR = "fxdp_report"
+
+
+# Errors that already tell the user what is wrong and where; anything else from a pass is a PassError.
+_USER_ERRORS = (NotPrivateError, UnsupportedError, BatchDimAnalysisError)
 
 
 def _run(name: str, fn: Callable[..., PassResult], gm: torch.fx.GraphModule, reports: List[PassReport], **kwargs):
     try:
         result = fn(gm, **kwargs)
-    except (NotPrivateError, ValueError, TypeError) as exc:
-        if isinstance(exc, NotPrivateError) or getattr(exc, "fxdp_user_error", False):
-            raise
-        raise PassError(name, exc) from exc
+    except _USER_ERRORS:
+        raise
     except Exception as exc:
         raise PassError(name, exc) from exc
     reports.append(result.report)
@@ -149,7 +152,6 @@ def _analyse_on_first_batch(gm: torch.fx.GraphModule, analysed: torch.fx.GraphMo
     """Without example inputs, run the batch_dim pass on the first batch, before its backward."""
 
     def hook(module, args, kwargs):
-        handle.remove()
         inputs = dict(kwargs) if kwargs and not args else tuple(args)
         result = propagate_batch_dim(analysed, inputs, batch_dim=batch_dim, strict=strict)
         previous = report(gm)
@@ -161,5 +163,6 @@ def _analyse_on_first_batch(gm: torch.fx.GraphModule, analysed: torch.fx.GraphMo
                                   "compile with example_inputs so fxdp can choose another engine up front:")
         notes = [n for n in previous.notes if n != _NO_INPUTS_NOTE] + ["batch_dim: run on the first batch"]
         setattr(gm, _REPORT_ATTR, CompileReport(previous.model, True, tuple(reports), notes=tuple(notes)))
+        handle.remove()  # only once the analysis passed: a refused model stays refused
 
     handle = gm.register_forward_pre_hook(hook, with_kwargs=True)

@@ -279,3 +279,35 @@ def test_bad_arguments_are_clear_errors():
 def test_report_of_a_plain_model_is_a_clear_error():
     with pytest.raises(ValueError, match="not produced by fxdp.compile_for_dp"):
         fxdp.report(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("case", ["merged_batch", "time_major", "position_ids", "mnist_cnn"])
+@pytest.mark.parametrize("n", [1, 7])
+def test_batches_of_another_size_than_the_example(case, n):
+    """Layouts are positions, not sizes: a model compiled on a batch of 3 serves batches of 1 and 7."""
+    torch.manual_seed(0)
+    factory, make_inputs = CASES[case]
+    model = factory()
+    example = make_inputs()
+    example = example if isinstance(example, tuple) else (example,)
+    batch = tuple(torch.cat([x] * 3)[:n] if x.shape[0] == example[0].shape[0] else x for x in example)
+    expected, R = expected_grad_samples(model, batch)
+    compiled = fxdp.compile_for_dp(model, example_inputs=example, loss_reduction="sum")
+    batch_loss(compiled(*batch), R, "sum").backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_sample, expected[name], atol=1e-5, rtol=1e-4)
+
+
+def test_without_example_inputs_a_mixing_model_is_refused_on_the_first_batch():
+    class Centre(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(x - x.mean(0))
+
+    compiled = fxdp.compile_for_dp(Centre())
+    for _ in range(2):  # and it stays refused
+        with pytest.raises(fxdp.BatchMixingError, match="mixes samples"):
+            compiled(torch.randn(3, 4))
