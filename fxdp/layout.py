@@ -15,6 +15,7 @@ Kinds:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -99,6 +100,7 @@ UNBATCHED_LAYOUT = BatchLayout(UNBATCHED)
 UNKNOWN_LAYOUT = BatchLayout(UNKNOWN)
 
 
+@functools.lru_cache(maxsize=None)  # called for every tensor of every DP-aware op, every step
 def parse_layout(text: str) -> BatchLayout:
     """Inverse of ``str(BatchLayout)``: ``"batch@1"``, ``"merged@0(inner=8)"``, ``"unbatched"``, ..."""
     if text in (UNBATCHED, UNKNOWN):

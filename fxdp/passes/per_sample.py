@@ -64,7 +64,9 @@ def _has_batch_size(node, dim: int, n: Optional[int]) -> bool:
 
 
 def _site_layouts(node, default, reached, n=None) -> Tuple[List[BatchLayout], BatchLayout]:
-    args = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
+    # one layout per tensor argument, in the order the runtime meets them (ints from x.size(0) are not)
+    args = [a for a in pytree.tree_leaves((node.args, node.kwargs))
+            if isinstance(a, torch.fx.Node) and isinstance(a.meta.get(meta.FAKE_VALUE, torch.empty(0)), torch.Tensor)]
     ins = [_layout_of(a, default, reached) for a in args]
     out = _layout_of(node, default, reached)
     if out.kind == UNBATCHED and _has_batch_size(node, default.dim, n):
