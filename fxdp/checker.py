@@ -11,8 +11,9 @@ are compared, per parameter: each row of ``p.grad_sample`` with the gradient of 
 and the sum of the rows with the batch gradient ``p.grad`` (they differ when the model mixes samples,
 even if every row is right for its sample alone, as the functorch engine's are by construction).
 
-The model runs as it is (train or eval mode): random layers such as dropout draw different masks for
-the batch and for each sample, so check a model with dropout in eval mode.
+The model runs as it is: random layers such as dropout draw different masks for the batch and for
+each sample, so set their probability to 0 before checking (``compile_for_dp`` refuses a model in eval
+mode, so ``model.eval()`` is no way out for the "fx" engine).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from fxdp import passes
+from fxdp import runtime
 from fxdp.diagnostics import BatchMixingError, CompileReport, Kind, NotPrivateError, PassError, PassReport, PassResult, Severity
 from fxdp.grad_sample.accumulate import check_loss_reduction
 from fxdp.grad_sample.engines import check_grad_sample_mode, wrap_model
@@ -155,14 +155,19 @@ def _analyse_on_first_batch(gm: torch.fx.GraphModule, analysed: torch.fx.GraphMo
         inputs = dict(kwargs) if kwargs and not args else tuple(args)
         result = propagate_batch_dim(analysed, inputs, batch_dim=batch_dim, strict=strict)
         previous = report(gm)
-        reports = [*previous.passes[:-1], result.report, previous.passes[-1]]
+        analysis = [p for p in previous.passes if p.name not in ("batch_dim", "per_sample")]
+        reports = [*analysis, result.report, previous.pass_report("per_sample")]
         _refuse_if_not_private(reports)
-        problems = update_site_layouts(gm, result.graph_module, batch_dim)
+        problems, changes = update_site_layouts(gm, result.graph_module, batch_dim)
         if problems:
             raise NotPrivateError(problems, "fxdp cannot compute per-sample gradients on the graph for these ops; "
                                   "compile with example_inputs so fxdp can choose another engine up front:")
+        reports[-1] = PassReport(reports[-1].name, tuple(changes), reports[-1].findings)
         notes = [n for n in previous.notes if n != _NO_INPUTS_NOTE] + ["batch_dim: run on the first batch"]
         setattr(gm, _REPORT_ATTR, CompileReport(previous.model, True, tuple(reports), notes=tuple(notes)))
-        handle.remove()  # only once the analysis passed: a refused model stays refused
+        # settled once the analysis passed (a refused model stays refused) on a batch of several samples
+        # (with one, a (1, T) input cannot be told from a batched one)
+        if runtime.batch_size(gm.fxdp_batch, *args, *kwargs.values()) > 1:
+            handle.remove()
 
     handle = gm.register_forward_pre_hook(hook, with_kwargs=True)

@@ -55,6 +55,7 @@ class PerSampleSite:
     layouts: List[str] = field(default_factory=list)
     out_layouts: List[str] = field(default_factory=lambda: ["batch@0"])  # one per tensor output
     fn: Union[Callable, str, None] = None  # functional uses: the torch function, or the Tensor method's name
+    description: str = ""  # for the report: "layer 'fc' (Linear)", "'mul' using 'scale'"
 
     def in_layout(self, i: int) -> BatchLayout:
         return parse_layout(self.layouts[i]) if i < len(self.layouts) else parse_layout(self.layouts[0])
@@ -108,6 +109,8 @@ def _per_sample_vjp(call, leaves, layouts, param_positions, out_layouts, grads, 
     outputs are handled as one scalar per sample, ``sum_k <out_k, grad_k>``, whose gradient is the vjp.
     """
     batched = [i for i, lay in enumerate(layouts) if lay is not None and lay.is_batched]
+    if not batched:
+        return _per_row_vjp(call, leaves, param_positions, out_layouts, grads, n)
     args = [
         layouts[i].to_batch_first(leaf.detach(), n) if i in batched
         else leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
@@ -130,15 +133,48 @@ def _per_sample_vjp(call, leaves, layouts, param_positions, out_layouts, grads, 
                                        batched + cotangent_positions, ones)
     except Exception as exc:  # re-raised naming the node; the cause is kept
         raise RuntimeError(
-            f"fxdp: the generic per-sample rule failed on '{site.target}' at node '{site.node}' (each sample is "
-            f"re-run alone as a batch of one): {exc}. Register a rule for this layer with "
-            "@fxdp.register_grad_sampler, or make the code work on a batch of one."
+            f"fxdp: the generic per-sample rule, which re-runs each sample alone as a batch of one, failed on "
+            f"'{site.target}' at node '{site.node}': {exc}. Or register a per-sample rule for this layer with "
+            "@fxdp.register_grad_sampler."
         ) from exc
 
 
+def _per_row_vjp(call, leaves, param_positions, out_layouts, grads, n):
+    """Per-sample gradients of an op that builds per-sample rows from shared values only (a parameter
+    expanded to the batch: ``cls.expand(N, -1, -1)``): sample i's gradient is the vjp of the whole op
+    against row i of the output gradient, the other rows zeroed."""
+    fixed = [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+
+    def whole(*param_values):
+        flat = list(fixed)
+        for i, v in zip(param_positions, param_values):
+            flat[i] = v
+        return tuple(_output_tensors(call(flat)))
+
+    outs, vjp_fn = torch.func.vjp(whole, *[fixed[i] for i in param_positions])
+    rows = [lay.to_batch_first(g if g is not None else torch.zeros_like(o), n)
+            for lay, g, o in zip(out_layouts, grads, outs)]
+
+    def sample(i):
+        own = [lay.from_batch_first(r * (torch.arange(n, device=r.device) == i).view(n, *[1] * (r.dim() - 1)))
+               for lay, r in zip(out_layouts, rows)]
+        return vjp_fn(tuple(own))
+
+    return torch.func.vmap(sample)(torch.arange(n))
+
+
 def _on_backward(outputs: List[torch.Tensor], record) -> bool:
-    """Call ``record(grads)`` once the gradients of all ``outputs`` are known; False if none needs them."""
+    """Call ``record(grads)`` once the gradients of all ``outputs`` are known; False if none needs them.
+
+    ``record`` runs with grad mode on: backward hooks run with it off, and some kernels (the CPU LSTM)
+    then take an inference path that the per-sample vjp cannot differentiate."""
     needing = [t for t in outputs if t.requires_grad]
+    inner = record
+
+    def record(grads):
+        with torch.enable_grad():
+            inner(grads)
+
     if not torch.is_grad_enabled() or not needing:
         return False
     if len(outputs) == 1:
@@ -162,20 +198,22 @@ def _out_layouts(site: PerSampleSite, count: int) -> List[BatchLayout]:
 
 
 def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwargs):
-    """Call a parametrised module; in backward, add its parameters' per-sample gradients."""
+    """Call a layer; in backward, add the per-sample gradients of its parameters (and of parameters
+    passed to it as arguments, as in ``self.act(self.raw)``)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     layouts = _tensor_layouts(site, leaves)
     leaves, layouts = _expand_broadcast(leaves, layouts, n)
     args, kwargs = pytree.tree_unflatten(leaves, spec)
     out = module(*args, **kwargs)
     trainable = {name: p for name, p in module.named_parameters() if p.requires_grad}
+    arg_params = [i for i, leaf in enumerate(leaves) if isinstance(leaf, nn.Parameter) and leaf.requires_grad]
     outputs = _output_tensors(out)
-    if not trainable or not outputs:
+    if not (trainable or arg_params) or not outputs:
         return out
     out_layouts = _out_layouts(site, len(outputs))
     scale = n if site.loss_reduction == "mean" else 1
 
-    if find_grad_sampler(module) is not None and len(outputs) == 1:
+    if find_grad_sampler(module) is not None and len(outputs) == 1 and not arg_params:
         # hand-written rule: it sees batch-first activations and backprops
         activations = [
             lay.to_batch_first(t.detach(), n) for t, lay in zip(leaves, layouts) if isinstance(t, torch.Tensor)
@@ -184,15 +222,17 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
         def record(grads) -> None:
             backprops = out_layouts[0].to_batch_first(grads[0], n)
             accumulate_grad_samples(
-                compute_grad_samples(module, activations, backprops, loss_reduction=site.loss_reduction, batch_size=n)
+                compute_grad_samples(module, activations, backprops, loss_reduction=site.loss_reduction, batch_size=n),
+                batch_size=n,
             )
 
     else:
-        # generic rule: the module as a function of its parameters, each sample alone
+        # generic rule: the layer as a function of its parameters, each sample alone
         names = list(trainable)
         n_inputs = len(leaves)
         all_leaves = list(leaves) + [trainable[k] for k in names]
         all_layouts = list(layouts) + [None] * len(names)
+        positions = arg_params + list(range(n_inputs, len(all_leaves)))
 
         def call(flat):
             a, k = pytree.tree_unflatten(flat[:n_inputs], spec)
@@ -200,9 +240,8 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
 
         def record(grads) -> None:
             grads = [None if g is None else g * scale for g in grads]
-            samples = _per_sample_vjp(call, all_leaves, all_layouts, list(range(n_inputs, len(all_leaves))),
-                                      out_layouts, grads, n, site)
-            accumulate_grad_samples({trainable[k]: g for k, g in zip(names, samples)})
+            samples = _per_sample_vjp(call, all_leaves, all_layouts, positions, out_layouts, grads, n, site)
+            accumulate_grad_samples({all_leaves[i]: g for i, g in zip(positions, samples)}, batch_size=n)
 
     _on_backward(outputs, record)
     return out
@@ -232,7 +271,7 @@ def per_sample_function(site: PerSampleSite, n: int, *args, **kwargs):
     def record(grads) -> None:
         grads = [None if g is None else g * scale for g in grads]
         samples = _per_sample_vjp(call, leaves, layouts, param_positions, out_layouts, grads, n, site)
-        accumulate_grad_samples({leaves[i]: g for i, g in zip(param_positions, samples)})
+        accumulate_grad_samples({leaves[i]: g for i, g in zip(param_positions, samples)}, batch_size=n)
 
     _on_backward(outputs, record)
     return out

@@ -231,8 +231,9 @@ def test_a_failing_generic_rule_names_the_node_in_the_error(monkeypatch):
 
     monkeypatch.setattr(fxdp.runtime, "functional_grad_samples", cannot_rerun)
     compiled = fxdp.compile_for_dp(BareParameter(), example_inputs=torch.randn(4, 3, 4))
-    with pytest.raises(RuntimeError, match=r"generic per-sample rule failed on '_operator.matmul' at node "
-                                           r"'matmul' .*: this op cannot run on one sample\. Register a rule"):
+    with pytest.raises(RuntimeError, match=r"generic per-sample rule, which re-runs each sample alone as a batch of one, "
+                                           r"failed on '_operator.matmul' at node 'matmul': this op cannot run on one "
+                                           r"sample\. Or register a per-sample rule"):
         compiled(torch.randn(4, 3, 4)).sum().backward()
 
 

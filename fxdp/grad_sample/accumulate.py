@@ -13,7 +13,7 @@ Conventions (the same as the incumbent's, so code written for it keeps working):
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Optional
 
 import torch
 from torch import nn
@@ -92,9 +92,16 @@ class _PendingGradSamples:
 _PENDING = _PendingGradSamples()
 
 
-def accumulate_grad_samples(grad_samples: Dict[nn.Parameter, torch.Tensor]) -> None:
-    """Add per-sample gradients computed during a backward pass (call only from backward hooks)."""
+def accumulate_grad_samples(grad_samples: Dict[nn.Parameter, torch.Tensor], batch_size: Optional[int] = None) -> None:
+    """Add per-sample gradients computed during a backward pass (call only from backward hooks).
+    With ``batch_size``, each must have exactly one row per sample of the batch."""
     for param, grad_sample in grad_samples.items():
+        if batch_size is not None and grad_sample.shape[0] != batch_size:
+            raise RuntimeError(
+                f"fxdp: per-sample gradients with {grad_sample.shape[0]} rows for a batch of {batch_size} samples "
+                f"(parameter of shape {tuple(param.shape)}); where the batch sits was recorded wrongly. Pass "
+                "example_inputs with more than one sample to compile_for_dp"
+            )
         if grad_sample.shape[1:] != param.shape:
             raise RuntimeError(
                 f"fxdp: a per-sample rule returned shape {tuple(grad_sample.shape)} for a parameter of "

@@ -146,7 +146,13 @@ def functional_grad_samples(
 
     try:
         grads = vmap(one_sample, in_dims=(None, 0, 0))(params, batched, backprops)
-    except RuntimeError:
+    except RuntimeError as exc:
+        if "randomness" in str(exc):
+            # re-running a sample draws new random numbers: its gradient would not be the one of this step
+            raise RuntimeError(
+                "it uses random ops (dropout), which draw new numbers when a sample is re-run alone, so the "
+                "gradient would not be this step's; set the layer's dropout to 0"
+            ) from exc
         # some kernels cannot be vmapped (the fused RNN kernels); the same vjp, one sample at a time
         rows = [one_sample(params, [x[i] for x in batched], backprops[i]) for i in range(backprops.shape[0])]
         grads = [torch.stack(per_param) for per_param in zip(*rows)]

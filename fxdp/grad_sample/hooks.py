@@ -309,7 +309,8 @@ class GradSampleModule(GradSampleModuleBase):
 
         def hook(grad: torch.Tensor) -> None:
             acts, backprops, n = self._to_batch_first(activations, grad)
-            with self._recompute():
+            # grad mode on: backward hooks run with it off, where the CPU LSTM has no backward
+            with self._recompute(), torch.enable_grad():
                 grad_samples = compute_grad_samples(
                     module, acts, backprops, loss_reduction=self.loss_reduction, batch_size=n
                 )

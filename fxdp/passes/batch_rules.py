@@ -437,24 +437,25 @@ def elementwise(call: OpCall) -> Verdict:
     return Verdict(mirror(call.out, layout))
 
 
-def _factory(call: OpCall) -> Verdict:
-    """torch.zeros(N, d), x.new_zeros(x.size(0), d), ...: batched where a size is the batch size."""
-    start = 1 if isinstance(call.op, str) or call.op in _NEW_METHODS else 0
+def _batch_size_position(call: OpCall, start: int) -> Optional[int]:
+    """Where the size arguments (``op(..., N, d)`` or ``op(..., (N, d))``) name the batch size ``x.size(b)``."""
     node_args = call.node.args[start:] if call.node is not None else ()
-    sizes = None
-    for a in node_args:
-        if isinstance(a, (list, tuple)):
-            sizes = list(a)
-            break
-        if isinstance(a, torch.fx.Node) and a in call.facts.shapes:  # x.new_zeros(x.shape)
-            like = call.facts.shapes[a]
-            return Verdict(mirror(call.out, like if per_sample(like) else UNBATCHED_LAYOUT))
+    sizes = next((list(a) for a in node_args if isinstance(a, (list, tuple))), None)
     if sizes is None:
         sizes = [a for a in node_args if isinstance(a, (int, torch.fx.Node))]
     hits = [j for j, s in enumerate(sizes) if call.is_batch_size(s)]
-    if len(hits) == 1:
-        return Verdict(mirror(call.out, BatchLayout.at(hits[0])))
-    return Verdict(mirror(call.out, UNBATCHED_LAYOUT))
+    return hits[0] if len(hits) == 1 else None
+
+
+def _factory(call: OpCall) -> Verdict:
+    """torch.zeros(N, d), x.new_zeros(x.size(0), d), ...: batched where a size is the batch size."""
+    start = 1 if isinstance(call.op, str) or call.op in _NEW_METHODS else 0
+    for a in (call.node.args[start:] if call.node is not None else ()):
+        if isinstance(a, torch.fx.Node) and a in call.facts.shapes:  # x.new_zeros(x.shape)
+            like = call.facts.shapes[a]
+            return Verdict(mirror(call.out, like if per_sample(like) else UNBATCHED_LAYOUT))
+    position = _batch_size_position(call, start)
+    return Verdict(mirror(call.out, UNBATCHED_LAYOUT if position is None else BatchLayout.at(position)))
 
 
 def _arange(call: OpCall) -> Verdict:
@@ -840,6 +841,12 @@ def view(kind: str) -> BatchRule:
         if out is None:
             return Verdict(None)
         in_shape = tuple(x.shape)
+        if kind in ("expand", "broadcast_to") and not per_sample(lay):
+            # shared values given to every sample (`cls.expand(x.size(0), -1, -1)`,
+            # `arange(T).expand(N, T)`): each sample gets its own copy, so later ops keep them apart
+            position = _batch_size_position(call, 1)
+            if position is not None:
+                return Verdict(mirror(call.out, BatchLayout.at(position)))
         after = layout_through(build(call, in_shape), in_shape, lay, call.batch_size)
         if per_sample(lay) and after.kind == UNKNOWN:
             return Verdict(UNKNOWN_LAYOUT, fix=_FIX_SPLIT,

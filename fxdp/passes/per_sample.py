@@ -39,13 +39,13 @@ def _inputs_reach(graph: torch.fx.Graph) -> Set[torch.fx.Node]:
     return reached
 
 
-def _trainable_param(gm: torch.fx.GraphModule, node) -> Optional[nn.Parameter]:
+def _parameter(gm: torch.fx.GraphModule, node) -> Optional[nn.Parameter]:
+    """The parameter a ``get_attr`` node reads, if it reads one."""
     if isinstance(node, torch.fx.Node) and node.op == "get_attr":
         try:
-            value = gm.get_parameter(node.target)
+            return gm.get_parameter(node.target)
         except AttributeError:
             return None
-        return value if value.requires_grad else None
     return None
 
 
@@ -58,24 +58,11 @@ def _layout_of(node, default: BatchLayout, reached: Set[torch.fx.Node]) -> Batch
     return layout
 
 
-def _has_batch_size(node, dim: int, n: Optional[int]) -> bool:
-    fake = node.meta.get(meta.FAKE_VALUE) if isinstance(node, torch.fx.Node) else None
-    return n is not None and isinstance(fake, torch.Tensor) and fake.dim() > dim and fake.shape[dim] == n
-
-
-def _site_layouts(node, default, reached, n=None) -> Tuple[List[BatchLayout], BatchLayout]:
+def _site_layouts(node, default, reached) -> Tuple[List[BatchLayout], BatchLayout]:
     # one layout per tensor argument, in the order the runtime meets them (ints from x.size(0) are not)
     args = [a for a in pytree.tree_leaves((node.args, node.kwargs))
             if isinstance(a, torch.fx.Node) and isinstance(a.meta.get(meta.FAKE_VALUE, torch.empty(0)), torch.Tensor)]
-    ins = [_layout_of(a, default, reached) for a in args]
-    out = _layout_of(node, default, reached)
-    if out.kind == UNBATCHED and _has_batch_size(node, default.dim, n):
-        # shared data expanded to the batch (`arange(T).expand(N, T)` position ids): each row is
-        # computed on its own, so the layer's output rows -- and their gradients -- are per-sample
-        ins = [BatchLayout.at(default.dim) if lay.kind == UNBATCHED and _has_batch_size(a, default.dim, n)
-               else lay for a, lay in zip(args, ins)]
-        out = BatchLayout.at(default.dim)
-    return ins, out
+    return [_layout_of(a, default, reached) for a in args], _layout_of(node, default, reached)
 
 
 def _out_layout_strings(node, first: BatchLayout, default: BatchLayout) -> List[str]:
@@ -127,7 +114,6 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
         raise ValueError("the model takes no inputs, so there is no batch to compute per-sample gradients over")
 
     gm.fxdp_batch = runtime.BatchSource(*_batch_source(placeholders, batch_dim))
-    n_example = _example_batch_size(placeholders, batch_dim)
     with graph.inserting_after(placeholders[-1]):
         source = _get_attr(graph, "fxdp_batch")
     with graph.inserting_after(source):
@@ -137,54 +123,79 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
     changes: List[Finding] = []
     findings: List[Finding] = []
     for node in list(graph.nodes):
+        # frozen parameters get sites too: the runtime skips them while frozen, and unfreezing works
+        arg_params = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if _parameter(gm, a) is not None]
         if node.op == "call_module":
             module = gm.get_submodule(node.target)
-            if not any(p.requires_grad for p in module.parameters()):
+            if not arg_params and next(module.parameters(), None) is None:
                 continue
-            target, rule = node.target, rule_name(module) or "functorch"
-            call, fn, what = runtime.per_sample_call, None, f"layer '{node.target}' ({type(module).__name__})"
-        elif node.op in ("call_function", "call_method"):
-            params = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if _trainable_param(gm, a) is not None]
-            if not params:
-                continue
+            rule = (rule_name(module) if not arg_params else None) or "functorch"
+            target, call, fn = node.target, runtime.per_sample_call, None
+            what = f"layer '{node.target}' ({type(module).__name__})"
+        elif node.op in ("call_function", "call_method") and arg_params:
             if node not in reached:
-                findings.append(_finding(
-                    node, f"parameter '{params[0].target}' goes through '{node.name}' before it meets per-sample data",
-                    "use the parameter directly in the op that consumes the input (e.g. `x @ self.w.t()` as "
-                    "`F.linear(x, self.w)`); fxdp uses the whole-model functorch engine instead", severity=Severity.WARNING))
+                if any(_parameter(gm, a).requires_grad for a in arg_params):
+                    findings.append(_finding(
+                        node, f"parameter '{arg_params[0].target}' goes through '{node.name}' before it meets "
+                        "per-sample data", "use the parameter directly in the op that consumes the input (e.g. "
+                        "`x @ self.w.t()` as `F.linear(x, self.w)`); fxdp uses the whole-model functorch engine "
+                        "instead", severity=Severity.WARNING))
                 continue
-            target, rule = node.target if isinstance(node.target, str) else torch.typename(node.target), "functorch"
-            call, fn = runtime.per_sample_function, node.target
-            what = f"'{node.name}' using {', '.join(repr(p.target) for p in params)}"
+            target = node.target if isinstance(node.target, str) else torch.typename(node.target)
+            rule, call, fn = "functorch", runtime.per_sample_function, node.target
+            what = f"'{node.name}' using {', '.join(repr(p.target) for p in arg_params)}"
         else:
             continue
 
-        ins, out = _site_layouts(node, default, reached, n_example)
+        ins, out = _site_layouts(node, default, reached)
         out, problem = _check_layouts(node, ins, out, gm)
         if problem is not None:
             findings.append(problem)
             continue
         site = runtime.PerSampleSite(node.name, str(target), rule, loss_reduction, [str(lay) for lay in ins],
-                                     _out_layout_strings(node, out, default), fn)
+                                     _out_layout_strings(node, out, default), fn, what)
         site_attr = f"fxdp_site_{node.name}"
         setattr(gm, site_attr, site)
         with graph.inserting_before(node):
             head = (graph.get_attr(node.target),) if fn is None else ()
-            new = graph.call_function(call, (*head, _get_attr(graph, site_attr), n, *node.args), dict(node.kwargs))
-        new.meta.update(node.meta)
-        new.meta[meta.PER_SAMPLE_RULE] = rule
-        node.replace_all_uses_with(new)
-        if node in reached:
-            reached.add(new)
-        graph.erase_node(node)
-        changes.append(Finding(
-            PASS_NAME, node.name, call.__name__, Kind.REWRITE, Severity.INFO,
-            f"{what}: per-sample gradients by the {rule} rule; input {', '.join(site.layouts) or '-'}, "
-            f"output {', '.join(site.out_layouts)}", "", source_location(new)))
+            site_node = _get_attr(graph, site_attr)
+        # the node itself becomes the DP-aware op: it keeps its name, users and meta
+        node.op, node.target = "call_function", call
+        node.args = (*head, site_node, n, *node.args)
+        node.meta[meta.PER_SAMPLE_RULE] = rule
+        changes.append(_site_change(node, site))
 
+    findings += _uncovered_parameters(gm)
     graph.lint()
     gm.recompile()
     return PassResult(gm, PassReport(PASS_NAME, tuple(changes), tuple(findings)))
+
+
+def _site_change(node, site: runtime.PerSampleSite) -> Finding:
+    return Finding(
+        PASS_NAME, node.name, node.target.__name__, Kind.REWRITE, Severity.INFO,
+        f"{site.description}: per-sample gradients by the {site.rule} rule; input {', '.join(site.layouts) or '-'}, "
+        f"output {', '.join(site.out_layouts)}", "", source_location(node))
+
+
+_DP_OPS = (runtime.per_sample_call, runtime.per_sample_function)
+
+
+def _uncovered_parameters(gm: torch.fx.GraphModule) -> List[Finding]:
+    """Every use of a trainable parameter must be a DP-aware op, or its per-sample gradient is lost."""
+    problems = []
+    for node in gm.graph.nodes:
+        param = _parameter(gm, node)
+        if param is None or not param.requires_grad:
+            continue
+        for user in node.users:
+            if user.target not in _DP_OPS:
+                problems.append(_finding(
+                    user, f"parameter '{node.target}' reaches the loss through '{user.name}' ({user.target}), "
+                    "which records no per-sample gradient", "fxdp uses the whole-model functorch engine instead",
+                    severity=Severity.WARNING))
+                break
+    return problems
 
 
 def _get_attr(graph: torch.fx.Graph, name: str) -> torch.fx.Node:
@@ -192,12 +203,6 @@ def _get_attr(graph: torch.fx.Graph, name: str) -> torch.fx.Node:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return graph.get_attr(name)
-
-
-def _example_batch_size(placeholders, batch_dim: int) -> Optional[int]:
-    index, dim = _batch_source(placeholders, batch_dim)
-    fake = placeholders[index].meta.get(meta.FAKE_VALUE)
-    return fake.shape[dim] if isinstance(fake, torch.Tensor) and fake.dim() > dim else None
 
 
 def _batch_source(placeholders, batch_dim: int) -> Tuple[int, int]:
@@ -208,24 +213,27 @@ def _batch_source(placeholders, batch_dim: int) -> Tuple[int, int]:
     return 0, batch_dim
 
 
-def update_site_layouts(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule, batch_dim: int) -> List[Finding]:
+def update_site_layouts(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule,
+                        batch_dim: int) -> Tuple[List[Finding], List[Finding]]:
     """Fill the sites of a compiled graph with the layouts the batch_dim pass found on ``analysed``
-    (the same graph before the per_sample pass). Used when the first batch arrives."""
+    (the same graph before the per_sample pass). Used when the first batch arrives.
+    Returns (problems, the per_sample changes as they now stand)."""
     by_name = {node.name: node for node in analysed.graph.nodes}
+    compiled = {node.name: node for node in gm.graph.nodes}
     reached = _inputs_reach(analysed.graph)
     default = BatchLayout.at(batch_dim)
-    problems = []
+    problems, changes = [], []
     placeholders = [n for n in analysed.graph.nodes if n.op == "placeholder"]
     gm.fxdp_batch.input_index, gm.fxdp_batch.dim = _batch_source(placeholders, batch_dim)
-    n_example = _example_batch_size(placeholders, batch_dim)
-    for attr, site in list(vars(gm).items()):
+    for site in list(vars(gm).values()):
         if not isinstance(site, runtime.PerSampleSite):
             continue
         node = by_name[site.node]
-        ins, out = _site_layouts(node, default, reached, n_example)
+        ins, out = _site_layouts(node, default, reached)
         out, problem = _check_layouts(node, ins, out, analysed)
         if problem is not None:
             problems.append(problem)
             continue
         site.layouts, site.out_layouts = [str(lay) for lay in ins], _out_layout_strings(node, out, default)
-    return problems
+        changes.append(_site_change(compiled[site.node], site))
+    return problems, changes

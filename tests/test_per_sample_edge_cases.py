@@ -1,0 +1,149 @@
+"""Models that once gave wrong or missing per-sample gradients: each is checked against batches of one
+(or must be refused with a clear error), never trusted."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxdp
+from per_sample_reference import assert_grad_samples_match, batch_loss, expected_grad_samples
+
+
+class SlicedPositions(nn.Module):
+    """`self.pos[:T]` with T equal to N: a shape that happens to match the batch is not the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(10, 4))
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x + self.pos[: x.shape[1]])
+
+
+class ClsToken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(1, 1, 4))
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):  # (N, T, 4)
+        tokens = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
+        return self.fc(tokens)
+
+
+class ParameterThroughActivation(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.raw = nn.Parameter(torch.randn(4))
+        self.act = nn.Softplus()
+
+    def forward(self, x):
+        return self.fc(x) * self.act(self.raw)
+
+
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 5, batch_first=True)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x):
+        out, _ = self.lstm(x)
+        return self.head(out)
+
+
+class PositionIdsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(10, 4)
+        self.pos = nn.Embedding(6, 4)
+
+    def forward(self, ids, pos_ids):
+        return self.tok(ids) + self.pos(pos_ids)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("model, x", [
+    (SlicedPositions, lambda: torch.randn(4, 4, 4)),
+    (ClsToken, lambda: torch.randn(4, 3, 4)),
+    (ParameterThroughActivation, lambda: torch.randn(4, 4)),
+    (Recurrent, lambda: torch.randn(3, 5, 4)),
+], ids=["sliced_positions_T_equals_N", "cls_token", "parameter_through_activation", "lstm"])
+def test_per_sample_gradients_match_batches_of_one(model, x, reduction):
+    torch.manual_seed(0)
+    assert_grad_samples_match(model(), x(), loss_reduction=reduction)
+
+
+def test_a_sample_cannot_change_another_samples_gradient():
+    torch.manual_seed(0)
+    model = SlicedPositions()
+    compiled = fxdp.compile_for_dp(model, example_inputs=torch.randn(4, 4, 4), loss_reduction="sum")
+    x = torch.randn(4, 4, 4)
+
+    def rows(inputs):
+        fxdp.zero_grad_sample(model)
+        (compiled(inputs) ** 2).sum().backward()
+        return model.pos.grad_sample[:3].clone()
+
+    changed = x.clone()
+    changed[3] += 10.0
+    torch.testing.assert_close(rows(x), rows(changed))
+
+
+def test_unfreezing_after_compiling_gives_grad_samples():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    compiled = fxdp.compile_for_dp(model, example_inputs=torch.randn(3, 4))
+    model[0].requires_grad_(True)
+    x = torch.randn(3, 4)
+    expected, R = expected_grad_samples(model, x)
+    batch_loss(compiled(x), R, "mean").backward()
+    torch.testing.assert_close(model[0].weight.grad_sample, expected["0.weight"])
+
+
+def test_a_random_op_under_the_generic_rule_is_an_error_not_a_wrong_gradient():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.3, batch_first=True))
+    compiled = fxdp.compile_for_dp(model, example_inputs=torch.randn(3, 5, 8))
+    with pytest.raises(RuntimeError, match=r"failed on '0' at node '_0': it uses random ops \(dropout\).*"
+                                           r"set the layer's dropout to 0"):
+        compiled(torch.randn(3, 5, 8)).sum().backward()
+
+
+def test_a_first_batch_of_one_does_not_fix_the_layouts():
+    torch.manual_seed(0)
+    model = PositionIdsInput()
+    compiled = fxdp.compile_for_dp(model)  # analysed on the first batch
+    pos = torch.arange(5).unsqueeze(0)
+    with torch.no_grad():
+        compiled(torch.randint(0, 10, (1, 5)), pos)  # a smoke test with one sample
+    ids = torch.randint(0, 10, (4, 5))
+    expected, R = expected_grad_samples(model, (ids, pos))
+    batch_loss(compiled(ids, pos), R, "mean").backward()
+    torch.testing.assert_close(model.pos.weight.grad_sample, expected["pos.weight"])
+
+
+def test_the_report_shows_the_layouts_found_on_the_first_batch():
+    class Merged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            n, t, d = x.shape
+            return self.fc(x.reshape(n * t, d)).view(n, t, 2)
+
+    compiled = fxdp.compile_for_dp(Merged())
+    compiled(torch.randn(3, 5, 4))
+    change = fxdp.report(compiled).pass_report("per_sample").changes[0]
+    assert "input merged@0(inner=5)" in change.message
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch"])
+def test_lstm_in_the_other_engines(mode):
+    torch.manual_seed(0)
+    assert_grad_samples_match(Recurrent(), torch.randn(3, 5, 4), mode=mode)
