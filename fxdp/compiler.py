@@ -40,7 +40,7 @@ def _run(name: str, fn: Callable[..., PassResult], gm: torch.fx.GraphModule, rep
 
 def _analyse(model: nn.Module, example_inputs, batch_dim: int, strict: bool):
     """Trace and run the analysis passes. Returns (graph module or None, trace result, pass reports)."""
-    traced = trace(model)
+    traced = trace(model, example_inputs)
     if not traced.ok:
         return None, traced, []
     reports: List[PassReport] = []
@@ -53,6 +53,9 @@ def _analyse(model: nn.Module, example_inputs, batch_dim: int, strict: bool):
 
 
 def _make_report(model, traced, reports, mode="fx", fallback_reason=None, fallback_location=None, notes=()):
+    if traced.fixed_to_none:
+        notes = [*notes, f"traced with {', '.join(traced.fixed_to_none)} = None (they default to None and "
+                         "example_inputs does not give them); give them in example_inputs to use them"]
     if not traced.ok:
         fallback_reason = f"the model cannot be traced by torch.fx ({traced.reason})"
         fallback_location = traced.location

@@ -10,12 +10,13 @@
 
 from __future__ import annotations
 
+import inspect
 import operator
 import os
 import re
 import traceback
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.fx
@@ -137,6 +138,7 @@ class TraceResult:
     graph_module: Optional[torch.fx.GraphModule]
     error: Optional[BaseException] = None
     location: Optional[SourceLocation] = None  # the user's line that made tracing fail
+    fixed_to_none: Tuple[str, ...] = ()  # optional inputs traced as None
 
     @property
     def ok(self) -> bool:
@@ -150,14 +152,36 @@ class TraceResult:
         return f"{type(self.error).__name__}: {first_line}"
 
 
-def trace(model: nn.Module) -> TraceResult:
-    """Trace ``model`` into a GraphModule, or say why it cannot be traced and where."""
-    tracer = DPTracer()
+def _unused_optional_inputs(model: nn.Module, example_inputs) -> Dict[str, None]:
+    """Inputs of ``forward`` that default to None and that ``example_inputs`` does not give.
+
+    They are traced as None (``if mask is not None:`` takes its None branch); the compiled model then
+    refuses another value for them with a clear message."""
     try:
-        graph = tracer.trace(model)
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    if isinstance(example_inputs, dict):
+        given = set(example_inputs)
+    else:
+        count = 1 if isinstance(example_inputs, torch.Tensor) else len(example_inputs)
+        given = {p.name for p in params[:count]}
+    return {p.name: None for p in params
+            if p.default is None and p.name not in given
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def trace(model: nn.Module, example_inputs=None) -> TraceResult:
+    """Trace ``model`` into a GraphModule, or say why it cannot be traced and where.
+
+    With ``example_inputs``, inputs that default to None and are not among them are traced as None."""
+    tracer = DPTracer()
+    fixed = _unused_optional_inputs(model, example_inputs) if example_inputs is not None else {}
+    try:
+        graph = tracer.trace(model, concrete_args=fixed or None)
     except Exception as exc:  # any Python the tracer cannot follow is a reported outcome
         return TraceResult(None, exc, location_from_traceback(exc.__traceback__))
     name = type(model).__name__
     gm = torch.fx.GraphModule(tracer.root, graph, name)
     gm.training = model.training  # not gm.train(): that would also reset the user's submodules' modes
-    return TraceResult(gm)
+    return TraceResult(gm, fixed_to_none=tuple(fixed))

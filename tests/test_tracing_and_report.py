@@ -127,3 +127,31 @@ def test_fixed_model_compiles():
     fixed = fxdp.validators.ModuleValidator.fix(WithBatchNorm())
     compiled = fxdp.compile_for_dp(fixed, torch.randn(2, 3, 6, 6))
     assert fxdp.report(compiled).errors == ()
+
+
+class OptionalMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x, mask=None):
+        if mask is not None:
+            x = x * mask
+        return self.fc(x)
+
+
+def test_an_input_defaulting_to_none_is_traced_as_none_and_said_so():
+    x = torch.randn(3, 4)
+    compiled = fxdp.compile_for_dp(OptionalMask(), x)
+    assert "traced with mask = None" in str(fxdp.report(compiled))
+    compiled(x).sum().backward()
+    with pytest.raises(AssertionError, match="mask has been specialized to have value None"):
+        compiled(x, torch.ones(3, 4))
+
+
+def test_an_input_defaulting_to_none_that_the_example_gives_is_traced():
+    x, mask = torch.randn(3, 4), torch.ones(3, 4)
+    model = OptionalMask()
+    compiled = fxdp.compile_for_dp(model, (x, mask))
+    assert "traced with" not in str(fxdp.report(compiled))
+    torch.testing.assert_close(compiled(x, mask), model(x, mask))

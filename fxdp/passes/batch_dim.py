@@ -539,7 +539,7 @@ def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: 
 def find_batch_dim_violations(model: nn.Module, example_inputs, batch_dim: int = 0) -> List[Finding]:
     """Trace ``model`` and return what the batch_dim pass finds: ops that mix samples (errors), ops that
     move the batch dimension (warnings) and per-sample ops it cannot verify, each with your source line."""
-    result = trace(model)
+    result = trace(model, example_inputs)
     if not result.ok:
         where = f" at {result.location} ({result.location.code})" if result.location else ""
         raise BatchDimAnalysisError(
