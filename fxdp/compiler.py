@@ -15,7 +15,7 @@ from fxdp.grad_sample.accumulate import check_loss_reduction
 from fxdp.grad_sample.engines import check_grad_sample_mode, wrap_model
 from fxdp.passes.batch_dim import BatchDimAnalysisError, propagate_batch_dim
 from fxdp.passes.inplace import remove_inplace_ops
-from fxdp.passes.per_sample import insert_per_sample_ops, update_site_layouts
+from fxdp.passes.per_sample import insert_per_sample_ops, update_site_layouts, whole_model_op
 from fxdp.passes.validate import validate_graph
 from fxdp.tracing import trace
 from fxdp.validators.errors import UnsupportedError
@@ -139,8 +139,9 @@ def compile_for_dp(
     if unsupported:
         if strict:
             raise NotPrivateError(unsupported, "strict=True: fxdp cannot compute per-sample gradients on the graph for:")
-        wrapped = _wrap(model, "functorch", batch_dim, loss_reduction)
-        reason = f"{len(unsupported)} parametrised op(s) the graph engine cannot handle (see per_sample findings)"
+        wrapped = whole_model_op(model, gm, loss_reduction=loss_reduction, batch_dim=batch_dim)
+        reason = (f"{len(unsupported)} parametrised op(s) the graph engine cannot handle (see per_sample findings); "
+                  "the whole model runs as one op with the generic per-sample rule")
         setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, "functorch", reason))
         return wrapped
 

@@ -14,6 +14,7 @@ engine can compute norms and clipped sums from it instead of materialising gradi
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -275,3 +276,31 @@ def per_sample_function(site: PerSampleSite, n: int, *args, **kwargs):
 
     _on_backward(outputs, record)
     return out
+
+
+class PerSampleModel(nn.Module):
+    """The whole model as one DP-aware op, for models whose graph has a parametrised op the per_sample
+    pass cannot handle: the generic rule over all parameters, each sample re-run alone, with the layouts
+    the batch_dim pass found for every input (batched, broadcast or unbatched, positional or keyword)
+    and every output (tuples included)."""
+
+    def __init__(self, model: nn.Module, site: PerSampleSite, input_layouts: Dict[str, List[str]],
+                 batch_input: Tuple[str, int]):
+        super().__init__()
+        self.module = model
+        self.fxdp_site = site
+        self._input_layouts = input_layouts  # forward's parameter name -> layouts of its tensors
+        self._batch_input = batch_input  # (name, dim) of the input that carries the batch
+        self._signature = inspect.signature(model.forward)
+
+    def forward(self, *args, **kwargs):
+        bound = self._signature.bind(*args, **kwargs)
+        name, dim = self._batch_input
+        n = bound.arguments[name].shape[dim]
+        layouts = []
+        for arg_name, value in [*zip(self._signature.parameters, args), *kwargs.items()]:
+            tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+            recorded = self._input_layouts.get(arg_name, [])
+            layouts += [recorded[i] if i < len(recorded) else "unbatched" for i in range(len(tensors))]
+        self.fxdp_site.layouts = layouts
+        return per_sample_call(self.module, self.fxdp_site, n, *args, **kwargs)

@@ -147,3 +147,37 @@ def test_the_report_shows_the_layouts_found_on_the_first_batch():
 def test_lstm_in_the_other_engines(mode):
     torch.manual_seed(0)
     assert_grad_samples_match(Recurrent(), torch.randn(3, 5, 4), mode=mode)
+
+
+class TransposedWeightWithMaskAndTwoOutputs(nn.Module):
+    """`x @ self.w.t()` sends the model to the whole-model engine; it must still take a batched keyword
+    input and return a tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4))
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x, mask=None):
+        h = (x * mask) @ self.w.t()
+        return self.fc(h), h.sum(-1)
+
+
+def test_the_whole_model_engine_takes_keyword_inputs_and_tuple_outputs():
+    torch.manual_seed(0)
+    model = TransposedWeightWithMaskAndTwoOutputs()
+    x, mask = torch.randn(4, 4), (torch.rand(4, 4) > 0.3).float()
+    compiled = fxdp.compile_for_dp(model, example_inputs={"x": x, "mask": mask}, loss_reduction="sum")
+    rep = fxdp.report(compiled)
+    assert rep.mode == "functorch" and "the whole model runs as one op" in rep.fallback_reason
+    assert any("'w' goes through 't'" in f.message for f in rep.findings)
+
+    R1, R2 = torch.randn(1, 2), torch.randn(1)
+    out, total = compiled(x, mask=mask)
+    ((out * R1).sum() + (total * R2).sum()).backward()
+    for name, p in model.named_parameters():
+        rows = []
+        for i in range(4):
+            o, t = model(x[i:i + 1], mask=mask[i:i + 1])
+            rows.append(torch.autograd.grad((o * R1).sum() + (t * R2).sum(), p)[0])
+        torch.testing.assert_close(p.grad_sample, torch.stack(rows), msg=name)

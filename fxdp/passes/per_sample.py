@@ -237,3 +237,26 @@ def update_site_layouts(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule
         site.layouts, site.out_layouts = [str(lay) for lay in ins], _out_layout_strings(node, out, default)
         changes.append(_site_change(compiled[site.node], site))
     return problems, changes
+
+
+def whole_model_op(model: nn.Module, gm: torch.fx.GraphModule, *, loss_reduction: str,
+                   batch_dim: int) -> runtime.PerSampleModel:
+    """The whole model as one DP-aware op (the generic rule), with the layouts the batch_dim pass found
+    for its inputs and outputs on ``gm``: the engine for models with an op this pass cannot handle."""
+    default = BatchLayout.at(batch_dim)
+
+    def layout_strings(value) -> List[str]:
+        return [str(lay if lay.kind != UNKNOWN else default)
+                for lay in pytree.tree_leaves(value) if isinstance(lay, BatchLayout)]
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    out_nodes = [a for a in pytree.tree_leaves(output.args[0]) if isinstance(a, torch.fx.Node)]
+    site = runtime.PerSampleSite(
+        "<model>", type(model).__name__, "functorch", loss_reduction,
+        out_layouts=[s for node in out_nodes for s in layout_strings(node.meta.get(meta.BATCH_DIM, default))],
+        description=f"the whole model ({type(model).__name__})",
+    )
+    index, dim = _batch_source(placeholders, batch_dim)
+    inputs = {ph.target: layout_strings(ph.meta.get(meta.BATCH_DIM, default)) for ph in placeholders}
+    return runtime.PerSampleModel(model, site, inputs, (placeholders[index].target, dim))
