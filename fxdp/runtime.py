@@ -198,6 +198,18 @@ def _out_layouts(site: PerSampleSite, count: int) -> List[BatchLayout]:
     return layouts + [layouts[-1]] * (count - len(layouts))
 
 
+def _generic_recorder(call, leaves, layouts, positions, out_layouts, n, site):
+    """The backward step of the generic rule: per-sample gradients of the leaves at ``positions``."""
+
+    def record(grads) -> None:
+        scale = n if site.loss_reduction == "mean" else 1  # undo the mean's 1/N
+        grads = [None if g is None else g * scale for g in grads]
+        samples = _per_sample_vjp(call, leaves, layouts, positions, out_layouts, grads, n, site)
+        accumulate_grad_samples({leaves[i]: g for i, g in zip(positions, samples)}, batch_size=n)
+
+    return record
+
+
 def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwargs):
     """Call a layer; in backward, add the per-sample gradients of its parameters (and of parameters
     passed to it as arguments, as in ``self.act(self.raw)``)."""
@@ -212,7 +224,6 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
     if not (trainable or arg_params) or not outputs:
         return out
     out_layouts = _out_layouts(site, len(outputs))
-    scale = n if site.loss_reduction == "mean" else 1
 
     if find_grad_sampler(module) is not None and len(outputs) == 1 and not arg_params:
         # hand-written rule: it sees batch-first activations and backprops
@@ -239,10 +250,7 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
             a, k = pytree.tree_unflatten(flat[:n_inputs], spec)
             return torch.func.functional_call(module, dict(zip(names, flat[n_inputs:])), a, k, strict=False)
 
-        def record(grads) -> None:
-            grads = [None if g is None else g * scale for g in grads]
-            samples = _per_sample_vjp(call, all_leaves, all_layouts, positions, out_layouts, grads, n, site)
-            accumulate_grad_samples({all_leaves[i]: g for i, g in zip(positions, samples)}, batch_size=n)
+        record = _generic_recorder(call, all_leaves, all_layouts, positions, out_layouts, n, site)
 
     _on_backward(outputs, record)
     return out
@@ -263,18 +271,12 @@ def per_sample_function(site: PerSampleSite, n: int, *args, **kwargs):
         return out
     layouts = _tensor_layouts(site, leaves)
     out_layouts = _out_layouts(site, len(outputs))
-    scale = n if site.loss_reduction == "mean" else 1
 
     def call(flat):
         a, k = pytree.tree_unflatten(flat, spec)
         return call_fn(*a, **k)
 
-    def record(grads) -> None:
-        grads = [None if g is None else g * scale for g in grads]
-        samples = _per_sample_vjp(call, leaves, layouts, param_positions, out_layouts, grads, n, site)
-        accumulate_grad_samples({leaves[i]: g for i, g in zip(param_positions, samples)}, batch_size=n)
-
-    _on_backward(outputs, record)
+    _on_backward(outputs, _generic_recorder(call, leaves, layouts, param_positions, out_layouts, n, site))
     return out
 
 
