@@ -170,16 +170,15 @@ def _on_backward(outputs: List[torch.Tensor], record) -> bool:
     ``record`` runs with grad mode on: backward hooks run with it off, and some kernels (the CPU LSTM)
     then take an inference path that the per-sample vjp cannot differentiate."""
     needing = [t for t in outputs if t.requires_grad]
-    inner = record
-
-    def record(grads):
-        with torch.enable_grad():
-            inner(grads)
-
     if not torch.is_grad_enabled() or not needing:
         return False
+
+    def record_with_grad_mode(grads):
+        with torch.enable_grad():
+            record(grads)
+
     if len(outputs) == 1:
-        outputs[0].register_hook(lambda g: record([g]))
+        outputs[0].register_hook(lambda g: record_with_grad_mode([g]))
         return True
     positions = [k for k, t in enumerate(outputs) if t.requires_grad]
 
@@ -187,7 +186,7 @@ def _on_backward(outputs: List[torch.Tensor], record) -> bool:
         full = [None] * len(outputs)
         for k, g in zip(positions, grads):
             full[k] = g
-        record(full)
+        record_with_grad_mode(full)
 
     torch.autograd.graph.register_multi_grad_hook(needing, all_grads)
     return True
