@@ -181,3 +181,41 @@ def test_the_whole_model_engine_takes_keyword_inputs_and_tuple_outputs():
             o, t = model(x[i:i + 1], mask=mask[i:i + 1])
             rows.append(torch.autograd.grad((o * R1).sum() + (t * R2).sum(), p)[0])
         torch.testing.assert_close(p.grad_sample, torch.stack(rows), msg=name)
+
+
+class LearnedInitialState(nn.Module):
+    """Untraceable (a loop over the sequence length), with a learned state expanded to the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.h0 = nn.Parameter(torch.randn(1, 6))
+        self.cell = nn.GRUCell(3, 6)
+
+    def forward(self, x):
+        h = self.h0.expand(x.shape[0], -1)
+        for t in range(x.shape[1]):
+            h = self.cell(x[:, t], h)
+        return h
+
+
+class BranchWithBareParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.sum() > 0:  # data-dependent: the hooks engine, and vmap cannot follow it either
+            h = h * 2
+        return h * self.scale
+
+
+@pytest.mark.parametrize("model, x", [
+    (LearnedInitialState, lambda: torch.randn(4, 3, 3)),
+    (BranchWithBareParameter, lambda: torch.randn(4, 4).abs()),
+], ids=["learned_initial_state", "branch_with_bare_parameter"])
+def test_untraceable_models_where_vmap_cannot_run_are_computed_sample_by_sample(model, x):
+    torch.manual_seed(0)
+    compiled = assert_grad_samples_match(model(), x())
+    assert fxdp.report(compiled).mode == "hooks"

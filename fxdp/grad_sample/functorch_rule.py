@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 Position = Union[int, str]
 
@@ -74,7 +74,7 @@ def functorch_grad_sampler(
 
     in_dims = (None, [0 if b else None for b in batched], [0] * len(backprops))
     try:
-        grads = vmap(one_sample, in_dims=in_dims)(params, list(activations), backprops)
+        grads = vmap_or_loop(one_sample, in_dims, params, list(activations), backprops)
     except Exception as e:  # noqa: BLE001 - re-raised with the module named and the cause kept
         raise RuntimeError(
             f"fxdp: the generic per-sample rule (torch.func) failed on {type(module).__name__} "
@@ -83,6 +83,42 @@ def functorch_grad_sampler(
             "it with fxdp.register_grad_sampler."
         ) from e
     return {p: g for (_, p), g in zip(named, grads)}
+
+
+def _take(value: Any, spec: Any, i: int) -> Any:
+    """Sample i of ``value`` under a vmap ``in_dims`` spec (None: whole; int: that dim; list: per item)."""
+    if spec is None:
+        return value
+    if isinstance(spec, int):
+        return tree_map(lambda t: t.select(spec, i) if isinstance(t, torch.Tensor) else t, value)
+    return type(value)(_take(v, s, i) for v, s in zip(value, spec))
+
+
+def _batch_size(args: Sequence[Any], in_dims: Sequence[Any]) -> int:
+    for value, spec in zip(args, in_dims):
+        if isinstance(spec, int):
+            return next(t.shape[spec] for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+        if isinstance(spec, (list, tuple)):
+            for v, s in zip(value, spec):
+                if s is not None:
+                    return _batch_size([v], [s])
+    raise ValueError("fxdp: nothing to map over")
+
+
+def vmap_or_loop(fn: Callable, in_dims: tuple, *args: Any) -> Any:
+    """``vmap(fn, in_dims)(*args)``, or the same calls one sample at a time where a kernel cannot be
+    vmapped (the fused RNN kernels, data-dependent control flow). Random ops are an error: re-running
+    a sample draws new numbers, so its gradient would not be this step's."""
+    try:
+        return vmap(fn, in_dims=in_dims)(*args)
+    except RuntimeError as exc:
+        if "randomness" in str(exc):
+            raise RuntimeError(
+                "it uses random ops (dropout), which draw new numbers when a sample is re-run alone, so the "
+                "gradient would not be this step's; set the layer's dropout to 0"
+            ) from exc
+        rows = [fn(*(_take(a, d, i) for a, d in zip(args, in_dims))) for i in range(_batch_size(args, in_dims))]
+        return tree_map(lambda *xs: torch.stack(xs), rows[0], *rows[1:])
 
 
 def _get(args: Sequence[Any], kwargs: Mapping[str, Any], pos: Position) -> Any:
@@ -144,16 +180,4 @@ def functional_grad_samples(
             )
         return vjp_fn(sample_backprops.unsqueeze(0).to(output.dtype))
 
-    try:
-        grads = vmap(one_sample, in_dims=(None, 0, 0))(params, batched, backprops)
-    except RuntimeError as exc:
-        if "randomness" in str(exc):
-            # re-running a sample draws new random numbers: its gradient would not be the one of this step
-            raise RuntimeError(
-                "it uses random ops (dropout), which draw new numbers when a sample is re-run alone, so the "
-                "gradient would not be this step's; set the layer's dropout to 0"
-            ) from exc
-        # some kernels cannot be vmapped (the fused RNN kernels); the same vjp, one sample at a time
-        rows = [one_sample(params, [x[i] for x in batched], backprops[i]) for i in range(backprops.shape[0])]
-        grads = [torch.stack(per_param) for per_param in zip(*rows)]
-    return list(grads)
+    return list(vmap_or_loop(one_sample, (None, 0, 0), params, batched, backprops))

@@ -42,6 +42,7 @@ from fxdp.grad_sample.accumulate import (
     compute_grad_samples,
     zero_grad_sample,
 )
+from fxdp.grad_sample.functorch_rule import vmap_or_loop
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.layout import BatchLayout
 
@@ -87,7 +88,7 @@ def vmap_vjp_grad_samples(
         _, vjp_fn = torch.func.vjp(forward, params)
         return vjp_fn(sample_grad.unsqueeze(batch_dim))[0]
 
-    return torch.func.vmap(one_sample)(tensors, backprops)
+    return vmap_or_loop(one_sample, (0, 0), tensors, backprops)
 
 
 def first_tensor_output(module_name: str, module: nn.Module, output: Any):
