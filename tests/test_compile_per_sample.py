@@ -300,13 +300,7 @@ def test_batches_of_another_size_than_the_example(case, n):
 
 
 def test_without_example_inputs_a_mixing_model_is_refused_on_the_first_batch():
-    class Centre(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 2)
-
-        def forward(self, x):
-            return self.fc(x - x.mean(0))
+    from test_tracing_and_report import Centre  # x - x.mean(0)
 
     compiled = fxdp.compile_for_dp(Centre())
     for _ in range(2):  # and it stays refused

@@ -19,7 +19,6 @@ from fxdp.grad_sample import (
     functorch_grad_sampler,
     register_grad_sampler,
 )
-from fxdp.grad_sample import registry
 from fxdp.grad_sample.conv import conv_grad_sample
 from fxdp.grad_sample.linear import linear_grad_sample
 from grad_sample_harness import assert_rule_matches_loop, fixed_cotangent, loss_backprops
@@ -27,15 +26,6 @@ from grad_sample_harness import assert_rule_matches_loop, fixed_cotangent, loss_
 SWEEP = settings(max_examples=20, deadline=None)
 REDUCTIONS = st.sampled_from(["sum", "mean"])
 DTYPE = torch.float64
-
-
-@pytest.fixture
-def clean_registry():
-    """Restore the registry after a test that registers rules."""
-    saved = dict(registry._GRAD_SAMPLERS)
-    yield
-    registry._GRAD_SAMPLERS.clear()
-    registry._GRAD_SAMPLERS.update(saved)
 
 
 def seeded(seed: int) -> None:
@@ -579,7 +569,7 @@ class Doubler(nn.Module):
         return x * self.w * 2
 
 
-def test_register_custom_rule_last_registration_wins(clean_registry):
+def test_register_custom_rule_last_registration_wins():
     @register_grad_sampler(Doubler)
     def first(module, activations, backprops):
         return {module.w: torch.full((backprops.shape[0], 2), 1.0)}
@@ -593,7 +583,7 @@ def test_register_custom_rule_last_registration_wins(clean_registry):
     assert_rule_matches_loop(module, [torch.randn(3, 2, dtype=DTYPE)], "mean")
 
 
-def test_registered_rule_replaces_generic_rule(clean_registry):
+def test_registered_rule_replaces_generic_rule():
     module = Doubler()
     x = torch.randn(3, 2)
     backprops = torch.ones(3, 2)

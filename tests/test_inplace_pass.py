@@ -17,7 +17,6 @@ from torch import nn
 
 from fxdp import meta
 from fxdp.diagnostics import Kind, Severity
-from fxdp.grad_sample import registry
 from fxdp.grad_sample.registry import register_grad_sampler
 from fxdp.passes.inplace import index_assign, remove_inplace_ops
 from fxdp.tracing import trace
@@ -35,14 +34,6 @@ def marker_line(marker: str) -> int:
     hits = [number for number, line in enumerate(lines, start=1) if line.rstrip().endswith(f"# <{marker}>")]
     assert len(hits) == 1, (marker, hits)
     return hits[0]
-
-@pytest.fixture(autouse=True)
-def _restore_grad_sampler_registry():
-    """Rules registered by a test (to make its layers leaves) do not outlive it."""
-    saved = dict(registry._GRAD_SAMPLERS)
-    yield
-    registry._GRAD_SAMPLERS.clear()
-    registry._GRAD_SAMPLERS.update(saved)
 
 
 def remaining_inplace(gm: torch.fx.GraphModule):

@@ -83,15 +83,16 @@ def test_a_failing_pass_is_named_and_keeps_its_cause(monkeypatch):
     assert isinstance(info.value.__cause__, KeyError)
 
 
+class Centre(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x - x.mean(0))
+
+
 def test_compile_refuses_a_model_that_mixes_samples_with_the_findings_table():
-    class Centre(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 2)
-
-        def forward(self, x):
-            return self.fc(x - x.mean(0))
-
     with pytest.raises(fxdp.BatchMixingError, match="mixes samples across the batch dimension") as info:
         fxdp.compile_for_dp(Centre(), torch.randn(3, 4))
     assert any(f.line == _line_of(Centre.forward, "x - x.mean(0)") for f in

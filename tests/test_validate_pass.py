@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxdp.diagnostics import Kind, Severity
-from fxdp.grad_sample import registry
 from fxdp.grad_sample.registry import register_grad_sampler
 from fxdp.passes.validate import validate_graph
 from fxdp.tracing import DPTracer
@@ -31,14 +30,6 @@ def marker_line(marker: str) -> int:
     hits = [number for number, line in enumerate(lines, start=1) if line.rstrip().endswith(f"# <{marker}>")]
     assert len(hits) == 1, (marker, hits)
     return hits[0]
-
-@pytest.fixture(autouse=True)
-def _restore_grad_sampler_registry():
-    """Rules registered by a test (to make its layers leaves) do not outlive it."""
-    saved = dict(registry._GRAD_SAMPLERS)
-    yield
-    registry._GRAD_SAMPLERS.clear()
-    registry._GRAD_SAMPLERS.update(saved)
 
 
 def findings_of(model, *, strict=False, tracer=None, **kwargs):
