@@ -244,10 +244,27 @@ def test_container_parameter_tied_to_child_is_not_counted_twice(mode, reduction)
     assert model.w is model.fc.weight
 
 
-def test_hooks_container_parameter_uses_the_generic_rule_for_its_own_parameters_only():
+def test_hooks_container_parameter_puts_its_whole_subtree_under_the_generic_rule():
     dp = GradSampleModule(build(Scaled))
-    assert dp.grad_sample_layers == {"<model>": "functorch (own parameters, children's used uncalled)", "fc": "rule for Linear"}
+    assert dp.grad_sample_layers == {"<model>": "functorch (its whole subtree)"}
     assert dp.functorch_fallbacks == ["<model>"]
+
+
+class CalledAndFunctional(nn.Module):
+    """A child layer called, and its weight also used functionally by the parent."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return self.fc(x) + F.linear(x, self.fc.weight) * self.w
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_hooks_counts_a_child_weight_called_and_used_functionally(reduction):
+    assert_engine_matches_loop(build(CalledAndFunctional), x_of(5, 4), "hooks", reduction)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -337,7 +354,7 @@ def test_attention_called_with_keywords_and_a_child_used_without_being_called(mo
     wrapped, model = assert_engine_matches_loop(build(Attention), x_of(3, 5, 4), mode, reduction)
     assert model.attn.out_proj.weight.grad_sample.shape == (3, 4, 4)
     if mode == "hooks":
-        assert wrapped.grad_sample_layers["attn"] == "functorch (own parameters, children's used uncalled)"
+        assert wrapped.grad_sample_layers["attn"] == "functorch (its whole subtree)"
 
 
 def test_hooks_generic_rule_refuses_tensor_keyword_arguments():

@@ -11,13 +11,11 @@ Which modules are layers (decided once, walking the model from the top):
 
 - a module with a registered rule owns its whole subtree (the rule returns every trainable parameter
   in it), whether or not it has parameters of its own;
-- a module with trainable parameters of its own and no trainable descendants uses the generic
-  functorch rule;
-- a module with trainable parameters of its own *and* trainable descendants (a container with a bare
-  ``nn.Parameter``, ``nn.MultiheadAttention``) gets the generic rule for its own parameters, plus those
-  of its descendants that no hooked module saw during the call (``MultiheadAttention`` uses
-  ``out_proj.weight`` without calling ``out_proj``); the others are handled by their own hooks, so
-  nothing is counted twice.
+- a module with trainable parameters of its own and no rule owns its whole subtree too, with the
+  generic functorch rule over every trainable parameter in it: its forward may use a child's
+  parameters in any way (``nn.MultiheadAttention`` uses ``out_proj.weight`` without calling
+  ``out_proj``; a container may call ``self.fc`` *and* use ``self.fc.weight`` functionally), and one
+  vjp through that forward counts every use exactly once.
 
 Non-tensor keyword arguments reach the generic rule; tensor ones are refused (the hooks cannot tell
 whether they are batched). What the hooks cannot see: the batch dimension is assumed at 0 (1 with
@@ -63,14 +61,13 @@ def vmap_vjp_grad_samples(
     *,
     batch_dim: int = 0,
     kwargs: Optional[Dict[str, Any]] = None,
-    tie_weights: bool = True,
 ) -> Dict[str, torch.Tensor]:
     """Per-sample gradients of ``module``'s output w.r.t. ``params`` (name -> value), by vmap over vjp.
 
     ``activations`` are the module's positional inputs, batch first (non-tensors are passed as they
     are); ``backprops`` the output gradient, batch first. Each sample is run alone as a batch of one,
     in the module's own layout (the batch at ``batch_dim``). Parameters not in ``params`` are used as
-    they are and not differentiated (``tie_weights=False`` keeps a tied copy elsewhere undifferentiated).
+    they are and not differentiated.
     """
     kwargs = kwargs or {}
     tensor_positions = [i for i, a in enumerate(activations) if isinstance(a, torch.Tensor)]
@@ -82,7 +79,7 @@ def vmap_vjp_grad_samples(
             args[pos] = t.unsqueeze(batch_dim)
 
         def forward(p):
-            out = torch.func.functional_call(module, p, tuple(args), kwargs, tie_weights=tie_weights, strict=False)
+            out = torch.func.functional_call(module, p, tuple(args), kwargs, strict=False)
             return out if isinstance(out, torch.Tensor) else first_tensor_output("", module, out)[0]
 
         _, vjp_fn = torch.func.vjp(forward, params)
@@ -171,7 +168,6 @@ class GradSampleModule(GradSampleModuleBase):
         self._recomputing = False  # the generic rule re-runs modules: our forward hooks stand aside
         self.grad_sample_layers: Dict[str, str] = {}  # module name -> how its per-sample grads are computed
         self.functorch_fallbacks: List[str] = []
-        self._open_calls: List[Any] = []  # (container, ids of parameters covered so far in its call)
         self._add_hooks()
 
     # -- which modules get hooks ------------------------------------------------------------------
@@ -186,19 +182,16 @@ class GradSampleModule(GradSampleModuleBase):
             seen.add(id(module))
             label = name or "<model>"
             if find_grad_sampler(module) is not None and has_trainable_params(module):
-                self._hook(label, module, direct=False)
+                self._hook(label, module)
                 self.grad_sample_layers[label] = f"rule for {type(module).__name__}"
                 return  # the rule covers the whole subtree
             if trainable_own_params(module):
-                trainable_children = any(has_trainable_params(c) for c in module.children())
-                if trainable_children:
-                    self._hook(label, module, direct=True)
-                    self.grad_sample_layers[label] = "functorch (own parameters, children's used uncalled)"
-                else:
-                    self._hook(label, module, direct=False)
-                    self.grad_sample_layers[label] = "functorch"
+                self._hook(label, module)
+                subtree = any(has_trainable_params(c) for c in module.children())
+                self.grad_sample_layers[label] = "functorch (its whole subtree)" if subtree else "functorch"
                 without_rule.append(f"'{label}' ({type(module).__name__})")
                 self.functorch_fallbacks.append(label)
+                return  # the generic rule covers the whole subtree
             for child_name, child in module.named_children():
                 visit(f"{name}.{child_name}" if name else child_name, child)
 
@@ -214,28 +207,12 @@ class GradSampleModule(GradSampleModuleBase):
                 "to use the generic functorch rule."
             )
 
-    def _hook(self, name: str, module: nn.Module, *, direct: bool) -> None:
-        """Forward hook (and, for a container with parameters of its own, a pre-hook) on ``module``."""
-        if direct:
-
-            def pre_hook(mod, args, kwargs):
-                if not self._recomputing and torch.is_grad_enabled():
-                    self._open_calls.append((mod, set()))
-
-            self._hook_handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+    def _hook(self, name: str, module: nn.Module) -> None:
+        """Forward hook on ``module``: keeps its inputs and hooks its output for the backward step."""
 
         def forward_hook(mod, inputs, kwargs, output):
             if self._recomputing or not torch.is_grad_enabled():
                 return
-            names = None
-            if direct:
-                # Its own parameters, and its children's that no hooked module saw during this call
-                # (MultiheadAttention uses out_proj.weight without calling out_proj).
-                covered = self._close_call(mod)
-                own = {id(p) for p in mod.parameters(recurse=False)}
-                names = [n for n, p in mod.named_parameters() if id(p) in own or id(p) not in covered]
-            for _, covered_in_call in self._open_calls:
-                covered_in_call.update(id(p) for p in mod.parameters())
             if not any(p.requires_grad for p in mod.parameters()):
                 return  # frozen after wrapping
             out, others = first_tensor_output(name, mod, output)
@@ -252,27 +229,14 @@ class GradSampleModule(GradSampleModuleBase):
                         "or use grad_sample_mode='fx'."
                     )
             activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in inputs]
-            if direct:
-                backward_hook = self._generic_hook(mod, activations, dict(kwargs), names=names)
-            else:
-                backward_hook = self._layer_hook(mod, activations, dict(kwargs))
-            out.register_hook(backward_hook)
+            out.register_hook(self._layer_hook(mod, activations, dict(kwargs)))
             for k, other in enumerate(others, start=1):
                 if other.requires_grad:
                     other.register_hook(self._unsupported_output_hook(name, mod, k))
 
         self._hook_handles.append(module.register_forward_hook(forward_hook, with_kwargs=True))
 
-    def _close_call(self, module: nn.Module) -> set:
-        """End ``module``'s open call; what was covered in it (calls left open by an error are dropped)."""
-        while self._open_calls:
-            mod, covered = self._open_calls.pop()
-            if mod is module:
-                return covered
-        return set()
-
     def forward(self, *args, **kwargs):
-        self._open_calls.clear()
         return self._module(*args, **kwargs)
 
     def remove_hooks(self) -> None:
@@ -319,19 +283,12 @@ class GradSampleModule(GradSampleModuleBase):
 
         return hook
 
-    def _generic_hook(
-        self, module: nn.Module, activations: List[Any], kwargs: Dict[str, Any], *, names: Optional[List[str]] = None
-    ):
-        """vmap over vjp for the module's trainable parameters (those in ``names``, when given)."""
-        wanted = None if names is None else set(names)
+    def _generic_hook(self, module: nn.Module, activations: List[Any], kwargs: Dict[str, Any]):
+        """vmap over vjp for every trainable parameter of the module (its whole subtree)."""
 
         def hook(grad: torch.Tensor) -> None:
             acts, backprops, n = self._to_batch_first(activations, grad)
-            params = {
-                pname: p
-                for pname, p in module.named_parameters()
-                if p.requires_grad and (wanted is None or pname in wanted)
-            }
+            params = {pname: p for pname, p in module.named_parameters() if p.requires_grad}
             if not params:
                 return
             if self.loss_reduction == "mean":
@@ -344,8 +301,6 @@ class GradSampleModule(GradSampleModuleBase):
                     backprops,
                     batch_dim=self.batch_dim,
                     kwargs=kwargs,
-                    # only the named parameters: a tied copy in a child is differentiated by its own hook
-                    tie_weights=wanted is None,
                 )
             accumulate_grad_samples({params[pname]: gs for pname, gs in per_name.items()})
 
