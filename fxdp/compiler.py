@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List
 
 import torch
 import torch.fx
@@ -99,10 +99,6 @@ def _refuse_if_not_private(reports: List[PassReport]) -> None:
     raise (BatchMixingError if mixing else NotPrivateError)(errors, header)
 
 
-def _wrap(model, mode, batch_dim, loss_reduction):
-    return wrap_model(model, mode, batch_first=(batch_dim == 0), loss_reduction=loss_reduction)
-
-
 def compile_for_dp(
     model: nn.Module,
     example_inputs: Any = None,
@@ -128,7 +124,7 @@ def compile_for_dp(
     _refuse_if_not_private(reports)
     if gm is None or grad_sample_mode != "fx":
         mode = "hooks" if gm is None else grad_sample_mode
-        wrapped = _wrap(model, mode, batch_dim, loss_reduction)
+        wrapped = wrap_model(model, mode, batch_first=(batch_dim == 0), loss_reduction=loss_reduction)
         reason = None if gm is None else f"grad_sample_mode={grad_sample_mode!r} was asked for"
         setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, mode, reason))
         return wrapped

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Tuple, Union
 
 import torch
 from torch import nn
@@ -164,14 +164,14 @@ def _per_row_vjp(call, leaves, param_positions, out_layouts, grads, n):
     return torch.func.vmap(sample)(torch.arange(n))
 
 
-def _on_backward(outputs: List[torch.Tensor], record) -> bool:
-    """Call ``record(grads)`` once the gradients of all ``outputs`` are known; False if none needs them.
+def _on_backward(outputs: List[torch.Tensor], record) -> None:
+    """Call ``record(grads)`` once the gradients of all ``outputs`` are known (never if none needs them).
 
     ``record`` runs with grad mode on: backward hooks run with it off, and some kernels (the CPU LSTM)
     then take an inference path that the per-sample vjp cannot differentiate."""
     needing = [t for t in outputs if t.requires_grad]
     if not torch.is_grad_enabled() or not needing:
-        return False
+        return
 
     def record_with_grad_mode(grads):
         with torch.enable_grad():
@@ -179,7 +179,7 @@ def _on_backward(outputs: List[torch.Tensor], record) -> bool:
 
     if len(outputs) == 1:
         outputs[0].register_hook(lambda g: record_with_grad_mode([g]))
-        return True
+        return
     positions = [k for k, t in enumerate(outputs) if t.requires_grad]
 
     def all_grads(grads):
@@ -189,7 +189,6 @@ def _on_backward(outputs: List[torch.Tensor], record) -> bool:
         record_with_grad_mode(full)
 
     torch.autograd.graph.register_multi_grad_hook(needing, all_grads)
-    return True
 
 
 def _out_layouts(site: PerSampleSite, count: int) -> List[BatchLayout]:

@@ -3,7 +3,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import fxdp

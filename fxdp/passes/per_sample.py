@@ -14,7 +14,7 @@ right when a layer sees its input time-major, merged ``(N*T, d)`` or broadcast `
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Optional, Set, Tuple
+from typing import List, Optional, Set, Tuple
 
 import torch
 import torch.fx
@@ -76,7 +76,7 @@ def _finding(node, message: str, fix: str, kind=Kind.NOT_YET_SUPPORTED, severity
     return Finding(PASS_NAME, node.name, op or str(node.target), kind, severity, message, fix, source_location(node))
 
 
-def _check_layouts(node, ins: List[BatchLayout], out: BatchLayout, gm) -> Tuple[Optional[BatchLayout], Optional[Finding]]:
+def _check_layouts(node, ins: List[BatchLayout], out: BatchLayout) -> Tuple[Optional[BatchLayout], Optional[Finding]]:
     """Decide the output layout a site will see; a finding when per-sample gradients cannot be had."""
     if any(lay.kind == UNKNOWN for lay in ins) or out.kind == UNKNOWN:
         return None, _finding(
@@ -103,6 +103,15 @@ def _check_layouts(node, ins: List[BatchLayout], out: BatchLayout, gm) -> Tuple[
         node, f"this layer's output carries no batch dimension ({out}), so no per-sample gradient can be read "
         "from its backward", "feed the layer per-sample data; fxdp uses the whole-model functorch engine instead",
         severity=Severity.WARNING)
+
+
+def _site_layout_strings(node, default, reached) -> Tuple[List[str], List[str], Optional[Finding]]:
+    """The input and output layouts a site records for ``node``, or a finding saying why it cannot."""
+    ins, out = _site_layouts(node, default, reached)
+    out, problem = _check_layouts(node, ins, out)
+    if problem is not None:
+        return [], [], problem
+    return [str(lay) for lay in ins], _out_layout_strings(node, out, default), None
 
 
 def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "mean", batch_dim: int = 0) -> PassResult:
@@ -147,13 +156,11 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
         else:
             continue
 
-        ins, out = _site_layouts(node, default, reached)
-        out, problem = _check_layouts(node, ins, out, gm)
+        ins, outs, problem = _site_layout_strings(node, default, reached)
         if problem is not None:
             findings.append(problem)
             continue
-        site = runtime.PerSampleSite(node.name, str(target), rule, loss_reduction, [str(lay) for lay in ins],
-                                     _out_layout_strings(node, out, default), fn, what)
+        site = runtime.PerSampleSite(node.name, str(target), rule, loss_reduction, ins, outs, fn, what)
         site_attr = f"fxdp_site_{node.name}"
         setattr(gm, site_attr, site)
         with graph.inserting_before(node):
@@ -228,13 +235,11 @@ def update_site_layouts(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule
     for site in list(vars(gm).values()):
         if not isinstance(site, runtime.PerSampleSite):
             continue
-        node = by_name[site.node]
-        ins, out = _site_layouts(node, default, reached)
-        out, problem = _check_layouts(node, ins, out, analysed)
+        ins, outs, problem = _site_layout_strings(by_name[site.node], default, reached)
         if problem is not None:
             problems.append(problem)
             continue
-        site.layouts, site.out_layouts = [str(lay) for lay in ins], _out_layout_strings(node, out, default)
+        site.layouts, site.out_layouts = ins, outs
         changes.append(_site_change(compiled[site.node], site))
     return problems, changes
 
