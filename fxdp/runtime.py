@@ -59,7 +59,13 @@ class PerSampleSite:
     description: str = ""  # for the report: "layer 'fc' (Linear)", "'mul' using 'scale'"
 
     def in_layout(self, i: int) -> BatchLayout:
-        return parse_layout(self.layouts[i]) if i < len(self.layouts) else parse_layout(self.layouts[0])
+        if i >= len(self.layouts):  # a guess here could read another sample's data as this one's
+            raise RuntimeError(
+                f"fxdp: node '{self.node}' received more tensor arguments at run time than the {len(self.layouts)} "
+                "the per_sample pass recorded layouts for; compile again with example_inputs shaped like the "
+                "real inputs"
+            )
+        return parse_layout(self.layouts[i])
 
 
 def batch_size(source: BatchSource, *inputs) -> int:
