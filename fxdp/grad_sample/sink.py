@@ -1,0 +1,149 @@
+"""The gradient sink: the seam between the DP-aware ops, which write to it during backward, and the DP
+optimizer, which reads from it after.
+
+Write side. In backward, every DP-aware op (a layer in the compiled graph, a hooked layer, the
+whole-model op) hands its model's sink one :class:`LayerCapture`: the layer's saved input ``A`` and
+output gradient ``G``, both batch first and for a *summed* loss (the mean's ``1/N`` already undone),
+and a function that materialises the layer's per-sample gradients from them. When the backward pass
+ends the autograd engine calls :meth:`GradientSink.finish` (queued by the first ``add`` of that pass).
+
+Read side. After ``loss.backward()`` the optimizer asks for each parameter's per-sample squared norms
+and, given one clip factor per sample, each parameter's clipped sum ``sum_i c_i g_i``. It never reads
+``p.grad_sample`` itself, so where the answers come from — materialised per-sample gradients
+(:class:`GradSampleSink`, the default) or norms and re-weighted products from ``A`` and ``G``
+(book-keeping) — is the sink's business.
+
+Sink state lives on the model that owns the sink, never in a process-global: two models running
+backward at the same time (two threads) each fill their own sink. Within one sink, captures are kept
+per autograd graph task, so a backward pass that raised leaves nothing behind for the next one.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+
+@dataclass
+class LayerCapture:
+    """What one DP-aware op saw in one backward pass."""
+
+    batch_size: int
+    grad_samples: Callable[[], Dict[nn.Parameter, torch.Tensor]]  # -> {p: (N, *p.shape)}, summed loss
+    module: Optional[nn.Module] = None  # the layer, when a hand-written rule applies to it
+    activations: Sequence[torch.Tensor] = ()  # A: the layer's tensor inputs, batch first
+    backprops: Optional[torch.Tensor] = None  # G: gradient of the summed loss w.r.t. the output, batch first
+    params: Sequence[nn.Parameter] = field(default_factory=tuple)  # the trainable parameters it covers
+
+
+class GradientSink(abc.ABC):
+    """Where DP-aware ops deliver (A, G, layout-resolved) captures, and where the optimizer reads from."""
+
+    # -- write side: called from backward -------------------------------------------------------------
+
+    @abc.abstractmethod
+    def add(self, capture: LayerCapture) -> None:
+        """Take one layer's capture (called from a backward hook)."""
+
+    # -- read side: called by the optimizer after backward ---------------------------------------------
+
+    @abc.abstractmethod
+    def squared_norms(self, params: Iterable[nn.Parameter]) -> Dict[nn.Parameter, torch.Tensor]:
+        """Per-sample squared gradient norms, shape ``(N,)``, of each of ``params`` that received
+        per-sample gradients since :meth:`clear` (rows of successive backward passes concatenated)."""
+
+    @abc.abstractmethod
+    def clipped_sums(
+        self, params: Iterable[nn.Parameter], factors: Dict[nn.Parameter, torch.Tensor]
+    ) -> Dict[nn.Parameter, torch.Tensor]:
+        """``sum_i factors[p][i] * g_i(p)`` for each parameter in ``factors``: the clipped sum."""
+
+    @abc.abstractmethod
+    def clear(self, params: Iterable[nn.Parameter]) -> None:
+        """Forget everything recorded for ``params`` (the optimizer calls it after each step)."""
+
+
+class GradSampleSink(GradientSink):
+    """The materialising sink: per-sample gradients become ``p.grad_sample``.
+
+    Within one backward pass the uses of a parameter add up (tied weights, a layer called twice);
+    successive backward passes append along dimension 0. The read side reads ``p.grad_sample``, so
+    it also serves engines that write it themselves (PyTorch's ExpandedWeights).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pending: Dict[int, Dict[nn.Parameter, torch.Tensor]] = {}  # graph task -> sums of that pass
+
+    def add(self, capture: LayerCapture) -> None:
+        grad_samples = capture.grad_samples()
+        task = torch._C._current_graph_task_id()
+        with self._lock:
+            pending = self._pending.get(task)
+            if pending is None:
+                pending = self._pending[task] = {}
+                # runs once, when the autograd engine finishes this backward pass
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._publish(task))
+            for p, g in grad_samples.items():
+                check_grad_sample(p, g, capture.batch_size)
+                g = g.detach()
+                pending[p] = pending[p] + g if p in pending else g
+
+    def _publish(self, task: int) -> None:
+        with self._lock:
+            pending = self._pending.pop(task, {})
+        for p, g in pending.items():
+            previous = getattr(p, "grad_sample", None)
+            p.grad_sample = g if previous is None else torch.cat([previous, g], dim=0)
+
+    def squared_norms(self, params):
+        return {
+            p: p.grad_sample.reshape(p.grad_sample.shape[0], -1).pow(2).sum(1)
+            for p in params
+            if getattr(p, "grad_sample", None) is not None
+        }
+
+    def clipped_sums(self, params, factors):
+        out = {}
+        for p in params:
+            if p in factors and getattr(p, "grad_sample", None) is not None:
+                gs = p.grad_sample
+                out[p] = torch.tensordot(factors[p].to(gs.dtype), gs, dims=1)
+        return out
+
+    def clear(self, params):
+        for p in params:
+            if hasattr(p, "grad_sample"):
+                p.grad_sample = None
+
+
+def check_grad_sample(param: nn.Parameter, grad_sample: torch.Tensor, batch_size: Optional[int]) -> None:
+    """A per-sample gradient must have one row per sample and the parameter's shape after it."""
+    if batch_size is not None and grad_sample.shape[0] != batch_size:
+        raise RuntimeError(
+            f"fxdp: per-sample gradients with {grad_sample.shape[0]} rows for a batch of {batch_size} samples "
+            f"(parameter of shape {tuple(param.shape)}); where the batch sits was recorded wrongly. Pass "
+            "example_inputs with more than one sample to compile_for_dp"
+        )
+    if grad_sample.shape[1:] != param.shape:
+        raise RuntimeError(
+            f"fxdp: a per-sample rule returned shape {tuple(grad_sample.shape)} for a parameter of "
+            f"shape {tuple(param.shape)}; expected (N, *{tuple(param.shape)})"
+        )
+
+
+SINK_ATTR = "fxdp_sink"
+
+
+def sink_of(model: nn.Module) -> Optional[GradientSink]:
+    """The sink a compiled or wrapped model delivers to (``None`` for a plain model)."""
+    sink = getattr(model, SINK_ATTR, None)
+    return sink if isinstance(sink, GradientSink) else None
+
+
+__all__: List[str] = ["LayerCapture", "GradientSink", "GradSampleSink", "check_grad_sample", "sink_of", "SINK_ATTR"]
