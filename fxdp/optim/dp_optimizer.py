@@ -295,11 +295,11 @@ class DPOptimizer(Optimizer):
         """Every parameter must have one row per sample seen since the last step."""
         rows = {p: sq.shape[0] for p, sq in norms.items()}
         if len(set(rows.values())) > 1:
-            ordered = sorted(rows.items(), key=lambda kv: kv[1])
-            (p1, n1), (p2, n2) = ordered[0], ordered[-1]
+            (p1, n1), *others = rows.items()
+            p2, n2 = next((p, n) for p, n in others if n != n1)
             raise RuntimeError(
-                f"fxdp: parameter {self._name(p1)!r} has per-sample gradients for {n1} samples but "
-                f"{self._name(p2)!r} for {n2}: one of them received none in some backward pass since the last "
+                f"fxdp: parameter '{self._name(p1)}' has per-sample gradients for {n1} samples but "
+                f"'{self._name(p2)}' for {n2}: one of them received none in some backward pass since the last "
                 "step, so samples cannot be matched up for clipping. Call optimizer.step() after each "
                 "backward pass (optimizer.signal_skip_step() before it to accumulate a logical batch)"
             )
@@ -312,7 +312,7 @@ class DPOptimizer(Optimizer):
             bad = ~torch.isfinite(sq)
             if bool(bad.any()):
                 raise RuntimeError(
-                    f"fxdp: the per-sample gradient of parameter {self._name(p)!r} is not finite (inf or nan) "
+                    f"fxdp: the per-sample gradient of parameter '{self._name(p)}' is not finite (inf or nan) "
                     f"for {int(bad.sum())} of {sq.shape[0]} samples (first: sample {int(bad.nonzero()[0])}); "
                     "clipping cannot bound it, so the optimizer refuses to step. Look for inf/nan in the inputs "
                     "and the loss (log of 0, division by 0), or lower the learning rate if training diverged"
@@ -326,7 +326,7 @@ class DPOptimizer(Optimizer):
         for p in params:
             if p not in norms and p.grad is not None and bool(p.grad.ne(0).any()):
                 raise RuntimeError(
-                    f"fxdp: parameter {self._name(p)!r} received a gradient in backward but no per-sample "
+                    f"fxdp: parameter '{self._name(p)}' received a gradient in backward but no per-sample "
                     "gradient, so DP-SGD cannot clip it. Is it used outside the model that was compiled or "
                     "wrapped (fxdp.compile_for_dp / make_private), or is the optimizer's parameter list from "
                     "another model? Check fxdp.report(model) for ops fxdp does not cover"
@@ -400,7 +400,7 @@ class DPOptimizer(Optimizer):
 
     def _bound(self, p: nn.Parameter) -> float:
         if p not in self._bounds:
-            raise RuntimeError(f"fxdp: parameter {self._name(p)!r} has no per_layer bound: it was frozen when "
+            raise RuntimeError(f"fxdp: parameter '{self._name(p)}' has no per_layer bound: it was frozen when "
                                "the DPOptimizer was built. Build it again with a bound for every trainable parameter")
         return self._bounds[p]
 
