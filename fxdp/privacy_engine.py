@@ -51,7 +51,9 @@ class PrivacyEngine:
         accountant: the accountant's name for :func:`fxdp.accounting.create_accountant` (``"rdp"``, built
             in; ``"pld"`` with the optional ``dp-accounting`` package).
         secure_mode: noise from the OS's cryptographic source, guarded against the floating-point
-            attack (:mod:`fxdp.optim.noise`), and the Poisson sampler seeded from it.
+            attack (:mod:`fxdp.optim.noise`). The Poisson sampler takes a ``torch.Generator`` (Mersenne
+            Twister, not a cryptographic generator); in secure mode it is seeded with 63 bits from the
+            OS, so its draws cannot be replayed from a known seed.
     """
 
     def __init__(self, accountant: str = "rdp", secure_mode: bool = False):

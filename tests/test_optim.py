@@ -521,3 +521,13 @@ def test_sink_none_reads_grad_sample():
     opt = DPOptimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
                       expected_batch_size=4)
     assert isinstance(opt.sink, GradSampleSink)
+
+
+def test_load_state_dict_takes_the_checkpoints_noise_and_bounds_with_a_warning():
+    params = list(mlp().parameters())
+    saved = DPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, max_grad_norm=0.5,
+                        expected_batch_size=4).state_dict()
+    opt = DPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=2.0, max_grad_norm=0.5, expected_batch_size=8)
+    with pytest.warns(UserWarning, match="noise_multiplier=1.0, expected_batch_size=4 replace"):
+        opt.load_state_dict(saved)
+    assert (opt.noise_multiplier, opt.max_grad_norm, opt.expected_batch_size) == (1.0, 0.5, 4)
