@@ -312,8 +312,9 @@ class DPOptimizer(Optimizer):
             bad = ~torch.isfinite(sq)
             if bool(bad.any()):
                 raise RuntimeError(
-                    f"fxdp: the per-sample gradient of parameter '{self._name(p)}' is not finite (inf or nan, or too large to square) "
-                    f"for {int(bad.sum())} of {sq.shape[0]} samples (first: sample {int(bad.nonzero()[0])}); "
+                    f"fxdp: the per-sample gradient of parameter '{self._name(p)}' is not finite (inf or nan, or "
+                    f"too large to square) for {int(bad.sum())} of {sq.shape[0]} samples (first: sample "
+                    f"{int(bad.nonzero()[0])}); "
                     "clipping cannot bound it, so the optimizer refuses to step. Look for inf/nan in the inputs "
                     "and the loss (log of 0, division by 0), or lower the learning rate if training diverged"
                 )
