@@ -110,6 +110,7 @@ def _exact_rdp(q, sigma, order):
         (0.1, 2.0, 4.4),
         (0.001, 0.6, 4.4),
         (0.3, 0.3, 1.2),  # small noise: huge terms, log space
+        (0.01, 0.05, 2.5),
         (0.5, 5.0, 1.5),  # q = 1/2: terms shrink slowly, the series stops with its upper bound
         (0.1, 2.0, 4.0),  # integer: binomial sum
         (0.05, 0.8, 12.0),
@@ -324,6 +325,16 @@ def test_pld_epsilon_matches_dp_accounting_reference(history, delta, epsilon):
     assert accountant.get_epsilon(delta) == pytest.approx(epsilon, rel=1e-6)
     # tighter than RDP for the same steps
     assert accountant.get_epsilon(delta) < _history_accountant("rdp", history).get_epsilon(delta)
+
+
+def test_pld_calibration_lands_within_one_percent_below_the_target():
+    pytest.importorskip("dp_accounting")
+    sigma = get_noise_multiplier(
+        target_epsilon=3.0, target_delta=1e-5, sample_rate=1.0, steps=5, accountant="pld"
+    )
+    assert 0.99 * 3.0 <= _history_accountant("pld", [(sigma, 1.0, 5)]).get_epsilon(1e-5) <= 3.0
+    # less noise than RDP needs for the same target
+    assert sigma < get_noise_multiplier(target_epsilon=3.0, target_delta=1e-5, sample_rate=1.0, steps=5)
 
 
 def test_pld_state_dict_round_trip_and_edge_cases():

@@ -39,7 +39,7 @@ def get_noise_multiplier(
     q = check_sample_rate(sample_rate)
     if q == 0:
         raise ValueError(
-            "sample_rate is 0: no step ever uses an example, so any noise multiplier spends ε = 0; "
+            "sample_rate is 0: no step ever uses an example, so any noise multiplier spends epsilon = 0; "
             "there is nothing to calibrate"
         )
     if not 0 < epsilon_tolerance < 1:
@@ -86,7 +86,7 @@ def get_noise_multiplier(
             raise ValueError(
                 f"target_epsilon={target_epsilon} is so large that even noise_multiplier={_SIGMA_MIN:g} "
                 f"spends less over {steps} steps at sample_rate={q}, target_delta={delta}; "
-                f"no noise multiplier lands within {epsilon_tolerance:.0%} below it"
+                f"no noise multiplier lands within {epsilon_tolerance * 100:g}% below it"
             )
 
     # Shrink the bracket until epsilon(high) lands in [floor, target]. Each split point interpolates
@@ -113,7 +113,7 @@ def get_noise_multiplier(
         else:
             high, eps_high = middle, eps_middle
     raise ValueError(
-        f"no noise multiplier spends ε within {epsilon_tolerance:.0%} below target_epsilon="
-        f"{target_epsilon} (ε jumps from above the target to {eps_high:.6g} at noise_multiplier="
+        f"no noise multiplier spends epsilon within {epsilon_tolerance * 100:g}% below target_epsilon="
+        f"{target_epsilon} (epsilon jumps from above the target to {eps_high:.6g} at noise_multiplier="
         f"{high:.6g}); use a larger epsilon_tolerance"
     )

@@ -4,9 +4,9 @@ What it computes. The privacy loss of one Poisson-subsampled Gaussian step (add/
 neighbouring) is a random variable; its distribution, discretised on a grid of width
 ``value_discretization_interval``, composes over steps by convolution, and (ε, δ) is read off the
 composed distribution (Meiser & Mohammad 2018; Koskela et al. 2020; Doroshenko et al. 2022,
-"Connect the Dots"). The discretisation is pessimistic, so the result is an upper bound — typically
-5–15% below the RDP accountant's ε for the same steps, because the RDP-to-(ε, δ) conversion loses
-what the PLD keeps.
+"Connect the Dots"). The discretisation is pessimistic, so the result is an upper bound — for typical
+DP-SGD settings 5–20% below the RDP accountant's ε for the same steps, because the RDP-to-(ε, δ)
+conversion loses what the PLD keeps.
 
 The numerical work is done by ``dp_accounting.pld.PLDAccountant``; this class records the history in
 fxdp's format and builds the matching ``dp-accounting`` event from it. Install the package with

@@ -201,8 +201,8 @@ def epsilon_from_rdp(orders: Sequence[float], rdp: Sequence[float], delta: float
 class RDPAccountant(Accountant):
     """Rényi-DP accountant for DP-SGD with Poisson sampling (add/remove neighbouring).
 
-    Needs no extra package. It is an upper bound on the true ε, typically 5–15% above the PLD
-    accountant's (``"pld"``) for the same steps. ``orders`` defaults to :data:`DEFAULT_ORDERS`.
+    Needs no extra package. It is an upper bound on the true ε, for typical DP-SGD settings 5–20%
+    above the PLD accountant's (``"pld"``) for the same steps. ``orders`` defaults to :data:`DEFAULT_ORDERS`.
     """
 
     mechanism = "rdp"
