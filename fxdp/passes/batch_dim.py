@@ -8,8 +8,11 @@ back afterwards, so the user's model is left as it was. For every node it writes
   None for values that are not tensors), the per_sample pass's map of where each sample's rows are;
 - ``node.meta[fxdp.meta.FAKE_VALUE]``: the fake output.
 
-The per-op knowledge lives in :mod:`fxdp.passes.batch_rules`. Findings (each with the user's line and
-the path from the batched input):
+The interpreter is generic: it names no op. The per-op knowledge lives in
+:mod:`fxdp.passes.batch_rules`: each op's rule (``find_batch_rule(op)(call) -> Verdict``), and what
+the interpreter asks about a node besides its rule (:mod:`fxdp.passes.batch_rules.nodes`: sizes equal
+to the batch size, elements of tuple outputs, in-place writes). Findings (each with the user's line
+and the path from the batched input):
 
 - ``MOVES_BATCH`` (warning): the op changed where the batch sits (transpose(0, 1), permute, a
   reshape merging the batch with time, unsqueeze(0), ...) and did not put it back where it was;

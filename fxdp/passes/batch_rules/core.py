@@ -253,6 +253,7 @@ def per_sample(layout) -> bool:
 
 
 def tensor_pairs(value, layout) -> Iterator[Tuple[torch.Tensor, Any]]:
+    """Every tensor in ``value`` (nested lists, tuples and dicts) with its layout from ``layout``."""
     if isinstance(value, torch.Tensor):
         yield value, layout
     elif isinstance(value, (list, tuple)):
