@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
 from fxdp.diagnostics import Severity
+from fxdp.registry import TypeRegistry, find_in
 from fxdp.validators.errors import (
     ROOT_NAME,
     IllegalModuleConfigurationError,
@@ -35,18 +36,20 @@ logger = logging.getLogger("fxdp")
 Validator = Callable[..., List[UnsupportedError]]
 Fixer = Callable[..., nn.Module]
 
+_TYPE_ERROR = "expected nn.Module subclasses to register a rule for, got {!r}"
+
 
 class ModuleValidator:
     """Validates and fixes models for DP-SGD; holds the registries of validators and fixers."""
 
-    _validators: Dict[type, Validator] = {}
-    _fixers: Dict[type, Fixer] = {}
+    _validators: TypeRegistry[Validator] = TypeRegistry(nn.Module, _TYPE_ERROR)
+    _fixers: TypeRegistry[Fixer] = TypeRegistry(nn.Module, _TYPE_ERROR)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         # Each validator class owns its registries; lookups fall back to the parents'.
-        cls._validators = {}
-        cls._fixers = {}
+        cls._validators = TypeRegistry(nn.Module, _TYPE_ERROR)
+        cls._fixers = TypeRegistry(nn.Module, _TYPE_ERROR)
 
     # -- lookups ------------------------------------------------------------------------------------
 
@@ -163,18 +166,10 @@ def _deepcopy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def _registries(validator_class: type, attr: str) -> List[dict]:
-    return [vars(k)[attr] for k in validator_class.__mro__ if attr in vars(k)]
-
-
 def _lookup(validator_class: type, attr: str, module_or_type):
-    module_type = module_or_type if isinstance(module_or_type, type) else type(module_or_type)
-    registries = _registries(validator_class, attr)
-    for klass in module_type.__mro__:
-        for registry in registries:
-            if klass in registry:
-                return registry[klass]
-    return None
+    """Most specific module type first; at each type, this validator class's registry before its parents'."""
+    registries = [vars(k)[attr] for k in validator_class.__mro__ if attr in vars(k)]
+    return find_in(registries, module_or_type)
 
 
 def _apply_fixers(validator_class, module: nn.Module, name: str, memo: Dict[int, nn.Module], kwargs) -> nn.Module:
@@ -247,17 +242,6 @@ def register_module_fixer(
 
 
 def _register(targets, validator_class, attr):
-    targets = list(targets) if isinstance(targets, (list, tuple, set)) else [targets]
-    for t in targets:
-        if not (isinstance(t, type) and issubclass(t, nn.Module)):
-            raise TypeError(f"expected nn.Module subclasses to register a rule for, got {t!r}")
     if not (isinstance(validator_class, type) and issubclass(validator_class, ModuleValidator)):
         raise TypeError(f"validator_class must be ModuleValidator or a subclass of it, got {validator_class!r}")
-
-    def decorator(fn):
-        registry = vars(validator_class)[attr]
-        for t in targets:
-            registry[t] = fn
-        return fn
-
-    return decorator
+    return vars(validator_class)[attr].register(targets)  # raises TypeError for non-Module types
