@@ -265,8 +265,12 @@ def test_fix_a_root_batch_norm():
 
 
 def test_fix_and_validate():
-    fixed = ModuleValidator.fix_and_validate(ConvBN())
+    with pytest.warns(ModuleFixWarning) as record:
+        fixed = ModuleValidator.fix_and_validate(ConvBN())
     assert type(fixed.bn) is nn.GroupNorm
+    assert os.path.samefile(record[0].filename, __file__)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    assert isinstance(ModuleValidator.fix_and_validate(model, example_inputs=torch.randn(2, 3))[1], nn.LayerNorm)
     with pytest.raises(UnsupportedModuleError) as info:
         ModuleValidator.fix_and_validate(ConvBN().eval())
     assert [type(e) for e in info.value.errors] == [IllegalModuleConfigurationError]
@@ -295,6 +299,8 @@ def test_fix_with_remove_inplace_ops_returns_a_graph_module_and_warns():
         fixed = ModuleValidator.fix(model, remove_inplace_ops=True)
     replaced, warning = record
     assert replaced.category is ModuleFixWarning and warning.category is UserWarning
+    assert os.path.samefile(replaced.filename, __file__)
+    assert replaced.message.changes == (("bn", "nn.BatchNorm1d(4)", "nn.GroupNorm(1, 4)"),)
     assert os.path.samefile(warning.filename, __file__)  # stacklevel=2: points at the caller
     assert str(warning.message).startswith(
         "ModuleValidator.fix(remove_inplace_ops=True) returns a torch.fx.GraphModule, not a Residual")
