@@ -9,6 +9,9 @@ keeping the affine parameters, chosen by what the layer normalises:
   single values: its output would be its bias whatever the input. Without example inputs a
   ``BatchNorm1d`` may see either shape, so it becomes ``GroupNorm(1, C)``, right for both;
 - one value per sample (``(N, 1)``): no per-sample normalisation depends on it; refused.
+
+Without example inputs a ``BatchNorm2d``/``3d`` is taken to see more than one position per channel
+(a ``(N, C, 1, 1)`` input after global pooling is only recognised with example inputs).
 """
 
 from __future__ import annotations
