@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import pytest
@@ -479,7 +480,7 @@ def test_the_input_dependence_check_catches_a_group_per_channel_over_features():
 
 
 def gcd32(c):
-    return __import__("math").gcd(32, c)
+    return math.gcd(32, c)
 
 
 BN_CASES = [  # (layer, input shape, replacement with example_inputs, replacement without)
