@@ -28,6 +28,8 @@ shape ``(1, T)``) and unbatched otherwise (a ``(T, T)`` mask).
 from __future__ import annotations
 
 import builtins
+import contextlib
+import logging
 from typing import Any, Dict, List, Optional, Tuple
 
 import networkx as nx
@@ -186,6 +188,9 @@ class BatchDimInterpreter(torch.fx.Interpreter):
     def __init__(self, gm: torch.fx.GraphModule, mode: FakeTensorMode, input_layouts: Dict[torch.fx.Node, Any],
                  batch_size: int, home: BatchLayout, strict: bool):
         super().__init__(gm)
+        # our errors name the node and the user's line; torch's extra traceback would paste its own
+        # frames into their message
+        self.extra_traceback = False
         self.mode = mode
         self.input_layouts = input_layouts
         self.batch_size = batch_size
@@ -448,6 +453,26 @@ def _paths(gm: torch.fx.GraphModule, sources: List[str], layouts) -> Dict[str, L
 # --------------------------------------------------------------------------------------------
 
 
+# torch loggers that print a traceback of an op failing on fake tensors (example inputs of the wrong
+# shape) before the exception reaches the pass, which raises its own error for it
+_NOISY_TORCH_LOGGERS = ("torch._subclasses.fake_tensor",)
+
+
+@contextlib.contextmanager
+def quiet_torch_logs():
+    """Keep torch's logged tracebacks off the user's terminal while the analysis runs: the loggers'
+    levels are raised for the duration and restored after; nothing else about logging is touched."""
+    loggers = [logging.getLogger(name) for name in _NOISY_TORCH_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: int = 0,
                         strict: bool = False) -> PassResult:
     """Record where the batch is at every node (``meta.BATCH_DIM``, ``meta.FAKE_VALUE``) and report
@@ -478,7 +503,7 @@ def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: 
     state = {name: mode.from_tensor(t) for name, t in
              list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))}
     interpreter = BatchDimInterpreter(gm, mode, input_layouts, n, BatchLayout.at(batch_dim), strict)
-    with _reparametrize_module(gm, state), mode:
+    with _reparametrize_module(gm, state), mode, quiet_torch_logs():
         interpreter.run(*fake_values)
 
     findings: Tuple[Finding, ...] = ()
