@@ -20,13 +20,12 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple, Type, Union
 from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
-from fxdp.diagnostics import Severity
-from fxdp.validators.errors import (
+from fxdp.diagnostics import (
     ROOT_NAME,
     IllegalModuleConfigurationError,
     UnsupportedError,
     UnsupportedModuleError,
-    module_type_name,
+    op_name,
 )
 from fxdp.validators.inplace_flags import disable_inplace_flags
 
@@ -191,10 +190,10 @@ def _apply_fixers(validator_class, module: nn.Module, name: str, memo: Dict[int,
         try:
             result = fixer(module, **kwargs)
         except ValueError as exc:
-            raise ValueError(f"cannot fix `{name or ROOT_NAME}` ({module_type_name(module)}): {exc}") from exc
+            raise ValueError(f"cannot fix `{name or ROOT_NAME}` ({op_name(module)}): {exc}") from exc
         if not isinstance(result, nn.Module):
             raise TypeError(
-                f"the fixer {getattr(fixer, '__name__', fixer)!r} for {module_type_name(module)} returned "
+                f"the fixer {getattr(fixer, '__name__', fixer)!r} for {op_name(module)} returned "
                 f"{type(result).__name__}; a fixer must return an nn.Module"
             )
     memo[id(module)] = result
@@ -202,29 +201,9 @@ def _apply_fixers(validator_class, module: nn.Module, name: str, memo: Dict[int,
 
 
 def _rewrite_inplace_ops(model: nn.Module) -> Tuple[nn.Module, str]:
-    from fxdp.passes.inplace import remove_inplace_ops
-    from fxdp.tracing import trace
+    from fxdp.rewrite_inplace import rewrite_inplace_ops  # the inplace pass's graph rewrite, traced
 
-    traced = trace(model)
-    if not traced.ok:
-        where = f" at {traced.location}" if traced.location is not None else ""
-        logger.info(
-            "ModuleValidator.fix(remove_inplace_ops=True): %s cannot be traced (%s%s); returning it "
-            "with the module-level fixes only, its in-place ops are left as they are",
-            type(model).__name__, traced.reason, where,
-        )
-        return model, ""
-    result = remove_inplace_ops(traced.graph_module)
-    warning = (
-        f"ModuleValidator.fix(remove_inplace_ops=True) returns a torch.fx.GraphModule, not a "
-        f"{type(model).__name__}: isinstance checks, methods defined on {type(model).__name__} and "
-        f"pickling by class see the GraphModule type ({len(result.report.changes)} in-place op(s) "
-        f"rewritten)."
-    )
-    kept = [f for f in result.report.findings if f.severity is not Severity.INFO]
-    if kept:
-        warning += " Not rewritten: " + "; ".join(f"{f.node} at {f.where}: {f.message}" for f in kept)
-    return result.graph_module, warning
+    return rewrite_inplace_ops(model)
 
 
 def register_module_validator(

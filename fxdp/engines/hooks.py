@@ -2,8 +2,9 @@
 
 :class:`GradSampleModule` wraps a model (sharing its parameters) and puts two hooks on every *layer*:
 a forward hook that keeps the layer's tensor inputs, and a tensor hook on the layer's output that
-receives the output gradient and turns (inputs, output gradient) into ``p.grad_sample`` with the
-layer's registered rule (or the generic functorch rule). Tensor hooks on outputs, unlike full backward
+receives the output gradient and hands (inputs, output gradient) to the model's gradient sink, which
+turns them into ``p.grad_sample`` with the
+layer's registered rule (or the generic rule). Tensor hooks on outputs, unlike full backward
 hooks, keep working when an in-place op (``ReLU(inplace=True)``, ``out += x``) follows the layer: a
 hook registered before the in-place op receives the gradient of the value the layer returned.
 
@@ -12,7 +13,7 @@ Which modules are layers (decided once, walking the model from the top):
 - a module with a registered rule owns its whole subtree (the rule returns every trainable parameter
   in it), whether or not it has parameters of its own;
 - a module with trainable parameters of its own and no rule owns its whole subtree too, with the
-  generic functorch rule over every trainable parameter in it: its forward may use a child's
+  generic rule over every trainable parameter in it: its forward may use a child's
   parameters in any way (``nn.MultiheadAttention`` uses ``out_proj.weight`` without calling
   ``out_proj``; a container may call ``self.fc`` *and* use ``self.fc.weight`` functionally), and one
   vjp through that forward counts every use exactly once.
@@ -27,65 +28,15 @@ contributes nothing. The compiled engine (``fxdp.compile_for_dp``) checks both;
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fxdp.grad_sample.accumulate import (
-    accumulate_grad_samples,
-    check_loss_reduction,
-    compute_grad_samples,
-    zero_grad_sample,
-)
-from fxdp.grad_sample.functorch_rule import vmap_or_loop
+from fxdp.engines.base import GradSampleModuleBase, has_trainable_params, trainable_own_params
 from fxdp.grad_sample.registry import find_grad_sampler
-from fxdp.layout import BatchLayout
-
-
-def trainable_own_params(module: nn.Module) -> List[nn.Parameter]:
-    return [p for p in module.parameters(recurse=False) if p.requires_grad]
-
-
-def has_trainable_params(module: nn.Module) -> bool:
-    return any(p.requires_grad for p in module.parameters())
-
-
-def vmap_vjp_grad_samples(
-    module: nn.Module,
-    params: Dict[str, torch.Tensor],
-    activations: Sequence[Any],
-    backprops: torch.Tensor,
-    *,
-    batch_dim: int = 0,
-    kwargs: Optional[Dict[str, Any]] = None,
-) -> Dict[str, torch.Tensor]:
-    """Per-sample gradients of ``module``'s output w.r.t. ``params`` (name -> value), by vmap over vjp.
-
-    ``activations`` are the module's positional inputs, batch first (non-tensors are passed as they
-    are); ``backprops`` the output gradient, batch first. Each sample is run alone as a batch of one,
-    in the module's own layout (the batch at ``batch_dim``). Parameters not in ``params`` are used as
-    they are and not differentiated.
-    """
-    kwargs = kwargs or {}
-    tensor_positions = [i for i, a in enumerate(activations) if isinstance(a, torch.Tensor)]
-    tensors = [activations[i] for i in tensor_positions]
-
-    def one_sample(sample_tensors, sample_grad):
-        args = list(activations)
-        for pos, t in zip(tensor_positions, sample_tensors):
-            args[pos] = t.unsqueeze(batch_dim)
-
-        def forward(p):
-            out = torch.func.functional_call(module, p, tuple(args), kwargs, strict=False)
-            return out if isinstance(out, torch.Tensor) else first_tensor_output("", module, out)[0]
-
-        _, vjp_fn = torch.func.vjp(forward, params)
-        return vjp_fn(sample_grad.unsqueeze(batch_dim))[0]
-
-    return vmap_or_loop(one_sample, (0, 0), tensors, backprops)
+from fxdp.grad_sample.sink import GradientSink
 
 
 def first_tensor_output(module_name: str, module: nn.Module, output: Any):
@@ -101,49 +52,6 @@ def first_tensor_output(module_name: str, module: nn.Module, output: Any):
     return leaves[0], leaves[1:]
 
 
-class GradSampleModuleBase(nn.Module):
-    """What every engine's wrapper shares: the wrapped model, forward, ``zero_grad`` that also clears
-    ``p.grad_sample``, and attribute access that falls through to the wrapped model."""
-
-    def __init__(self, model: nn.Module, *, batch_first: bool = True, loss_reduction: str = "mean"):
-        super().__init__()
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"fxdp: expected an nn.Module to wrap, got {type(model).__name__}")
-        check_loss_reduction(loss_reduction)
-        self._module = model
-        self.batch_first = batch_first
-        self.loss_reduction = loss_reduction
-
-    @property
-    def module(self) -> nn.Module:
-        return self._module
-
-    @property
-    def batch_dim(self) -> int:
-        return 0 if self.batch_first else 1
-
-    def forward(self, *args, **kwargs):
-        return self._module(*args, **kwargs)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=set_to_none)
-        zero_grad_sample(self)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError as outer:
-            if name == "_module":
-                raise
-            try:
-                return getattr(self._module, name)
-            except AttributeError:
-                raise outer from None
-
-    def extra_repr(self) -> str:
-        return f"batch_first={self.batch_first}, loss_reduction={self.loss_reduction!r}"
-
-
 class GradSampleModule(GradSampleModuleBase):
     """Wraps ``model`` so that ``loss.backward()`` also sets ``p.grad_sample`` (hooks engine).
 
@@ -151,8 +59,8 @@ class GradSampleModule(GradSampleModuleBase):
     one backward pass add up (tied weights, a module called twice); successive backward passes append
     along dim 0 until :meth:`zero_grad` (see :mod:`fxdp.grad_sample.accumulate`).
 
-    ``strict=True`` raises instead of using the generic functorch rule for a module without a
-    registered rule. :attr:`functorch_fallbacks` lists the modules that use it.
+    ``strict=True`` raises instead of using the generic rule for a module without a registered
+    rule. :attr:`generic_fallbacks` lists the modules that use it.
     """
 
     def __init__(
@@ -161,13 +69,14 @@ class GradSampleModule(GradSampleModuleBase):
         batch_first: bool = True,
         loss_reduction: str = "mean",
         strict: bool = False,
+        *,
+        sink: Optional[GradientSink] = None,
     ):
-        super().__init__(model, batch_first=batch_first, loss_reduction=loss_reduction)
+        super().__init__(model, batch_first=batch_first, loss_reduction=loss_reduction, sink=sink)
         self.strict = strict
         self._hook_handles: List[Any] = []
-        self._recomputing = False  # the generic rule re-runs modules: our forward hooks stand aside
         self.grad_sample_layers: Dict[str, str] = {}  # module name -> how its per-sample grads are computed
-        self.functorch_fallbacks: List[str] = []
+        self.generic_fallbacks: List[str] = []  # the layers without a rule, under the generic rule
         self._add_hooks()
 
     # -- which modules get hooks ------------------------------------------------------------------
@@ -188,9 +97,9 @@ class GradSampleModule(GradSampleModuleBase):
             if trainable_own_params(module):
                 self._hook(label, module)
                 subtree = any(has_trainable_params(c) for c in module.children())
-                self.grad_sample_layers[label] = "functorch (its whole subtree)" if subtree else "functorch"
+                self.grad_sample_layers[label] = "generic (its whole subtree)" if subtree else "generic"
                 without_rule.append(f"'{label}' ({type(module).__name__})")
-                self.functorch_fallbacks.append(label)
+                self.generic_fallbacks.append(label)
                 return  # the generic rule covers the whole subtree
             for child_name, child in module.named_children():
                 visit(f"{name}.{child_name}" if name else child_name, child)
@@ -204,7 +113,7 @@ class GradSampleModule(GradSampleModuleBase):
                 "fxdp: strict=True and no per-sample rule is registered for "
                 + ", ".join(without_rule)
                 + ". Register one with @fxdp.register_grad_sampler(YourModule), or pass strict=False "
-                "to use the generic functorch rule."
+                "to use the generic rule."
             )
 
     def _hook(self, name: str, module: nn.Module) -> None:
@@ -229,15 +138,12 @@ class GradSampleModule(GradSampleModuleBase):
                         "or use grad_sample_mode='fx'."
                     )
             activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in inputs]
-            out.register_hook(self._layer_hook(mod, activations, dict(kwargs)))
+            out.register_hook(self._output_hook(mod, activations, dict(kwargs)))
             for k, other in enumerate(others, start=1):
                 if other.requires_grad:
                     other.register_hook(self._unsupported_output_hook(name, mod, k))
 
         self._hook_handles.append(module.register_forward_hook(forward_hook, with_kwargs=True))
-
-    def forward(self, *args, **kwargs):
-        return self._module(*args, **kwargs)
 
     def remove_hooks(self) -> None:
         """Detach the engine from the model: later backward passes set no ``grad_sample``."""
@@ -246,65 +152,6 @@ class GradSampleModule(GradSampleModuleBase):
         self._hook_handles.clear()
 
     # -- backward hooks ---------------------------------------------------------------------------
-
-    def _to_batch_first(self, activations: List[Any], backprops: torch.Tensor):
-        if self.batch_first:
-            return activations, backprops, backprops.shape[0]
-        n = backprops.shape[1]
-        layout = BatchLayout.at(1)
-        moved = [
-            layout.to_batch_first(a, n) if isinstance(a, torch.Tensor) and a.dim() >= 2 else a
-            for a in activations
-        ]
-        return moved, layout.to_batch_first(backprops, n), n
-
-    @contextlib.contextmanager
-    def _recompute(self):
-        previous, self._recomputing = self._recomputing, True
-        try:
-            yield
-        finally:
-            self._recomputing = previous
-
-    def _layer_hook(self, module: nn.Module, activations: List[Any], kwargs: Dict[str, Any]):
-        if find_grad_sampler(module) is None and (kwargs or not self.batch_first):
-            # Rules take neither keyword arguments nor a batch position: run the generic rule here,
-            # each sample as a batch of one in the module's own layout.
-            return self._generic_hook(module, activations, kwargs)
-
-        def hook(grad: torch.Tensor) -> None:
-            acts, backprops, n = self._to_batch_first(activations, grad)
-            # grad mode on: backward hooks run with it off, where the CPU LSTM has no backward
-            with self._recompute(), torch.enable_grad():
-                grad_samples = compute_grad_samples(
-                    module, acts, backprops, loss_reduction=self.loss_reduction, batch_size=n
-                )
-            accumulate_grad_samples(grad_samples)
-
-        return hook
-
-    def _generic_hook(self, module: nn.Module, activations: List[Any], kwargs: Dict[str, Any]):
-        """vmap over vjp for every trainable parameter of the module (its whole subtree)."""
-
-        def hook(grad: torch.Tensor) -> None:
-            acts, backprops, n = self._to_batch_first(activations, grad)
-            params = {pname: p for pname, p in module.named_parameters() if p.requires_grad}
-            if not params:
-                return
-            if self.loss_reduction == "mean":
-                backprops = backprops * n
-            with self._recompute(), torch.enable_grad():
-                per_name = vmap_vjp_grad_samples(
-                    module,
-                    {pname: p.detach() for pname, p in params.items()},
-                    acts,
-                    backprops,
-                    batch_dim=self.batch_dim,
-                    kwargs=kwargs,
-                )
-            accumulate_grad_samples({params[pname]: gs for pname, gs in per_name.items()})
-
-        return hook
 
     @staticmethod
     def _unsupported_output_hook(name: str, module: nn.Module, index: int):
