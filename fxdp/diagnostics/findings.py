@@ -86,6 +86,7 @@ def render_findings(findings) -> str:
     ]
     if not rows:
         return "(no findings)"
-    return tabulate(rows, headers=_FINDING_HEADERS, tablefmt="simple", maxcolwidths=[None, None, None, 24, 24, None, 60, 50])
+    widths = [None, None, None, 24, 24, None, 60, 50]  # "where" (file:line) is never wrapped
+    return tabulate(rows, headers=_FINDING_HEADERS, tablefmt="simple", maxcolwidths=widths)
 
 

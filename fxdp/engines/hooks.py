@@ -3,9 +3,8 @@
 :class:`GradSampleModule` wraps a model (sharing its parameters) and puts two hooks on every *layer*:
 a forward hook that keeps the layer's tensor inputs, and a tensor hook on the layer's output that
 receives the output gradient and hands (inputs, output gradient) to the model's gradient sink, which
-turns them into ``p.grad_sample`` with the
-layer's registered rule (or the generic rule). Tensor hooks on outputs, unlike full backward
-hooks, keep working when an in-place op (``ReLU(inplace=True)``, ``out += x``) follows the layer: a
+turns them into ``p.grad_sample`` with the layer's registered rule (or the generic rule). Tensor hooks
+on outputs, unlike full backward hooks, keep working when an in-place op (``ReLU(inplace=True)``, ``out += x``) follows the layer: a
 hook registered before the in-place op receives the gradient of the value the layer returned.
 
 Which modules are layers (decided once, walking the model from the top):
@@ -13,8 +12,7 @@ Which modules are layers (decided once, walking the model from the top):
 - a module with a registered rule owns its whole subtree (the rule returns every trainable parameter
   in it), whether or not it has parameters of its own;
 - a module with trainable parameters of its own and no rule owns its whole subtree too, with the
-  generic rule over every trainable parameter in it: its forward may use a child's
-  parameters in any way (``nn.MultiheadAttention`` uses ``out_proj.weight`` without calling
+  generic rule over every trainable parameter in it: its forward may use a child's parameters in any way (``nn.MultiheadAttention`` uses ``out_proj.weight`` without calling
   ``out_proj``; a container may call ``self.fc`` *and* use ``self.fc.weight`` functionally), and one
   vjp through that forward counts every use exactly once.
 

@@ -34,6 +34,7 @@ from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED, UNKNOWN, BatchLay
 from fxdp.tracing import source_location
 
 PASS_NAME = "per_sample"
+_WHOLE_MODEL = "fxdp runs the whole model as one op (engine fx+whole-model) instead"
 
 
 def _inputs_reach(graph: torch.fx.Graph) -> Set[torch.fx.Node]:
@@ -79,7 +80,8 @@ def _out_layout_strings(node, first: BatchLayout, default: BatchLayout) -> List[
 
 
 def _finding(node, message: str, fix: str, kind=Kind.NOT_YET_SUPPORTED, severity=Severity.ERROR, op="") -> Finding:
-    return Finding(PASS_NAME, node.name, op or op_name(node.target), kind, severity, message, fix, source_location(node))
+    return Finding(PASS_NAME, node.name, op or op_name(node.target), kind, severity, message, fix,
+                   source_location(node))
 
 
 def _check_layouts(node, ins: List[BatchLayout], out: BatchLayout) -> Tuple[Optional[BatchLayout], Optional[Finding]]:
@@ -87,8 +89,7 @@ def _check_layouts(node, ins: List[BatchLayout], out: BatchLayout) -> Tuple[Opti
     if any(lay.kind == UNKNOWN for lay in ins) or out.kind == UNKNOWN:
         return None, _finding(
             node, "where the batch sits in this call's input or output is unknown (an op upstream has no batch rule)",
-            "see the batch_dim findings; fxdp runs the whole model as one op (engine fx+whole-model) instead", Kind.UNVERIFIED,
-            Severity.WARNING)
+            f"see the batch_dim findings; {_WHOLE_MODEL}", Kind.UNVERIFIED, Severity.WARNING)
     if out.kind in (BATCHED, MERGED):
         return out, None
     if out.kind == BROADCAST and any(lay.kind == BROADCAST for lay in ins):
@@ -102,12 +103,11 @@ def _check_layouts(node, ins: List[BatchLayout], out: BatchLayout) -> Tuple[Opti
                 return None, _finding(
                     node, f"this layer's input is broadcast over the batch, and its consumer '{user.name}' does "
                     "not simply broadcast the output against per-sample data",
-                    "expand the input to the batch size before the layer; fxdp runs the whole model as one op "
-                    "(engine fx+whole-model) instead", Severity.WARNING)
+                    f"expand the input to the batch size before the layer; {_WHOLE_MODEL}", severity=Severity.WARNING)
         return BatchLayout.at(out.dim), None
     return None, _finding(
         node, f"this layer's output carries no batch dimension ({out}), so no per-sample gradient can be read "
-        "from its backward", "feed the layer per-sample data; fxdp runs the whole model as one op (engine fx+whole-model) instead",
+        "from its backward", f"feed the layer per-sample data; {_WHOLE_MODEL}",
         severity=Severity.WARNING)
 
 
@@ -158,8 +158,7 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
                     findings.append(_finding(
                         node, f"parameter '{arg_params[0].target}' goes through '{node.name}' before it meets "
                         "per-sample data", "use the parameter directly in the op that consumes the input (e.g. "
-                        "`x @ self.w.t()` as `F.linear(x, self.w)`); fxdp runs the whole model as one op (engine fx+whole-model) "
-                        "instead", severity=Severity.WARNING))
+                        f"`x @ self.w.t()` as `F.linear(x, self.w)`); {_WHOLE_MODEL}", severity=Severity.WARNING))
                 continue
             target = node.target if isinstance(node.target, str) else torch.typename(node.target)
             rule, call, fn = "generic", runtime.per_sample_function, node.target
@@ -210,7 +209,7 @@ def _uncovered_parameters(gm: torch.fx.GraphModule) -> List[Finding]:
             if user.target not in _DP_OPS:
                 problems.append(_finding(
                     user, f"parameter '{node.target}' reaches the loss through '{user.name}' ({user.target}), "
-                    "which records no per-sample gradient", "fxdp runs the whole model as one op (engine fx+whole-model) instead",
+                    "which records no per-sample gradient", _WHOLE_MODEL,
                     severity=Severity.WARNING))
                 break
     return problems

@@ -13,7 +13,6 @@ Signatures: a validator is ``fn(module, **kwargs) -> list[UnsupportedError]``, a
 from __future__ import annotations
 
 import copy
-import logging
 import warnings
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Type, Union
 
@@ -28,8 +27,6 @@ from fxdp.diagnostics import (
     op_name,
 )
 from fxdp.validators.inplace_flags import disable_inplace_flags
-
-logger = logging.getLogger("fxdp")
 
 Validator = Callable[..., List[UnsupportedError]]
 Fixer = Callable[..., nn.Module]
