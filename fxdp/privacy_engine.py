@@ -33,7 +33,6 @@ from torch.utils.data import DataLoader
 
 from fxdp.accounting import create_accountant, get_noise_multiplier
 from fxdp.compiler import compile_for_dp
-from fxdp.data import DPDataLoader
 from fxdp.grad_sample.sink import sink_of
 from fxdp.optim import DPOptimizer
 from fxdp.optim.noise import secure_seed
@@ -147,6 +146,8 @@ class PrivacyEngine:
 
     def _prepare_data(self, data_loader: DataLoader, poisson_sampling: bool) -> Tuple[DataLoader, float, Optional[int]]:
         if poisson_sampling:
+            from fxdp.data import DPDataLoader  # until fxdp.data is merged: every module must import
+
             # secure mode: the sampler is a torch generator, seeded from the OS's cryptographic source
             generator = torch.Generator().manual_seed(secure_seed()) if self.secure_mode else None
             dp_loader = DPDataLoader.from_data_loader(data_loader, generator=generator)
