@@ -201,6 +201,8 @@ def op_name(op) -> str:
         known = None
     if known:
         return known
+    if callable(op) and _dotted_name(op) in _NAMES:  # a function registered by its dotted name
+        return _NAMES[_dotted_name(op)]
     name = getattr(op, "__name__", None) or repr(op)
     module = getattr(op, "__module__", None) or ""
     if module in ("_operator", "operator"):
