@@ -243,6 +243,32 @@ def test_the_report_does_not_call_a_weight_normed_layer_linear():
     assert rewrites and PARAMETRIZED in rewrites[0].message and "Linear rule" not in rewrites[0].message
 
 
+def test_the_report_notes_the_real_parameters_of_a_parametrized_layer():
+    report = fxdp.inspect(Head(weight_normed()), torch.randn(N, 5))
+    notes = [f for f in report.findings if f.pass_name == "validate" and f.node == "layer"]
+    assert notes and "`parametrizations.weight.original0`" in notes[0].message and "not the rule of Linear" in notes[0].message
+
+
+class Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = parametrizations.spectral_norm(nn.Linear(3, 3))
+
+    def forward(self, x):
+        return self.layer(torch.tanh(self.layer(x)))
+
+
+def test_spectral_norm_called_twice_in_training_is_an_error_and_fine_in_eval():
+    report = fxdp.inspect(Twice(), torch.randn(N, 3))
+    errors = [f for f in report.errors if f.pass_name == "validate"]
+    assert errors and "called 2 times" in errors[0].message and "parametrizations.eval()" in errors[0].fix
+    model = Twice()
+    model.layer.parametrizations.eval()
+    assert not [f for f in fxdp.inspect(model, torch.randn(N, 3)).errors if f.pass_name == "validate"]
+    compiled = assert_grad_samples_match(model, torch.randn(N, 3), atol=1e-9, rtol=1e-7)
+    assert engine_of(compiled) == "fx"
+
+
 @pytest.mark.parametrize("mode", ["fx", "hooks"])
 def test_spectral_norm_in_training_uses_this_forwards_power_iteration(mode):
     """The per-sample gradient of the forward that ran: u and v updated once by it, then constants."""
