@@ -653,3 +653,71 @@ def test_torchvision_models_stay_in_the_graph_engine(name):
     size = 64 if name == "swin_t" else 32
     compiled = assert_grad_samples_match(model, torch.randn(2, 3, size, size), atol=1e-7, rtol=1e-5)
     assert engine_of(compiled) == "fx", str(fxdp.report(compiled))
+
+
+# --------------------------------------------------------------------------------------------
+# Recurrent layers over packed sequences
+# --------------------------------------------------------------------------------------------
+
+
+class PackedRNN(nn.Module):
+    def __init__(self, cls=nn.LSTM, enforce_sorted=False, with_state=False, **rnn_kwargs):
+        super().__init__()
+        self.emb, self.out = nn.Linear(3, 4), nn.Linear(5 * (2 if rnn_kwargs.get("bidirectional") else 1), 2)
+        self.rnn = cls(4, 5, batch_first=True, **rnn_kwargs)
+        self.enforce_sorted, self.with_state, self.cls = enforce_sorted, with_state, cls
+        layers = rnn_kwargs.get("num_layers", 1) * (2 if rnn_kwargs.get("bidirectional") else 1)
+        self.h0 = nn.Parameter(torch.randn(layers, 1, 5))  # a learned initial state, expanded per sample
+
+    def forward(self, x, lengths):
+        packed = pack_padded_sequence(self.emb(x), lengths, batch_first=True, enforce_sorted=self.enforce_sorted)
+        if self.with_state:
+            h0 = self.h0.expand(-1, x.shape[0], -1).contiguous() * 1.0
+            state = (h0, torch.zeros_like(h0)) if self.cls is nn.LSTM else h0
+            out, _ = self.rnn(packed, state)
+        else:
+            out, _ = self.rnn(packed)
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
+        return self.out(out).sum(1)
+
+
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence  # noqa: E402
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+@pytest.mark.parametrize("enforce_sorted", [False, True])
+def test_packed_sequences_get_correct_per_sample_gradients(cls, enforce_sorted):
+    torch.manual_seed(13)
+    lengths = torch.tensor([6, 5, 3, 2]) if enforce_sorted else torch.tensor([3, 6, 2, 5])
+    model = PackedRNN(cls, enforce_sorted)
+    model.h0.requires_grad_(False)  # not used without a state
+    compiled = assert_grad_samples_match(model, (torch.randn(N, 6, 3), lengths), atol=1e-9, rtol=1e-7)
+    report = fxdp.report(compiled)
+    assert report.engine == "hooks" and "cannot be traced" in report.fallback_reason
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_packed_bidirectional_two_layer_lstm_with_an_initial_state(reduction):
+    torch.manual_seed(14)
+    model = PackedRNN(nn.LSTM, with_state=True, num_layers=2, bidirectional=True)
+    model.h0.requires_grad_(False)  # a parameter outside the RNN that only the hooks' parent sees
+    assert_grad_samples_match(model, (torch.randn(N, 6, 3), torch.tensor([3, 6, 1, 5])), loss_reduction=reduction,
+                              atol=1e-9, rtol=1e-7)
+
+
+class PackedLastState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.out = nn.GRU(3, 4, batch_first=True), nn.Linear(4, 2)
+
+    def forward(self, x, lengths):
+        _, h = self.rnn(pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))
+        return self.out(h[-1])
+
+
+def test_a_loss_on_the_last_state_of_a_packed_rnn_is_an_error_not_a_wrong_gradient():
+    model = PackedLastState()
+    compiled = fxdp.compile_for_dp(model, example_inputs=(torch.randn(N, 5, 3), torch.tensor([2, 5, 3, 4])))
+    out = compiled(torch.randn(N, 5, 3), torch.tensor([2, 5, 3, 4]))
+    with pytest.raises(RuntimeError, match="output #"):
+        out.sum().backward()
