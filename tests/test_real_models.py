@@ -1,8 +1,9 @@
-"""Real-model pieces in the graph engine (issue #11): subclasses of layers that override ``forward``,
-parametrized layers (weight_norm, spectral_norm, a user's parametrization), torchvision's blocks.
+"""Real-model pieces (issue #11): subclasses of layers that override ``forward``, parametrized layers
+(weight_norm, spectral_norm, a user's parametrization), torchvision's blocks, RNNs over packed sequences.
 
-Every check compares ``p.grad_sample`` with batches of one, in the graph engine (``fx``, not the
-whole-model fallback) and in the hooks engine.
+The checks compare ``p.grad_sample`` with batches of one, in the graph engine (``fx``, not the
+whole-model fallback) and in the hooks engine; packed sequences run in the hooks engine (fx cannot
+trace pack_padded_sequence), which the report says.
 """
 
 from __future__ import annotations
@@ -116,6 +117,39 @@ def test_a_rule_serves_a_subclass_only_if_it_keeps_the_forward():
     # torch's own families keep their rules (LSTM overrides RNNBase's forward)
     assert find_batch_rule(nn.LSTM(2, 2)) is find_batch_rule(nn.GRU(2, 2)) is not None
     assert find_batch_rule(nn.CrossEntropyLoss()) is not None and find_batch_rule(nn.BatchNorm2d(2)) is not None
+
+
+def test_type_registry_serves_subclasses_by_its_own_policy():
+    from fxdp.registry import TypeRegistry
+
+    class Base:
+        def forward(self):
+            return 1
+
+    class Same(Base):
+        pass
+
+    class Overrides(Same):
+        def forward(self):
+            return 2
+
+    class Below(Overrides):  # inherits the override
+        pass
+
+    rules = TypeRegistry(unless_overridden="forward")
+    rules.register(Base)("base rule")
+    assert [rules.find(c) for c in (Base, Same, Overrides, Below)] == ["base rule", "base rule", None, None]
+    assert rules.owner(Below) is None and rules.owner(Same) is Base
+    rules.register(Overrides)("own rule")
+    assert rules.find(Below) == "own rule"
+    saved = rules.snapshot()
+    rules.register(Base, subclasses=True)("any subclass")
+    assert rules.find(Same) == "any subclass" and rules.find(Below) == "own rule"
+    rules.restore(saved)
+    assert rules.find(Same) == "base rule" and rules.find(Overrides) == "own rule"
+    validators = TypeRegistry()  # no policy: every subclass, as validators want
+    validators.register(Base)("check")
+    assert validators.find(Below) == "check"
 
 
 def test_an_instance_that_replaces_forward_has_no_rule():
