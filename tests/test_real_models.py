@@ -304,6 +304,17 @@ def test_spectral_norm_called_twice_in_training_is_an_error_and_fine_in_eval():
     assert engine_of(compiled) == "fx"
 
 
+def test_spectral_norm_called_twice_in_training_is_refused_by_the_hooks_engine_too():
+    model = Twice()
+    compiled = fxdp.GradSampleModule(model)  # the compiler refuses it before it runs (test above)
+    with pytest.raises(RuntimeError, match="called more than once"):
+        compiled(torch.randn(N, 3)).sum().backward()
+    model.layer.parametrizations.eval()
+    model.zero_grad()
+    compiled(torch.randn(N, 3)).sum().backward()  # in eval mode the buffers stay put: fine
+    assert model.layer.parametrizations.weight.original.grad_sample.shape == (N, 3, 3)
+
+
 @pytest.mark.parametrize("mode", ["fx", "hooks"])
 def test_spectral_norm_in_training_uses_this_forwards_power_iteration(mode):
     """The per-sample gradient of the forward that ran: u and v updated once by it, then constants."""

@@ -21,6 +21,7 @@ its class's rule, which differentiates the computed weight, does not apply: it g
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Type, Union
 
 import torch
@@ -81,6 +82,7 @@ def parametrized_grad_sampler(module: nn.Module, activations, backprops) -> Dict
     from fxdp.grad_sample.generic import generic_grad_sampler  # generic imports nothing from here
 
     parametrizations = [m for m in module.parametrizations.modules()]
+    _refuse_a_second_stateful_call(module, parametrizations)
     modes = [m.training for m in parametrizations]
     try:
         for m in parametrizations:
@@ -89,3 +91,26 @@ def parametrized_grad_sampler(module: nn.Module, activations, backprops) -> Dict
     finally:
         for m, mode in zip(parametrizations, modes):
             m.training = mode
+
+
+_CALLS_IN_BACKWARD: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+
+
+def _refuse_a_second_stateful_call(module: nn.Module, parametrizations) -> None:
+    """A parametrization that updates buffers in training, on a layer called twice in the forward whose
+    backward this is: the buffers hold the last call's values, so the other call's gradients would
+    be wrong (the graph engine reports this at compile time; this catches it in any engine)."""
+    if not any(m.training and any(True for _ in m.buffers(recurse=False)) for m in parametrizations):
+        return
+    task = torch._C._current_graph_task_id()
+    if task < 0:  # not inside a backward pass
+        return
+    if _CALLS_IN_BACKWARD.get(module) == task:
+        raise RuntimeError(
+            f"fxdp: {type(module).__name__} ({module!r}) was called more than once in the forward of this "
+            "backward pass, and its parametrization updates its buffers in each call in training mode "
+            "(spectral_norm's power iteration): per-sample gradients can only be computed with the last "
+            "call's buffers, so the others' would be wrong. Call the layer once per forward, or put its "
+            "parametrizations in eval mode (`layer.parametrizations.eval()`)."
+        )
+    _CALLS_IN_BACKWARD[module] = task
