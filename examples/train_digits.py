@@ -32,8 +32,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         description="Private training (DP-SGD) on scikit-learn's digits with fxdp.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=128,
+    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--batch-size", type=int, default=256,
                         help="expected (Poisson) batch size; the sampling rate is batch size / training set size")
     parser.add_argument("--lr", type=float, default=1.0, help="SGD learning rate")
     parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum")
