@@ -246,6 +246,45 @@ def test_distributed_with_a_process_group_broadcasts_the_seed():
         dist.destroy_process_group()
 
 
+def _rank_main(rank, world, store_path, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(rank)  # different global generators: the broadcast seed must still agree
+        dl = DPDataLoader(IndexDataset(50), sample_rate=0.4, steps=6, distributed=True)
+        batches = [y.tolist() for _, y in dl]
+        results.put((rank, dl.world_size, dl.batch_sampler.generator.initial_seed(), batches))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_share_the_seed_and_split_each_batch(tmp_path):
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("this torch build has no torch.distributed")
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    processes = [context.Process(target=_rank_main, args=(r, 2, tmp_path / "store", results)) for r in range(2)]
+    for p in processes:
+        p.start()
+    out = sorted(results.get(timeout=120) for _ in processes)
+    for p in processes:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    (r0, w0, seed0, batches0), (r1, w1, seed1, batches1) = out
+    assert (r0, r1, w0, w1) == (0, 1, 2, 2)
+    assert seed0 == seed1  # rank 0's seed, broadcast
+    # The masks a single process draws from that seed, split by index parity.
+    whole = list(PoissonBatchSampler(50, 0.4, 6, generator=torch.Generator().manual_seed(seed0)))
+    for mine0, mine1, batch in zip(batches0, batches1, whole):
+        assert mine0 == [i for i in batch if i % 2 == 0]
+        assert mine1 == [i for i in batch if i % 2 == 1]
+
+
 # -- the memory manager ------------------------------------------------------------------------------
 
 

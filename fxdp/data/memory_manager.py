@@ -98,7 +98,9 @@ class BatchMemoryManager:
 
     def __enter__(self) -> _PhysicalBatchLoader:
         logical = self.data_loader
-        expected = len(logical.dataset) * getattr(logical, "sample_rate", 0.0) or _batch_size(logical)
+        # this process's expected share of a logical batch (a distributed DPDataLoader splits it)
+        share = getattr(logical, "sample_rate", 0.0) * len(logical.dataset) / getattr(logical, "world_size", 1)
+        expected = share or _batch_size(logical)
         sampler = _SplittingBatchSampler(logical.batch_sampler, self.max_physical_batch_size, expected)
         physical = DataLoader(
             logical.dataset,

@@ -63,8 +63,9 @@ class PoissonBatchSampler(Sampler[List[int]]):
     def __iter__(self) -> Iterator[List[int]]:
         for _ in range(self.steps):
             # One uniform draw per sample, identical on every rank given the same generator state.
-            included = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
-            indices = included.nonzero().flatten()
+            device = self.generator.device if self.generator is not None else None
+            included = torch.rand(self.num_samples, generator=self.generator, device=device) < self.sample_rate
+            indices = included.nonzero().flatten().cpu()
             if self.world_size > 1:
                 indices = indices[indices % self.world_size == self.rank]
             yield indices.tolist()
