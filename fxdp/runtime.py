@@ -206,6 +206,10 @@ def _generic_recorder(call, leaves, layouts, positions, out_layouts, n, site):
     """The backward step of the generic rule: per-sample gradients of the leaves at ``positions``."""
 
     def record(grads) -> None:
+        if n == 0:  # an empty batch: no sample to re-run, each parameter gets (0, *p.shape)
+            accumulate_grad_samples({leaves[i]: leaves[i].new_zeros((0, *leaves[i].shape)) for i in positions},
+                                    batch_size=0)
+            return
         scale = n if site.loss_reduction == "mean" else 1  # undo the mean's 1/N
         grads = [None if g is None else g * scale for g in grads]
         samples = _per_sample_vjp(call, leaves, layouts, positions, out_layouts, grads, n, site)

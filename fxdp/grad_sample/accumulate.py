@@ -41,6 +41,14 @@ def compute_grad_samples(
     ``activations`` and ``backprops`` are batch first already. The module's registered rule is used,
     or the generic functorch rule when it has none.
     """
+    if batch_size == 0:
+        # An empty batch (Poisson sampling; a rank's empty share): rules reshape with -1, which zero
+        # elements make ambiguous. Run the rule on one zero sample and keep none of its rows, so each
+        # parameter it covers gets a (0, *p.shape) per-sample gradient.
+        one = [a.new_zeros((1, *a.shape[1:])) if isinstance(a, torch.Tensor) else a for a in activations]
+        grad_samples = compute_grad_samples(module, one, backprops.new_zeros((1, *backprops.shape[1:])),
+                                            loss_reduction=loss_reduction, batch_size=1)
+        return {p: g[:0] for p, g in grad_samples.items()}
     rule = find_grad_sampler(module)
     if rule is None:
         from fxdp.grad_sample.functorch_rule import functorch_grad_sampler
