@@ -19,6 +19,7 @@ its construction already broadcast rank 0's weights, so every rank starts from t
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from typing import Any, Iterator, Optional, Tuple
 
@@ -112,11 +113,11 @@ def bucket_bytes_of(ddp: DistributedDataParallel) -> int:
 
 
 def _is_fsdp(module: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # a torch build without distributed support
+    # a model wrapped in FSDP means torch.distributed.fsdp was imported: no need to import it (seconds)
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
         return False
-    if isinstance(module, FullyShardedDataParallel):
-        return True
-    fsdp_module = getattr(torch.distributed.fsdp, "FSDPModule", None)  # fully_shard (FSDP2)
-    return fsdp_module is not None and isinstance(module, fsdp_module)
+    fsdp_types = tuple(t for t in (getattr(fsdp, "FullyShardedDataParallel", None),
+                                   getattr(fsdp, "FSDPModule", None))  # FSDP1 and fully_shard (FSDP2)
+                       if isinstance(t, type))
+    return isinstance(module, fsdp_types)
