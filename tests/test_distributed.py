@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,10 @@ def _rank_main(rank: int, out_dir: str, store: str) -> None:
         return DataLoader(dataset, batch_size=LOCAL_BATCH, sampler=DistributedSampler(dataset, shuffle=False))
 
     results = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        private(PrivacyEngine(), make_model(), sharded_loader(), mode="fx")
+    results["no_ddp_warnings"] = [str(w.message) for w in caught]
     for mode in MODES:
         for reduction in ("mean", "sum"):
             model, opt, loader = private(PrivacyEngine(), DDP(make_model()), sharded_loader(), mode=mode,
@@ -235,6 +240,13 @@ def test_make_private_replaces_ddp_and_its_optimizer(ranks, mode):
     assert results[0][mode, "mean", "types"] == ("DPDistributedDataParallel", "DistributedDPOptimizer")
 
 
+def test_a_model_without_ddp_under_several_processes_is_warned_about(ranks):
+    results, _ = ranks
+    for r in range(WORLD):
+        assert any("not wrapped in DistributedDataParallel" in m and "2 processes" in m
+                   for m in results[r]["no_ddp_warnings"])
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
 def test_two_ranks_equal_one_process_on_the_global_batch(ranks, mode, loss_reduction):
@@ -317,6 +329,108 @@ def test_a_checkpoint_of_two_ranks_loads_in_one_process(ranks, mode):
     assert engine.accountant.history == saved["history"]
     assert_params_identical(params_of(model), saved["params"])
     assert type(opt).__name__ == "DPOptimizer" and opt.steps == 4
+
+
+# -- in this process: a process group of one ---------------------------------------------------------
+
+
+@pytest.fixture
+def world_of_one():
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch build has no torch.distributed with gloo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_without_a_distributed_sampler_each_rank_would_read_the_same_samples(world_of_one):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fxdp.privacy_engine import PrivacyEngine
+
+    with pytest.raises(ValueError, match="DistributedSampler"):
+        private(PrivacyEngine(), DDP(make_model()), DataLoader(make_dataset(), batch_size=4), mode="fx")
+
+
+def test_a_distributed_checkpoint_is_refused_in_the_middle_of_a_logical_batch(world_of_one):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data.distributed import DistributedSampler
+
+    from fxdp.privacy_engine import PrivacyEngine
+
+    ds = make_dataset()
+    loader = DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, shuffle=False))
+    model, opt, loader = private(PrivacyEngine(), DDP(make_model()), loader, mode="fx")
+    x, y = next(iter(loader))
+    opt.signal_skip_step()
+    train_steps(model, opt, [(x, y)])
+    with pytest.raises(RuntimeError, match="middle of a logical batch"):
+        opt.state_dict()
+    train_steps(model, opt, [(x, y)])  # the logical step ends: saving works again
+    assert opt.state_dict()["fxdp"]["steps"] == 1
+
+
+def test_a_rank_other_than_0_drops_a_single_process_checkpoints_partial_sum(world_of_one):
+    """A checkpoint taken by one process mid-batch holds that batch's clipped sum so far: only rank
+    0 keeps it, so the all-reduce adds it once."""
+    from fxdp.distributed import DistributedDPOptimizer
+    from fxdp.optim import DPOptimizer
+
+    model = make_model()
+    alone = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0,
+                        expected_batch_size=4)
+    for p in model.parameters():
+        p.grad_sample = torch.ones(2, *p.shape)
+    alone.signal_skip_step()
+    alone.step()
+    saved = alone.state_dict()
+    assert all(s is not None for s in saved["fxdp"]["accumulated"])
+    for rank in (0, 1):
+        opt = DistributedDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=0.0,
+                                     max_grad_norm=1.0, expected_batch_size=4)
+        opt.rank = rank  # as rank 1 of two would be (the group here has one)
+        opt.load_state_dict(saved)
+        assert len(opt._summed) == (len(saved["fxdp"]["accumulated"]) if rank == 0 else 0)
+    assert all(s is not None for s in saved["fxdp"]["accumulated"])  # the caller's dict is left as it was
+
+
+def test_clipped_sums_travel_in_buckets_of_one_dtype_and_bounded_size():
+    from fxdp.distributed.optimizer import _buckets
+
+    tensors = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(5, dtype=torch.float64),
+               torch.zeros(5, dtype=torch.float64), torch.zeros(2)]
+    assert list(_buckets(tensors, bucket_bytes=100)) == [[0, 1], [2], [3, 4], [5]]
+    assert list(_buckets(tensors, bucket_bytes=10**6)) == [[0, 1, 2], [3, 4], [5]]
+
+
+def test_make_private_refuses_data_parallel_and_a_model_made_private_twice(world_of_one):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data.distributed import DistributedSampler
+
+    from fxdp.privacy_engine import PrivacyEngine
+
+    ds = make_dataset()
+    loader = DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds))
+    with pytest.raises(NotImplementedError, match="DataParallel"):
+        private(PrivacyEngine(), nn.DataParallel(make_model()), loader, mode="fx")
+    model, _, _ = private(PrivacyEngine(), DDP(make_model()), loader, mode="fx")
+    with pytest.raises(TypeError, match="already made private"):
+        private(PrivacyEngine(), model, loader, mode="fx")
+
+
+def test_make_private_refuses_fsdp(world_of_one):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fxdp.privacy_engine import PrivacyEngine
+
+    model = fully_shard(make_model(), mesh=init_device_mesh("cpu", (1,)))
+    with pytest.raises(NotImplementedError, match="FSDP.*not supported yet.*DistributedDataParallel"):
+        private(PrivacyEngine(), model, DataLoader(make_dataset(), batch_size=4), mode="fx")
 
 
 if __name__ == "__main__":
