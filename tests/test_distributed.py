@@ -151,9 +151,15 @@ def _rank_main(rank: int, out_dir: str, store: str) -> None:
             epsilon=engine.get_epsilon(1e-5), history=list(engine.accountant.history), seen=seen,
             sample_rate=loader.sample_rate, expected_batch_size=opt.expected_batch_size, params=params_of(model.module),
         )
+        checkpoint = os.path.join(out_dir, f"checkpoint_{mode}.pt")
         if rank == 0:
-            engine.save_checkpoint(path=os.path.join(out_dir, f"checkpoint_{mode}.pt"), module=model, optimizer=opt)
+            engine.save_checkpoint(path=checkpoint, module=model, optimizer=opt)
         dist.barrier()
+        # every rank loads rank 0's file into a fresh engine and model
+        engine = PrivacyEngine()
+        model, opt, _ = private(engine, DDP(make_model()), full, mode=mode, sigma=1.0, poisson=True)
+        engine.load_checkpoint(path=checkpoint, module=model, optimizer=opt)
+        results[mode, "reloaded"] = dict(epsilon=engine.get_epsilon(1e-5), params=params_of(model.module))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -313,6 +319,15 @@ def test_poisson_sampling_across_ranks_uses_the_global_rate(ranks, mode):
         rows = torch.cat([x0, x1])
         assert torch.unique(rows, dim=0).shape[0] == rows.shape[0]
     assert_params_identical(p0["params"], p1["params"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_checkpoint_of_rank_0_loads_on_both_ranks(ranks, mode):
+    results, _ = ranks
+    saved = results[0][mode, "poisson"]
+    for r in range(WORLD):
+        assert results[r][mode, "reloaded"]["epsilon"] == saved["epsilon"]
+        assert_params_identical(results[r][mode, "reloaded"]["params"], saved["params"])
 
 
 @pytest.mark.parametrize("mode", MODES)
