@@ -12,8 +12,10 @@ the seed; a std off by 5% fails it for the sizes used. Seeds are fixed, so runs 
 
 from __future__ import annotations
 
+import ast
 import copy
 import math
+import pathlib
 
 import pytest
 import torch
@@ -531,3 +533,22 @@ def test_load_state_dict_takes_the_checkpoints_noise_and_bounds_with_a_warning()
     with pytest.warns(UserWarning, match="noise_multiplier=1.0, expected_batch_size=4 replace"):
         opt.load_state_dict(saved)
     assert (opt.noise_multiplier, opt.max_grad_norm, opt.expected_batch_size) == (1.0, 0.5, 4)
+
+
+def test_optim_imports_nothing_from_fxdp_but_the_sink_contract():
+    """fxdp/optim depends only on fxdp/grad_sample/sink.py, so any sink (materialising, book-keeping)
+    serves it and the engines can change freely."""
+    package = pathlib.Path(fxdp.__file__).parent / "optim"
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                assert not isinstance(node, ast.ImportFrom), f"{path.name}: relative import"
+                continue
+            for name in names:
+                if name == "fxdp" or name.startswith("fxdp."):
+                    allowed = name == "fxdp.grad_sample.sink" or name.startswith("fxdp.optim")
+                    assert allowed, f"{path.name} imports {name}"

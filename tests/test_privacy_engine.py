@@ -3,10 +3,8 @@ checkpoints, on the compiled graph and the hooks engine."""
 
 from __future__ import annotations
 
-import math
 import sys
 import types
-import warnings
 
 import pytest
 import torch
@@ -15,42 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 def _install_doubles_for_missing_packages():
-    """fxdp.accounting and fxdp.data are written on other branches; until they are merged, these
-    stand-ins (same interface, simplest behaviour) let the engine's wiring be tested."""
-    try:
-        import fxdp.accounting  # noqa: F401
-    except ImportError:
-        acc = types.ModuleType("fxdp.accounting")
-
-        class CountingAccountant:
-            mechanism = "rdp"
-
-            def __init__(self):
-                self.history = []
-
-            def step(self, *, noise_multiplier, sample_rate):
-                if self.history and self.history[-1][:2] == (noise_multiplier, sample_rate):
-                    self.history[-1] = (noise_multiplier, sample_rate, self.history[-1][2] + 1)
-                else:
-                    self.history.append((noise_multiplier, sample_rate, 1))
-
-            def __len__(self):
-                return sum(n for _, _, n in self.history)
-
-            def get_epsilon(self, delta):
-                return sum(2 * q * math.sqrt(n * math.log(1 / delta)) / s for s, q, n in self.history)
-
-            def state_dict(self):
-                return {"history": list(self.history)}
-
-            def load_state_dict(self, d):
-                self.history = [tuple(h) for h in d["history"]]
-
-        acc.create_accountant = lambda name: CountingAccountant()
-        acc.get_noise_multiplier = lambda *, target_epsilon, target_delta, sample_rate, epochs=None, steps=None, \
-            accountant="rdp", epsilon_tolerance=0.01: 2 * sample_rate * math.sqrt(
-                (steps or int(epochs / sample_rate)) * math.log(1 / target_delta)) / target_epsilon
-        sys.modules["fxdp.accounting"] = acc
+    """fxdp.data is written on another branch; until it is merged, this stand-in (same interface,
+    simplest behaviour) lets the engine's wiring be tested."""
     try:
         import fxdp.data  # noqa: F401
     except ImportError:
