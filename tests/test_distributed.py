@@ -98,6 +98,7 @@ def _rank_main(rank: int, out_dir: str, store: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data.distributed import DistributedSampler
 
+    from fxdp.data import BatchMemoryManager
     from fxdp.privacy_engine import PrivacyEngine
 
     torch.set_num_threads(1)
@@ -151,6 +152,17 @@ def _rank_main(rank: int, out_dir: str, store: str) -> None:
             epsilon=engine.get_epsilon(1e-5), history=list(engine.accountant.history), seen=seen,
             sample_rate=loader.sample_rate, expected_batch_size=opt.expected_batch_size, params=params_of(model.module),
         )
+        # physical batches of at most 2: the ranks cut their shares into different numbers of them
+        secure = PrivacyEngine(secure_mode=True)  # rank 0's noise from the OS: no seed shared
+        cut_model, cut_opt, cut_loader = private(secure, DDP(make_model()), full, mode=mode, sigma=1.0, poisson=True)
+        physical = 0
+        with BatchMemoryManager(data_loader=cut_loader, max_physical_batch_size=2, optimizer=cut_opt) as batches:
+            for x, y in batches:
+                physical += 1
+                train_steps(cut_model, cut_opt, [(x, y)])
+        results[mode, "physical"] = dict(count=physical, steps=cut_opt.steps, params=params_of(cut_model.module),
+                                         epsilon=secure.get_epsilon(1e-5))
+
         checkpoint = os.path.join(out_dir, f"checkpoint_{mode}.pt")
         if rank == 0:
             engine.save_checkpoint(path=checkpoint, module=model, optimizer=opt)
@@ -319,6 +331,17 @@ def test_poisson_sampling_across_ranks_uses_the_global_rate(ranks, mode):
         rows = torch.cat([x0, x1])
         assert torch.unique(rows, dim=0).shape[0] == rows.shape[0]
     assert_params_identical(p0["params"], p1["params"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_physical_batches_and_secure_noise_across_ranks(ranks, mode):
+    """Shares cut into physical batches of 2 (their number differs between ranks, nothing is
+    communicated for them), noise from the OS on rank 0: the ranks still step together."""
+    r0, r1 = results = [ranks[0][r][mode, "physical"] for r in range(WORLD)]
+    assert r0["steps"] == r1["steps"] == 4  # one logical step per Poisson batch
+    assert all(r["count"] >= 4 for r in results)
+    assert r0["epsilon"] == r1["epsilon"] == ranks[0][0][mode, "poisson"]["epsilon"]
+    assert_params_identical(r0["params"], r1["params"])
 
 
 @pytest.mark.parametrize("mode", MODES)
