@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -204,21 +205,26 @@ def ranks(tmp_path_factory):
                OMP_NUM_THREADS="1")
     if any(name == "lo" for _, name in socket.if_nameindex()):
         env["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
-    cmd = [sys.executable, __file__, str(out), str(out / "store")]
-    procs = [subprocess.Popen(cmd[:2] + [str(r)] + cmd[2:], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
-    logs = []
+    logs = [out / f"rank{r}.log" for r in range(WORLD)]
+    procs = []
+    for r in range(WORLD):  # output to files: a full pipe would block one rank and with it the other
+        with open(logs[r], "w") as log:
+            procs.append(subprocess.Popen([sys.executable, __file__, str(r), str(out), str(out / "store")], env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=LAUNCH_TIMEOUT_S)[0])
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass  # killed below, reported with the logs
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
     codes = [p.returncode for p in procs]
-    assert codes == [0] * WORLD, "ranks failed:\n" + "\n".join(f"--- rank {r} (exit {c})\n{log}"
-                                                               for r, (c, log) in enumerate(zip(codes, logs)))
+    assert codes == [0] * WORLD, f"ranks failed or hung (over {LAUNCH_TIMEOUT_S} s, killed):\n" + "\n".join(
+        f"--- rank {r} (exit {c})\n{logs[r].read_text()[-5000:]}" for r, c in enumerate(codes))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)], out
 
 
