@@ -99,7 +99,9 @@ def _rank_main(rank: int, out_dir: str, store: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data.distributed import DistributedSampler
 
+    import fxdp
     from fxdp.data import BatchMemoryManager
+    from fxdp.grad_sample.sink import sink_of
     from fxdp.privacy_engine import PrivacyEngine
 
     torch.set_num_threads(1)
@@ -122,6 +124,11 @@ def _rank_main(rank: int, out_dir: str, store: str) -> None:
             train_steps(model, opt, loader, reduction)
             results[mode, reduction] = params_of(model.module)
             results[mode, reduction, "types"] = (type(model).__name__, type(opt).__name__)
+            results[mode, reduction, "surface"] = dict(
+                report=str(fxdp.report(model)) == str(fxdp.report(model.module)),
+                sink=sink_of(model) is sink_of(model.module) and opt.sink is sink_of(model.module),
+                state_dict_keys=sorted(model.state_dict()) == sorted("module." + k for k in model.module.state_dict()),
+            )
 
         gen = torch.Generator().manual_seed(NOISE_SEED)  # the same seed everywhere: only rank 0 draws
         model, opt, loader = private(PrivacyEngine(), DDP(make_model()), sharded_loader(), mode=mode, sigma=SIGMA,
@@ -262,6 +269,8 @@ def assert_params_identical(a, b):
 def test_make_private_replaces_ddp_and_its_optimizer(ranks, mode):
     results, _ = ranks
     assert results[0][mode, "mean", "types"] == ("DPDistributedDataParallel", "DistributedDPOptimizer")
+    # DDP's surface: fxdp.report, the sink the optimizer reads, state_dict keys under "module."
+    assert results[0][mode, "mean", "surface"] == dict(report=True, sink=True, state_dict_keys=True)
 
 
 def test_a_model_without_ddp_under_several_processes_is_warned_about(ranks):
