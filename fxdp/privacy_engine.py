@@ -28,11 +28,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from fxdp.accounting import create_accountant, get_noise_multiplier
 from fxdp.compiler import compile_for_dp
+from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer, bucket_bytes_of, check_poisson_group,
+                              global_batch_size, split_data_parallel, wrap_like)
 from fxdp.grad_sample.sink import sink_of
 from fxdp.optim import DPOptimizer
 from fxdp.optim.noise import secure_seed
@@ -92,11 +95,16 @@ class PrivacyEngine:
         """
         _check_types(module, optimizer, data_loader)
         _check_optimizer_params_in_module(module, optimizer)
+        module, ddp = split_data_parallel(module)  # DDP: compile its model; the optimizer communicates instead
         compiled = compile_for_dp(module, example_inputs, batch_dim=0 if batch_first else 1,
                                   loss_reduction=loss_reduction, grad_sample_mode=grad_sample_mode)
         self._originals[compiled] = module
-        data_loader, sample_rate, expected_batch_size = self._prepare_data(data_loader, poisson_sampling)
-        dp_optimizer = DPOptimizer(
+        data_loader, sample_rate, expected_batch_size = self._prepare_data(data_loader, poisson_sampling, ddp)
+        optimizer_class, across_ranks = DPOptimizer, {}
+        if ddp is not None:
+            optimizer_class = DistributedDPOptimizer
+            across_ranks = dict(process_group=ddp.process_group, bucket_bytes=bucket_bytes_of(ddp))
+        dp_optimizer = optimizer_class(
             optimizer,
             noise_multiplier=noise_multiplier,
             max_grad_norm=max_grad_norm,
@@ -107,8 +115,11 @@ class PrivacyEngine:
             secure_mode=self.secure_mode,
             generator=noise_generator,
             param_names={p: name for name, p in module.named_parameters()},
+            **across_ranks,
         )
         dp_optimizer.attach_step_hook(self._accountant_hook(sample_rate))
+        if ddp is not None:
+            compiled = wrap_like(compiled, ddp)
         return compiled, dp_optimizer, data_loader
 
     def make_private_with_epsilon(
@@ -144,15 +155,20 @@ class PrivacyEngine:
         engine, and those restored from a checkpoint)."""
         return self.accountant.get_epsilon(delta)
 
-    def _prepare_data(self, data_loader: DataLoader, poisson_sampling: bool) -> Tuple[DataLoader, float, Optional[int]]:
+    def _prepare_data(self, data_loader: DataLoader, poisson_sampling: bool,
+                      ddp=None) -> Tuple[DataLoader, float, Optional[int]]:
         if poisson_sampling:
             from fxdp.data import DPDataLoader  # until fxdp.data is merged: every module must import
 
             # secure mode: the sampler is a torch generator, seeded from the OS's cryptographic source
             generator = torch.Generator().manual_seed(secure_seed()) if self.secure_mode else None
-            dp_loader = DPDataLoader.from_data_loader(data_loader, generator=generator)
+            if ddp is not None:  # one shared mask over the global dataset, each rank its share
+                check_poisson_group(ddp.process_group)
+            dp_loader = DPDataLoader.from_data_loader(data_loader, generator=generator, distributed=ddp is not None)
             sample_rate = dp_loader.sample_rate
             return dp_loader, sample_rate, int(len(data_loader.dataset) * sample_rate)
+        if ddp is not None:  # a DistributedSampler's share per rank: the global batch is world_size of them
+            return data_loader, 1.0 / len(data_loader), global_batch_size(data_loader, ddp.process_group)
         return data_loader, 1.0 / len(data_loader), data_loader.batch_size
 
     def _accountant_hook(self, sample_rate: float):
@@ -210,6 +226,8 @@ class PrivacyEngine:
 
     def _plain(self, module: nn.Module) -> nn.Module:
         """The model a compiled one was made from (same parameters, the user's names)."""
+        if module not in self._originals and isinstance(module, (DistributedDataParallel, DPDistributedDataParallel)):
+            module = module.module  # the names of the model inside, as a single process saves them
         return self._originals.get(module, module)
 
 

@@ -279,15 +279,29 @@ class DPOptimizer(Optimizer):
         return {p: factor.to(sq.device) for p, sq in norms.items()}
 
     def _write_private_grads(self, params: List[nn.Parameter]) -> None:
-        std = self.noise_std
+        std = self.noise_std if self._adds_noise() else 0.0
         scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
+        grads = []
         for p in params:
             summed = self._summed.get(p)
             grad = torch.zeros_like(p) if summed is None else summed.to(p.dtype).view_as(p)
             if std > 0:
                 grad = grad + gaussian_noise(p, std, secure_mode=self.secure_mode, generator=self.generator)
+            grads.append(grad)
+        for p, grad in zip(params, self._reduce(grads)):
             p.grad = grad * scale if scale != 1.0 else grad
         self._summed.clear()
+
+    # hooks for training across processes (fxdp.distributed.DistributedDPOptimizer overrides them)
+
+    def _adds_noise(self) -> bool:
+        """Whether this process adds the noise of the logical step (across processes: exactly one)."""
+        return True
+
+    def _reduce(self, noised_sums: List[torch.Tensor]) -> List[torch.Tensor]:
+        """This process's noised clipped sums (one per trainable parameter, in order) combined with
+        those of the other processes training together. A single process has nothing to combine."""
+        return noised_sums
 
     # -- checks: an error before any silently wrong step -------------------------------------------
 
