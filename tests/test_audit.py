@@ -1,0 +1,137 @@
+"""Privacy auditing with one training run: the bound's statistics against values worked out by hand
+(and scipy where installed), the gradient canaries against a hand-written DP-SGD step, and audits of
+real training runs: consistent at sigma = 1, strong without noise, a violation when clipping is broken."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from fxdp.audit.bound import (
+    AuditResult,
+    Guesses,
+    best_guesses,
+    binomial_tail,
+    epsilon_lower_bound,
+    guess_grid,
+    p_value,
+)
+
+# --------------------------------------------------------------------------- the bound's statistics
+
+
+def test_p_value_three_guesses_by_hand():
+    # r = 3 guesses, v = 2 right. P[Bin(3, q) >= 2] = 3q^2(1-q) + q^3.
+    # eps = 0 (q = 1/2): beta = 4/8. alpha = max(pmf(1) / 1, (pmf(1) + pmf(0)) / 2) = max(3/8, 2/8) = 3/8.
+    assert p_value(10, 3, 2, 0.0, 0.0) == pytest.approx(0.5, abs=1e-12)
+    assert p_value(10, 3, 2, 0.0, 0.01) == pytest.approx(0.5 + 3 / 8 * 0.01 * 2 * 10, abs=1e-12)
+    # eps = log 3 (q = 3/4): beta = 27/64 + 27/64 = 27/32; pmf(1) = 9/64, pmf(0) = 1/64, alpha = 9/64.
+    assert p_value(10, 3, 2, math.log(3), 0.0) == pytest.approx(27 / 32, abs=1e-12)
+    assert p_value(10, 3, 2, math.log(3), 0.01) == pytest.approx(27 / 32 + 9 / 64 * 0.2, abs=1e-12)
+    # the bound never exceeds 1, and v = 0 right guesses is certain
+    assert p_value(10, 3, 2, 0.0, 0.5) == 1.0
+    assert p_value(10, 3, 0, 5.0, 0.0) == 1.0
+
+
+def test_all_guesses_right_without_delta_has_a_closed_form():
+    # v = r: P[Bin(r, q) >= r] = q^r < beta  <=>  q < beta^(1/r), so eps = logit(beta^(1/r)).
+    for r in (5, 20, 300):
+        q = 0.05 ** (1 / r)
+        expected = math.log(q / (1 - q))
+        assert epsilon_lower_bound(1000, r, r, delta=0.0, confidence=0.95) == pytest.approx(expected, abs=1e-5)
+    # four right guesses out of four happen with probability 1/16 > 5% even without privacy loss
+    assert epsilon_lower_bound(1000, 4, 4, delta=0.0, confidence=0.95) == 0.0
+    assert epsilon_lower_bound(1000, 100, 0, delta=1e-5) == 0.0
+
+
+def test_bound_rounds_down_to_a_rejected_epsilon():
+    eps = epsilon_lower_bound(1000, 200, 150, delta=1e-5, confidence=0.95)
+    assert eps > 0.5
+    assert p_value(1000, 200, 150, eps, 1e-5) < 0.05  # rejected
+    assert p_value(1000, 200, 150, eps + 1e-4, 1e-5) >= 0.05  # the next eps up is not
+    # more confidence, or more delta, can only lower the bound
+    assert epsilon_lower_bound(1000, 200, 150, delta=1e-5, confidence=0.99) < eps
+    assert epsilon_lower_bound(1000, 200, 150, delta=1e-3, confidence=0.95) < eps
+
+
+def test_the_papers_worked_example():
+    # Steinke, Nasr & Jagielski (arXiv:2305.08846), Appendix D: m = 1000, r = 100, v = 75, delta = 1e-4,
+    # 95% confidence gives eps >= 0.673.
+    assert epsilon_lower_bound(1000, 100, 75, delta=1e-4, confidence=0.95) == pytest.approx(0.673, abs=5e-4)
+
+
+def test_binomial_tail_by_hand():
+    assert binomial_tail(2, 3, 0.5) == pytest.approx(0.5)
+    assert binomial_tail(3, 3, 0.9) == pytest.approx(0.729)
+    assert binomial_tail(0, 3, 0.1) == 1.0 and binomial_tail(4, 3, 0.9) == 0.0
+    # far tails stay accurate in log space: P[Bin(1000, 0.5) >= 1000] = 2^-1000
+    assert binomial_tail(1000, 1000, 0.5) == pytest.approx(2.0 ** -1000, rel=1e-9)
+
+
+def test_against_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    rng = random.Random(0)
+    for _ in range(40):
+        m = rng.randint(10, 3000)
+        r = rng.randint(1, m)
+        v = rng.randint(0, r)
+        eps = rng.uniform(0, 6)
+        delta = rng.choice([0.0, 1e-6, 1e-5, 1e-3])
+        q = math.exp(eps) / (1 + math.exp(eps))
+        beta = stats.binom.sf(v - 1, r, q)
+        alpha, below = 0.0, 0.0
+        for i in range(1, v + 1):
+            below += stats.binom.pmf(v - i, r, q)
+            alpha = max(alpha, below / i)
+        expected = min(1.0, beta + alpha * delta * 2 * m)
+        assert p_value(m, r, v, eps, delta) == pytest.approx(expected, rel=1e-7, abs=1e-12)
+        assert binomial_tail(v, r, q) == pytest.approx(beta, rel=1e-7, abs=1e-300)
+
+
+def test_bad_counts_are_errors():
+    with pytest.raises(ValueError, match="v <= guesses r <= canaries m"):
+        p_value(10, 3, 4, 1.0, 0.0)
+    with pytest.raises(ValueError, match="confidence"):
+        epsilon_lower_bound(10, 3, 3, delta=0.0, confidence=1.0)
+    with pytest.raises(ValueError, match="NaN"):
+        best_guesses([0.0, float("nan")], [True, False], delta=0.0)
+
+
+def test_best_guesses_counts_right_guesses_at_both_ends():
+    # scores rank canaries 0..9 from most to least "in"; members: the top 4 and canary 6
+    scores = [10, 9, 8, 7, 6, 5, 4, 3, 2, 1]
+    members = [True, True, True, True, False, False, True, False, False, False]
+    one = best_guesses(scores, members, delta=0.0, grid=[(3, 4)])
+    # top 3 all in (3 right); bottom 4 = canaries 9, 8, 7, 6: three out (right), canary 6 in (wrong)
+    assert one == Guesses(3, 4, 6, epsilon_lower_bound(10, 7, 6, delta=0.0, confidence=0.95))
+    # two pairs split the 5% between them: each is tested at 97.5%
+    two = best_guesses(scores, members, delta=0.0, grid=[(3, 4), (4, 0)])
+    assert two.epsilon_lower == max(epsilon_lower_bound(10, 7, 6, delta=0.0, confidence=0.975),
+                                    epsilon_lower_bound(10, 4, 4, delta=0.0, confidence=0.975))
+
+
+def test_ties_are_broken_by_index_not_membership():
+    # all scores equal: the "in" guesses are canaries 0 and 1 whatever their membership
+    got = best_guesses([0.0] * 6, [False, True, True, True, False, False], delta=0.0, grid=[(2, 0)])
+    assert got.correct == 1
+
+
+def test_guess_grid_is_fixed_and_small():
+    grid = guess_grid(1000)
+    assert grid == [(50, 0), (100, 0), (200, 0), (400, 0), (50, 50), (100, 100), (200, 200), (400, 400)]
+    assert all(0 < kp + kn <= 7 for kp, kn in guess_grid(7))
+
+
+def test_audit_result_reads_well():
+    ok = AuditResult(epsilon_lower=0.41, epsilon_claimed=1.93, guesses=200, correct=130, canaries=1000,
+                     delta=1e-5, confidence=0.95, positives=100)
+    text = str(ok)
+    assert "0.410" in text and "1.930" in text and "130 of 200 right" in text and "95%" in text
+    assert ok.consistent and "consistent" in text
+    bad = AuditResult(epsilon_lower=3.2, epsilon_claimed=1.9, guesses=400, correct=398, canaries=1000,
+                      delta=1e-5, confidence=0.95, positives=400)
+    assert not bad.consistent and "VIOLATION" in str(bad)
