@@ -83,10 +83,8 @@ def test_against_scipy():
         delta = rng.choice([0.0, 1e-6, 1e-5, 1e-3])
         q = math.exp(eps) / (1 + math.exp(eps))
         beta = stats.binom.sf(v - 1, r, q)
-        alpha, below = 0.0, 0.0
-        for i in range(1, v + 1):
-            below += stats.binom.pmf(v - i, r, q)
-            alpha = max(alpha, below / i)
+        below = stats.binom.pmf(range(v - 1, -1, -1), r, q).cumsum()  # P[v-i <= Bin < v], i = 1..v
+        alpha = max((b / i for i, b in enumerate(below, 1)), default=0.0)
         expected = min(1.0, beta + alpha * delta * 2 * m)
         assert p_value(m, r, v, eps, delta) == pytest.approx(expected, rel=1e-7, abs=1e-12)
         assert binomial_tail(v, r, q) == pytest.approx(beta, rel=1e-7, abs=1e-300)
@@ -135,3 +133,69 @@ def test_audit_result_reads_well():
     bad = AuditResult(epsilon_lower=3.2, epsilon_claimed=1.9, guesses=400, correct=398, canaries=1000,
                       delta=1e-5, confidence=0.95, positives=400)
     assert not bad.consistent and "VIOLATION" in str(bad)
+
+
+# --------------------------------------------------------------------------- gradient canaries in the sink
+
+from fxdp.audit.canaries import CanaryInputs, CanarySink, draw_membership, loss_scores  # noqa: E402
+from fxdp.grad_sample.sink import GradSampleSink  # noqa: E402
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def test_canary_rows_join_the_real_samples_rows():
+    import fxdp
+
+    model = _mlp()
+    dp = fxdp.compile_for_dp(model, example_inputs=torch.randn(2, 64))
+    x, y = torch.randn(5, 64), torch.randint(0, 10, (5,))
+    block = nn.Parameter(torch.zeros(6))
+    members = torch.tensor([True, False, True, True, False, False])
+    sink = CanarySink(GradSampleSink(), block, members, norm=50.0, sample_rate=1.0,
+                      generator=torch.Generator().manual_seed(0))
+    assert sink.draw().tolist() == [0, 2, 3]  # rate 1: every member joins
+    nn.functional.cross_entropy(dp(x), y).backward()
+    params = list(model.parameters()) + [block]
+
+    norms = sink.squared_norms(params)
+    for p in model.parameters():
+        real = p.grad_sample.reshape(5, -1).pow(2).sum(1)
+        assert torch.equal(norms[p], torch.cat([real, torch.zeros(3)]))  # canaries: zero in the model
+    assert torch.equal(norms[block], torch.tensor([0.0] * 5 + [2500.0] * 3))  # real samples: zero in the block
+
+    factors = torch.tensor([1.0, 0.5, 0.25, 1.0, 1.0, 0.02, 0.01, 0.03])
+    sums = sink.clipped_sums(params, {p: factors for p in params})
+    for p in model.parameters():
+        expected = torch.tensordot(factors[:5], p.grad_sample, dims=1)
+        assert torch.allclose(sums[p], expected)
+    assert torch.allclose(sums[block], torch.tensor([0.02 * 50, 0.0, 0.01 * 50, 0.03 * 50, 0.0, 0.0]))
+    # the rows are spent: a second physical batch of the same step carries no canaries
+    assert len(sink.squared_norms([block])[block]) == 0
+    sink.clear(params)
+    assert all(p.grad_sample is None for p in model.parameters())
+
+
+def test_canaries_join_at_the_data_sample_rate():
+    members = draw_membership(4000, torch.Generator().manual_seed(1))
+    assert abs(members.float().mean().item() - 0.5) < 0.03  # 4 standard deviations
+    sink = CanarySink(GradSampleSink(), nn.Parameter(torch.zeros(4000)), members, norm=1.0, sample_rate=0.1,
+                      generator=torch.Generator().manual_seed(2))
+    for _ in range(50):
+        sink.draw()
+    assert sink.appearances[~members].sum() == 0  # an "out" canary never joins
+    rate = sink.appearances[members].float().mean().item() / 50
+    assert abs(rate - 0.1) < 0.005  # sd of the mean rate ~ 0.0006
+
+
+def test_input_canaries_look_like_the_data_and_are_scored_by_loss():
+    data = torch.utils.data.TensorDataset(torch.rand(300, 64) * 16, torch.randint(0, 10, (300,)))
+    canaries = CanaryInputs.like(data, 40, num_classes=10, generator=torch.Generator().manual_seed(0))
+    assert canaries.inputs.shape == (40, 64) and canaries.labels.dtype == torch.int64
+    assert abs(canaries.inputs.mean().item() - 8.0) < 1.5
+    model = _mlp()
+    scores = loss_scores(model, canaries)
+    expected = -nn.functional.cross_entropy(model(canaries.inputs), canaries.labels, reduction="none")
+    assert torch.allclose(scores, expected.double(), atol=1e-6)
