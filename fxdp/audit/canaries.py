@@ -14,7 +14,7 @@ labels, inserted into the training set when "in" and scored afterwards by their 
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -139,9 +139,9 @@ class CanaryInputs(Dataset):
 
 @torch.no_grad()
 def loss_scores(model: nn.Module, canaries: CanaryInputs, *, batch_size: int = 256,
-                loss_fn: Optional[nn.Module] = None) -> torch.Tensor:
+                loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """Minus each canary's loss under the trained model: a canary trained on fits better, so high
-    means "was in"."""
+    means "was in". ``loss_fn(outputs, labels)`` returns one loss per sample (default: cross-entropy)."""
     loss_fn = loss_fn or nn.CrossEntropyLoss(reduction="none")
     was_training = model.training
     model.eval()
