@@ -199,3 +199,91 @@ def test_input_canaries_look_like_the_data_and_are_scored_by_loss():
     scores = loss_scores(model, canaries)
     expected = -nn.functional.cross_entropy(model(canaries.inputs), canaries.labels, reduction="none")
     assert torch.allclose(scores, expected.double(), atol=1e-6)
+
+
+# --------------------------------------------------------------------------- audits of real training runs
+# Digits-sized data (scikit-learn's digits, or a stand-in of the same size), MLP 64-32-10, C = 1,
+# batch 64, 2 epochs (56 steps), 1000 canaries.
+
+from fxdp.audit import one_run  # noqa: E402
+from fxdp.audit.digits import digits  # noqa: E402
+
+
+def _audit(noise_multiplier, canary="gradient", **kwargs):
+    data, _ = digits()
+    return one_run(_mlp(), data, noise_multiplier=noise_multiplier, max_grad_norm=1.0, batch_size=64, epochs=2,
+                   canaries=1000, canary=canary, delta=1e-5, confidence=0.95, seed=0, **kwargs)
+
+
+def test_audit_with_noise_stays_below_the_claim():
+    result = _audit(1.0)
+    assert result.canaries == 1000 and result.delta == 1e-5 and result.confidence == 0.95
+    assert 1.0 < result.epsilon_claimed < 5.0  # the accountant's epsilon of this run, at the same delta
+    assert result.epsilon_lower <= result.epsilon_claimed
+    assert result.consistent
+
+
+def test_audit_without_noise_finds_the_leak():
+    result = _audit(0.0)
+    assert result.epsilon_claimed == math.inf
+    # an "in" canary that joined any step moved its coordinate; an "out" one never moves
+    assert result.epsilon_lower >= 3.0
+    assert result.correct == result.guesses and result.positives == result.guesses
+
+
+def test_audit_catches_a_clipping_bound_ten_times_too_large(monkeypatch):
+    # A test-only bug: the optimizer clips at 10 C while the noise (sigma C) and the accountant use C.
+    from fxdp.optim.dp_optimizer import DPOptimizer
+
+    def clip_at_ten_c(self, norms):
+        total = sum(sq for sq in norms.values())
+        factor = (10 * self.max_grad_norm / (total.sqrt() + 1e-6)).clamp(max=1.0)
+        return {p: factor for p in norms}
+
+    from fxdp.accounting import create_accountant
+
+    monkeypatch.setattr(DPOptimizer, "_clip_factors", clip_at_ten_c)
+    broken = _audit(1.0)
+    accountant = create_accountant("rdp")  # the accountant cannot see the bug: 2 epochs of 29 steps, q = 1/29
+    for _ in range(2 * 29):
+        accountant.step(noise_multiplier=1.0, sample_rate=1 / 29)
+    assert broken.epsilon_claimed == pytest.approx(accountant.get_epsilon(1e-5))
+    assert broken.epsilon_lower > broken.epsilon_claimed  # the audit does
+    assert not broken.consistent and "VIOLATION" in str(broken)
+
+
+def test_input_canaries_audit_a_black_box_run():
+    data, _ = digits()
+    result = one_run(_mlp(), data, noise_multiplier=1.0, max_grad_norm=1.0, batch_size=64, epochs=1, canaries=200,
+                     canary="input", seed=0)
+    assert result.canary == "input" and result.canaries == 200
+    assert 0.0 <= result.epsilon_lower <= result.epsilon_claimed
+
+
+def test_audit_leaves_the_callers_random_state_alone():
+    data, _ = digits()
+    model = _mlp()
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    one_run(model, data, noise_multiplier=1.0, max_grad_norm=1.0, batch_size=256, epochs=1, canaries=20)
+    assert torch.equal(torch.rand(3), expected)  # sampling and noise drew from a forked generator
+
+
+def test_bad_audit_settings_are_errors():
+    data, _ = digits()
+    with pytest.raises(ValueError, match="canary must be one of"):
+        one_run(_mlp(), data, noise_multiplier=1.0, max_grad_norm=1.0, batch_size=64, epochs=1, canary="weights")
+    with pytest.raises(ValueError, match="canaries must be a positive int"):
+        one_run(_mlp(), data, noise_multiplier=1.0, max_grad_norm=1.0, batch_size=64, epochs=1, canaries=0)
+
+
+def test_command_line_audit(capsys):
+    from fxdp.cli import main
+
+    code = main(["audit", "--noise-multiplier", "1", "--epochs", "1", "--canaries", "100", "--batch-size", "128"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "epsilon lower bound" in out and "epsilon claimed" in out and "MLP 64-32-10" in out
+    assert main(["audit", "--noise-multiplier", "1", "--canaries", "0"]) == 2
+    assert "--canaries must be at least 1" in capsys.readouterr().err
