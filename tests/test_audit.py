@@ -137,7 +137,7 @@ def test_audit_result_reads_well():
 
 # --------------------------------------------------------------------------- gradient canaries in the sink
 
-from fxdp.audit.canaries import CanaryInputs, CanarySink, draw_membership, loss_scores  # noqa: E402
+from fxdp.audit.canaries import CanaryInputs, CanarySink, StepScores, draw_membership, loss_scores  # noqa: E402
 from fxdp.grad_sample.sink import GradSampleSink  # noqa: E402
 
 
@@ -188,6 +188,27 @@ def test_canaries_join_at_the_data_sample_rate():
     assert sink.appearances[~members].sum() == 0  # an "out" canary never joins
     rate = sink.appearances[members].float().mean().item() / 50
     assert abs(rate - 0.1) < 0.005  # sd of the mean rate ~ 0.0006
+
+
+def test_step_scores_add_up_each_steps_likelihood_ratio():
+    block = nn.Parameter(torch.zeros(2))
+    scores = StepScores(block, unit=0.5, noise_multiplier=2.0, sample_rate=0.25)
+    with torch.no_grad():
+        block -= torch.tensor([0.5, -0.25])  # step 1: u = (1, -0.5) units
+    scores()
+    with torch.no_grad():
+        block -= torch.tensor([0.0, 1.0])  # step 2: u = (0, 2)
+    scores()
+    # log(1 - q + q exp((u - 1/2) / sigma^2)) per step, q = 1/4, sigma^2 = 4
+    lr = lambda u: math.log(0.75 + 0.25 * math.exp((u - 0.5) / 4))  # noqa: E731
+    assert torch.allclose(scores.scores(), torch.tensor([lr(1) + lr(0), lr(-0.5) + lr(2)], dtype=torch.float64))
+    assert torch.allclose(scores.summed, torch.tensor([1.0, 1.5], dtype=torch.float64))
+    # without noise the score is the summed update
+    quiet = StepScores(block, unit=0.5, noise_multiplier=0.0, sample_rate=0.25)
+    with torch.no_grad():
+        block -= torch.tensor([1.0, 0.0])
+    quiet()
+    assert quiet.scores().tolist() == [2.0, 0.0]
 
 
 def test_input_canaries_look_like_the_data_and_are_scored_by_loss():

@@ -14,6 +14,8 @@ labels, inserted into the training set when "in" and scored afterwards by their 
 
 from __future__ import annotations
 
+import math
+
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -105,10 +107,41 @@ class CanarySink(GradientSink):
         self.inner.clear(ordinary)
 
 
-def gradient_scores(block: nn.Parameter, initial: torch.Tensor) -> torch.Tensor:
-    """How far each canary coordinate moved against its gradient: ``initial - final`` (a descent
-    step along ``+e_j`` lowers coordinate ``j``). High means "was in"."""
-    return (initial - block.detach()).double()
+class StepScores:
+    """Scores of gradient canaries from every step's update (white box: the auditor sees each model
+    update, which the accountant's guarantee covers). Call it after each step (an optimizer step hook).
+
+    In units of ``unit`` (how far one clipped canary moves its coordinate in one step: lr * C / B for
+    SGD on a mean loss), canary ``j``'s step update is ``u = b + sigma * z`` with ``b`` = 1 if it joined
+    the step (probability ``sample_rate`` when in, never when out). The score is the log-likelihood
+    ratio of "in" to "out" summed over steps, ``sum_t log(1 - q + q exp((u_t - 1/2) / sigma^2))``,
+    which ranks canaries far better than the summed update when a canary joins only a few of many noisy
+    steps. Without noise it is the summed update. Any score gives a valid bound; this one a high one.
+    """
+
+    def __init__(self, block: nn.Parameter, *, unit: float, noise_multiplier: float, sample_rate: float):
+        if unit <= 0:
+            raise ValueError(f"fxdp.audit: the canaries' step unit must be positive, got {unit}")
+        self.block, self.unit = block, float(unit)
+        self.sigma, self.q = float(noise_multiplier), float(sample_rate)
+        self.previous = block.detach().clone()
+        self.summed = torch.zeros(block.shape, dtype=torch.float64, device=block.device)
+        self.log_ratio = torch.zeros_like(self.summed)
+        self.steps = 0
+
+    def __call__(self, optimizer=None) -> None:
+        now = self.block.detach().clone()
+        u = (self.previous - now).double() / self.unit  # a descent step along +e_j lowers coordinate j
+        self.previous = now
+        self.summed += u
+        if self.sigma > 0:
+            log_out = torch.full_like(u, math.log1p(-self.q) if self.q < 1 else -math.inf)
+            self.log_ratio += torch.logaddexp(log_out, math.log(self.q) + (u - 0.5) / self.sigma ** 2)
+        self.steps += 1
+
+    def scores(self) -> torch.Tensor:
+        """One score per canary; high means "was in"."""
+        return self.log_ratio.clone() if self.sigma > 0 else self.summed.clone()
 
 
 # --------------------------------------------------------------------------- input canaries
@@ -153,4 +186,4 @@ def loss_scores(model: nn.Module, canaries: CanaryInputs, *, batch_size: int = 2
     return -torch.cat(losses).double()
 
 
-__all__ = ["CanaryInputs", "CanarySink", "draw_membership", "gradient_scores", "loss_scores"]
+__all__ = ["CanaryInputs", "CanarySink", "StepScores", "draw_membership", "loss_scores"]

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
 from fxdp.audit.bound import AuditResult, best_guesses
-from fxdp.audit.canaries import CanaryInputs, CanarySink, draw_membership, gradient_scores, loss_scores
+from fxdp.audit.canaries import CanaryInputs, CanarySink, StepScores, draw_membership, loss_scores
 
 CANARY_KINDS = ("gradient", "input")
 CANARY_NORM_FACTOR = 1000.0  # a gradient canary's raw norm, in units of max_grad_norm
@@ -100,11 +100,14 @@ def one_run(
         if canary == "gradient":
             device = next(model.parameters()).device
             block = nn.Parameter(torch.zeros(canaries, device=device))
-            initial = block.detach().clone()
             dp_optimizer.add_param_group({"params": [block], "lr": lr, "momentum": 0.0, "weight_decay": 0.0})
             sink = CanarySink(dp_optimizer.sink, block, members, norm=CANARY_NORM_FACTOR * max_grad_norm,
                               sample_rate=dp_loader.sample_rate, generator=g)
             dp_optimizer.sink = sink
+            per_sample_scale = dp_optimizer.expected_batch_size if dp_optimizer.loss_reduction == "mean" else 1
+            step_scores = StepScores(block, unit=lr * max_grad_norm / per_sample_scale,
+                                     noise_multiplier=noise_multiplier, sample_rate=dp_loader.sample_rate)
+            dp_optimizer.attach_step_hook(step_scores)
 
         dp_model.train()
         for _ in range(epochs):
@@ -117,7 +120,7 @@ def one_run(
                 dp_optimizer.step()
 
     if sink is not None:
-        scores = gradient_scores(block, initial)
+        scores = step_scores.scores()
     else:
         per_sample = None if loss_fn is nn.functional.cross_entropy else (
             lambda out, y: torch.stack([loss_fn(out[i:i + 1], y[i:i + 1]) for i in range(len(y))]))
