@@ -94,7 +94,8 @@ def one_run(
         loader = DataLoader(data, batch_size=batch_size)
         dp_model, dp_optimizer, dp_loader = engine.make_private(
             module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=noise_multiplier,
-            max_grad_norm=max_grad_norm, grad_sample_mode=grad_sample_mode, poisson_sampling=True)
+            max_grad_norm=max_grad_norm, grad_sample_mode=grad_sample_mode, poisson_sampling=True,
+            noise_generator=torch.Generator().manual_seed(seed))
 
         sink = None
         if canary == "gradient":
