@@ -97,7 +97,7 @@ class CanarySink(GradientSink):
         if with_block and self.block in factors:
             f = factors[self.block]
             total = self.block.new_zeros(self.block.shape)
-            total[self.active] = f[f.shape[0] - k:].to(total.dtype) * self.norm
+            total[self.active.to(total.device)] = f[f.shape[0] - k:].to(total.dtype) * self.norm
             sums[self.block] = total
         self.active = self.active[:0]  # spent: later physical batches of this step carry none
         return sums
@@ -176,10 +176,12 @@ def loss_scores(model: nn.Module, canaries: CanaryInputs, *, batch_size: int = 2
     """Minus each canary's loss under the trained model: a canary trained on fits better, so high
     means "was in". ``loss_fn(outputs, labels)`` returns one loss per sample (default: cross-entropy)."""
     loss_fn = loss_fn or nn.CrossEntropyLoss(reduction="none")
+    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
-        losses = [loss_fn(model(canaries.inputs[i:i + batch_size]), canaries.labels[i:i + batch_size])
+        losses = [loss_fn(model(canaries.inputs[i:i + batch_size].to(device)),
+                          canaries.labels[i:i + batch_size].to(device)).cpu()
                   for i in range(0, len(canaries), batch_size)]
     finally:
         model.train(was_training)

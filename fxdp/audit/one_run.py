@@ -83,7 +83,8 @@ def one_run(
     data, canary_set = train_set, None
     if canary == "input":
         with torch.no_grad():
-            num_classes = model(torch.as_tensor(train_set[0][0]).unsqueeze(0)).shape[-1]
+            first = torch.as_tensor(train_set[0][0]).unsqueeze(0).to(next(model.parameters()).device)
+            num_classes = model(first).shape[-1]
         canary_set = CanaryInputs.like(train_set, canaries, num_classes=num_classes, generator=g)
         data = ConcatDataset([train_set, Subset(canary_set, members.nonzero().flatten().tolist())])
 
@@ -98,8 +99,8 @@ def one_run(
             noise_generator=torch.Generator().manual_seed(seed))
 
         sink = None
+        device = next(model.parameters()).device
         if canary == "gradient":
-            device = next(model.parameters()).device
             block = nn.Parameter(torch.zeros(canaries, device=device))
             dp_optimizer.add_param_group({"params": [block], "lr": lr, "momentum": 0.0, "weight_decay": 0.0})
             sink = CanarySink(dp_optimizer.sink, block, members, norm=CANARY_NORM_FACTOR * max_grad_norm,
@@ -117,7 +118,7 @@ def one_run(
                     sink.draw()
                 dp_optimizer.zero_grad()
                 if len(inputs):  # an empty Poisson batch still takes a step: noise (and canaries) only
-                    loss_fn(dp_model(inputs), labels).backward()
+                    loss_fn(dp_model(inputs.to(device)), labels.to(device)).backward()
                 dp_optimizer.step()
 
     if sink is not None:
