@@ -99,8 +99,9 @@ def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
 def epsilon_lower_bound(m: int, r: int, v: int, *, delta: float, confidence: float = 0.95,
                         tolerance: float = 1e-6) -> float:
     """The largest eps that ``v`` right guesses out of ``r`` (``m`` canaries) reject at ``confidence``:
-    with probability at least ``confidence`` the training run is not (eps', delta)-DP for any eps'
-    below it. Bisection keeps ``p_value(eps) < 1 - confidence`` at the returned value (rounds down)."""
+    if the run is (eps', delta)-DP, the bound exceeds eps' with probability at most ``1 - confidence``.
+    Bisection keeps ``p_value(eps) < 1 - confidence`` at the returned value (it rounds down); 0 when
+    nothing is rejected."""
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"fxdp.audit: confidence must lie strictly between 0 and 1, got {confidence}")
     level = 1.0 - confidence
@@ -213,7 +214,8 @@ class AuditResult:
                    "VIOLATION: the run leaks more than the accountant claims (clipping, noise or sampling bug?)")
         return (
             f"privacy audit ({self.canary} canaries, one run)\n"
-            f"  epsilon lower bound  {self.epsilon_lower:.3f}   (confidence {self.confidence:.0%}, delta {self.delta:g})\n"
+            f"  epsilon lower bound  {self.epsilon_lower:.3f}   "
+            f"(confidence {self.confidence:.0%}, delta {self.delta:g})\n"
             f"  epsilon claimed      {self.epsilon_claimed:.3f}   (the accountant, same delta)\n"
             f"  guesses              {self.correct} of {self.guesses} right "
             f"({self.positives} in, {self.guesses - self.positives} out) among {self.canaries} canaries\n"
