@@ -178,6 +178,35 @@ def test_canary_rows_join_the_real_samples_rows():
     assert all(p.grad_sample is None for p in model.parameters())
 
 
+def test_the_dp_optimizer_clips_each_canary_to_c_and_leaves_the_data_alone():
+    import fxdp
+    from fxdp.grad_sample.sink import sink_of
+    from fxdp.optim import DPOptimizer
+
+    x, y = torch.randn(5, 64), torch.randint(0, 10, (5,))
+    grads = []
+    for with_canaries in (False, True):
+        model = _mlp()
+        dp = fxdp.compile_for_dp(model, example_inputs=x[:2])
+        optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
+                                max_grad_norm=2.0, expected_batch_size=4, sink=sink_of(dp))
+        if with_canaries:
+            block = nn.Parameter(torch.zeros(6))
+            optimizer.add_param_group({"params": [block], "lr": 0.0})
+            members = torch.tensor([True, False, True, True, False, False])
+            optimizer.sink = CanarySink(optimizer.sink, block, members, norm=2000.0, sample_rate=1.0,
+                                        generator=torch.Generator().manual_seed(0))
+            optimizer.sink.draw()
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(dp(x), y).backward()
+        optimizer.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    # each canary's 2000-norm gradient is clipped to C = 2, then divided by the expected batch size 4
+    assert torch.allclose(block.grad, torch.tensor([0.5, 0, 0.5, 0.5, 0, 0]), atol=1e-6)
+    # the data's clipped gradient is the same with or without canaries
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(*grads))
+
+
 def test_canaries_join_at_the_data_sample_rate():
     members = draw_membership(4000, torch.Generator().manual_seed(1))
     assert abs(members.float().mean().item() - 0.5) < 0.03  # 4 standard deviations
