@@ -3,8 +3,9 @@ Training Run", NeurIPS 2023), written with ``math`` alone.
 
 The experiment: ``m`` canaries, each included in training independently with probability 1/2. After
 training the auditor guesses "in" for some canaries and "out" for others, abstaining on the rest:
-``r`` guesses, ``v`` of them right. If training is (eps, delta)-DP, the paper's Theorem 5.2 bounds how
-likely ``v`` or more right guesses are; :func:`p_value` is that bound (the paper's Appendix D form):
+``r`` guesses, ``v`` of them right. If training is (eps, delta)-DP, the paper's Section 5 bounds how
+likely ``v`` or more right guesses are; :func:`p_value` is that bound, in the computable form of the
+paper's Appendix D:
 
     q     = e^eps / (1 + e^eps)                      (the accuracy of eps-DP randomised response)
     beta  = P[Binomial(r, q) >= v]
@@ -79,7 +80,7 @@ def _check_counts(m: int, r: int, v: int, delta: float) -> None:
 
 def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
     """The probability bound, under (epsilon, delta)-DP, of ``v`` or more right guesses out of ``r``
-    with ``m`` canaries (Steinke et al. 2023, Theorem 5.2 in the form of their Appendix D)."""
+    with ``m`` canaries (Steinke et al. 2023, Section 5, in the form of their Appendix D)."""
     _check_counts(m, r, v, delta)
     if epsilon < 0:
         raise ValueError(f"fxdp.audit: epsilon must be >= 0, got {epsilon}")
