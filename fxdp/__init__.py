@@ -25,6 +25,7 @@ from fxdp.grad_sample.accumulate import zero_grad_sample
 from fxdp.grad_sample.hooks import GradSampleModule
 from fxdp.grad_sample.registry import register_grad_sampler
 from fxdp.passes.batch_dim import find_batch_dim_violations
+from fxdp.passes.batch_rules import register_batch_rule
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,7 @@ __all__ = [
     "grad_sample",
     "inspect",
     "per_sample_gradient_diagnostics",
+    "register_batch_rule",
     "register_grad_sampler",
     "report",
     "validators",

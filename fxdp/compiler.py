@@ -18,7 +18,7 @@ from fxdp.passes.inplace import remove_inplace_ops
 from fxdp.passes.per_sample import insert_per_sample_ops, update_site_layouts, whole_model_op
 from fxdp.passes.validate import validate_graph
 from fxdp.tracing import trace
-from fxdp.validators.errors import UnsupportedError
+from fxdp.validators.errors import UnsupportedError, expect_module
 
 _REPORT_ATTR = "fxdp_report"
 
@@ -70,6 +70,7 @@ _NO_INPUTS_NOTE = ("batch_dim: not run (no example_inputs); compile_for_dp runs 
 
 def inspect(model: nn.Module, example_inputs: Any = None, batch_dim: int = 0, strict: bool = False) -> CompileReport:
     """The report ``compile_for_dp`` would produce, without compiling (the model is not changed)."""
+    expect_module(model, "fxdp.inspect(model, ...)")
     gm, traced, reports = _analyse(model, example_inputs, batch_dim, strict)
     notes = [_NO_INPUTS_NOTE] if traced.ok and example_inputs is None else []
     return _make_report(model, traced, reports, notes=notes)
@@ -115,6 +116,7 @@ def compile_for_dp(
     :class:`fxdp.diagnostics.NotPrivateError` for a model DP-SGD cannot train (BatchNorm in training,
     ops that mix samples), with a table of the findings.
     """
+    expect_module(model, "fxdp.compile_for_dp(model, ...)")
     check_loss_reduction(loss_reduction)
     check_grad_sample_mode(grad_sample_mode)
     if batch_dim not in (0, 1):

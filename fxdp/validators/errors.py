@@ -9,10 +9,14 @@ the same language:
 - :class:`ShouldReplaceModuleError` — works, but a drop-in replacement is needed;
 - :class:`IllegalModuleConfigurationError` — the module's configuration breaks DP-SGD;
 - :class:`NotYetSupportedModuleError` — could be supported, is not yet.
+
+:class:`ModuleFixWarning` lists what ``ModuleValidator.fix`` replaced; :func:`expect_module` is the
+TypeError for an entry point given something that is not a module.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Iterable, Optional, Sequence, Tuple
 
 from fxdp.diagnostics import Finding, Kind, Severity
@@ -29,6 +33,38 @@ def module_type_name(module_or_type) -> str:
     if cls.__module__.startswith("torch.nn"):
         return f"nn.{cls.__name__}"
     return cls.__name__
+
+
+def expect_module(obj, call: str) -> None:
+    """Raise a TypeError naming what ``call`` (e.g. ``"fxdp.inspect(model, ...)"``) was given instead of
+    an ``nn.Module``, and what to pass."""
+    from torch import nn
+
+    if isinstance(obj, nn.Module):
+        return
+    if isinstance(obj, type) and issubclass(obj, nn.Module):
+        given = f"the class {module_type_name(obj)} itself, not an instance; pass one, e.g. {obj.__name__}(...)"
+    elif inspect.isroutine(obj):
+        given = (f"the function {getattr(obj, '__qualname__', obj)!r}; wrap it in an nn.Module whose "
+                 "forward calls it, with its parameters registered on the module")
+    elif obj is None:
+        given = "None"
+    else:
+        cls = type(obj)
+        name = cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+        given = f"{'an' if name[0] in 'aeiouAEIOU' else 'a'} {name}"
+    raise TypeError(f"{call} expects a torch.nn.Module, got {given}")
+
+
+class ModuleFixWarning(UserWarning):
+    """What ``ModuleValidator.fix`` replaced or changed: ``changes`` holds (module, before, after)."""
+
+    def __init__(self, changes: Sequence[Tuple[str, str, str]], example_inputs_given: bool = True):
+        self.changes = tuple(changes)
+        lines = [f"  `{name}`: {before} -> {after}" for name, before, after in self.changes]
+        hint = "" if example_inputs_given else (
+            " (without example_inputs; pass them to choose each replacement by the shape its layer sees)")
+        super().__init__(f"ModuleValidator.fix changed {len(self.changes)} module(s){hint}:\n" + "\n".join(lines))
 
 
 class UnsupportedError(ValueError):
