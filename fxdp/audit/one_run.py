@@ -68,14 +68,14 @@ def one_run(
     ``epsilon_claimed`` for this run at ``delta``. ``epsilon_lower > epsilon_claimed`` means the run
     leaked more than the accountant allows — a bug in clipping, noise, sampling or accounting.
     """
-    from fxdp.privacy_engine import PrivacyEngine  # the audit sits on top of the whole training stack
-
     if canary not in CANARY_KINDS:
         raise ValueError(f"fxdp.audit: canary must be one of {CANARY_KINDS}, got {canary!r}")
     if not isinstance(canaries, int) or canaries < 1:
         raise ValueError(f"fxdp.audit: canaries must be a positive int, got {canaries!r}")
     if not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"fxdp.audit: epochs must be a positive int, got {epochs!r}")
+    from fxdp.privacy_engine import PrivacyEngine  # the audit sits on top of the whole training stack
+
     loss_fn = loss_fn or nn.functional.cross_entropy
     g = torch.Generator().manual_seed(seed)
     members = draw_membership(canaries, g)
