@@ -41,7 +41,7 @@ from torch.fx.node import map_aggregate
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fxdp import meta
-from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity
+from fxdp.diagnostics import BatchDimAnalysisError, Finding, Kind, MissingBatchRuleError, PassReport, PassResult, Severity
 from fxdp.layout import BROADCAST, UNBATCHED_LAYOUT, UNKNOWN, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules import (
     Facts,
@@ -75,14 +75,6 @@ try:  # ops whose output shape depends on the data cannot run on fake tensors
         DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 except ImportError:  # pragma: no cover - older torch
     _DATA_DEPENDENT = ()
-
-
-class BatchDimAnalysisError(RuntimeError):
-    """The batch-dimension analysis could not run (untraceable model, inputs that do not fit, ...)."""
-
-
-class MissingBatchRuleError(BatchDimAnalysisError):
-    """Strict mode: a per-sample tensor reached an op that has no batch rule."""
 
 
 class _Unknown:

@@ -39,9 +39,9 @@ from torch import nn
 from torch.fx import Node
 
 from fxdp import meta
-from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity
-from fxdp.out_of_place import apply_out_of_place, copy_into, index_assign, is_basic_index, random_like
+from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity, op_name
 from fxdp.tracing import source_location
+from fxdp.runtime.inplace_ops import apply_out_of_place, copy_into, index_assign, is_basic_index, random_like
 from fxdp.validators.inplace_flags import has_inplace_flag
 
 PASS_NAME = "inplace"
@@ -99,22 +99,6 @@ class InplaceOp:
     reason: str = ""  # why there is no equivalent
 
 
-def function_name(fn) -> str:
-    """``operator.iadd``, ``torch.relu_``, ``F.relu``, ``Tensor.add_``, or the bare name."""
-    name = getattr(fn, "__name__", repr(fn))
-    if getattr(operator, name, None) is fn:
-        return f"operator.{name}"
-    if name.startswith("_") and getattr(F, name[1:], None) is fn:  # F.threshold is F._threshold
-        return f"F.{name[1:]}"
-    if getattr(torch, name, None) is fn:
-        return f"torch.{name}"
-    if getattr(F, name, None) is fn:
-        return f"F.{name}"
-    if getattr(torch.Tensor, name, None) is fn:
-        return f"Tensor.{name}"
-    return name
-
-
 def _first_input(node: Node):
     if node.args:
         return node.args[0]
@@ -169,7 +153,7 @@ def find_inplace_op(node: Node, gm: Optional[torch.fx.GraphModule] = None) -> Op
         target = node.target
         if target in OUT_OF_PLACE_OPERATORS:
             new = OUT_OF_PLACE_OPERATORS[target]
-            return InplaceOp(node, node.args[0], "augmented", function_name(target), function_name(new),
+            return InplaceOp(node, node.args[0], "augmented", op_name(target), op_name(new),
                              "call_function", new, node.args, dict(node.kwargs))
         if target is operator.setitem:
             if isinstance(node.args[1], str):  # a dict or module attribute, not a tensor
@@ -185,7 +169,7 @@ def find_inplace_op(node: Node, gm: Optional[torch.fx.GraphModule] = None) -> Op
         if index is not None:
             flag = node.kwargs.get("inplace", node.args[index] if len(node.args) > index else False)
             if flag is True:
-                name = function_name(target)
+                name = op_name(target)
                 args = node.args[:index] + node.args[index + 1:] if len(node.args) > index else node.args
                 return InplaceOp(node, _first_input(node), "flag", f"{name}(inplace=True)",
                                  f"{name}(inplace=False)", "call_function", target, args,
@@ -195,7 +179,7 @@ def find_inplace_op(node: Node, gm: Optional[torch.fx.GraphModule] = None) -> Op
         name = node.target
         if name in _DUNDER_OPERATORS:
             new = OUT_OF_PLACE_OPERATORS[_DUNDER_OPERATORS[name]]
-            return InplaceOp(node, node.args[0], "augmented", f"Tensor.{name}", function_name(new),
+            return InplaceOp(node, node.args[0], "augmented", f"Tensor.{name}", op_name(new),
                              "call_function", new, node.args, dict(node.kwargs))
         if name == "__setitem__":
             return InplaceOp(node, node.args[0], "setitem", "Tensor.__setitem__", "index_assign",
@@ -230,7 +214,7 @@ def _forward_reads_inplace_flag(module_type: type) -> bool:
 def _function_equivalent(node: Node, target, name: str) -> Optional[InplaceOp]:
     """``torch.relu_(x)``, ``F.leaky_relu_(x, 0.1)``, ``Tensor.add_(x, y)`` called as functions."""
     base = name[:-1]
-    old = function_name(target)
+    old = op_name(target)
     for namespace in (torch, F):
         if getattr(namespace, name, None) is not target:
             continue
@@ -243,7 +227,7 @@ def _function_equivalent(node: Node, target, name: str) -> Optional[InplaceOp]:
         for out_namespace in (namespace, F, torch):
             new = getattr(out_namespace, base, None)
             if callable(new):
-                return InplaceOp(node, _first_input(node), "function", old, function_name(new), "call_function",
+                return InplaceOp(node, _first_input(node), "function", old, op_name(new), "call_function",
                                  new, node.args, dict(node.kwargs))
     if getattr(torch.Tensor, name, None) is target and node.args:
         op = _method_equivalent(node, name, node.args[0], tuple(node.args[1:]), dict(node.kwargs), old)
@@ -257,7 +241,7 @@ def _out_argument(node: Node) -> Optional[InplaceOp]:
     out = node.kwargs.get("out")
     if not isinstance(out, Node):
         return None
-    name = function_name(node.target) if node.op == "call_function" else f"Tensor.{node.target}"
+    name = op_name(node.target) if node.op == "call_function" else f"Tensor.{node.target}"
     kwargs = {k: v for k, v in node.kwargs.items() if k != "out"}
     return InplaceOp(node, out, "out", f"{name}(out=...)", name, node.op, node.target, node.args, kwargs)
 
@@ -506,7 +490,7 @@ class _CallRewriter(ast.NodeTransformer):
             args = args[:1] + [ast.Constant(self.name)] + args[1:]
         if op.target is torch.zeros_like:
             args = args[:1]
-        new_func = ast.parse(function_name(op.target), mode="eval").body
+        new_func = ast.parse(op_name(op.target), mode="eval").body
         return ast.Call(new_func, args, call.keywords), written
 
 

@@ -11,7 +11,7 @@ copy. Default rules live one family per module; importing this package registers
 Add rules for your own types with :func:`register_module_validator` / :func:`register_module_fixer`.
 """
 
-from fxdp.validators.errors import (
+from fxdp.diagnostics import (
     IllegalModuleConfigurationError,
     ModuleFixWarning,
     NotYetSupportedModuleError,

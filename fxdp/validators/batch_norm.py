@@ -25,7 +25,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import UninitializedParameter
 
-from fxdp.validators.errors import UnsupportedError, UnsupportedModuleError
+from fxdp.diagnostics import UnsupportedError, UnsupportedModuleError
 from fxdp.validators.module_validator import register_module_fixer, register_module_validator
 
 BATCH_NORM_FIX = (

@@ -16,7 +16,6 @@ the forward did not call).
 from __future__ import annotations
 
 import copy
-import logging
 import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Type, Union
 
@@ -25,20 +24,17 @@ from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import UninitializedTensorMixin
 
-from fxdp.diagnostics import Severity
 from fxdp.registry import TypeRegistry, find_in
-from fxdp.validators.errors import (
+from fxdp.diagnostics import (
     ROOT_NAME,
     IllegalModuleConfigurationError,
     ModuleFixWarning,
     UnsupportedError,
     UnsupportedModuleError,
     expect_module,
-    module_type_name,
+    op_name,
 )
 from fxdp.validators.inplace_flags import disable_inplace_flags
-
-logger = logging.getLogger("fxdp")
 
 Validator = Callable[..., List[UnsupportedError]]
 Fixer = Callable[..., nn.Module]
@@ -262,10 +258,10 @@ def _apply_fixers(validator_class, module: nn.Module, name: str, memo: Dict[int,
         try:
             result = fixer(module, input_shapes=input_shapes, **kwargs)
         except ValueError as exc:
-            raise ValueError(f"cannot fix `{name or ROOT_NAME}` ({module_type_name(module)}): {exc}") from exc
+            raise ValueError(f"cannot fix `{name or ROOT_NAME}` ({op_name(module)}): {exc}") from exc
         if not isinstance(result, nn.Module):
             raise TypeError(
-                f"the fixer {getattr(fixer, '__name__', fixer)!r} for {module_type_name(module)} returned "
+                f"the fixer {getattr(fixer, '__name__', fixer)!r} for {op_name(module)} returned "
                 f"{type(result).__name__}; a fixer must return an nn.Module"
             )
         where = f" (input {', '.join(str(s) for s in dict.fromkeys(input_shapes))})" if input_shapes else ""
@@ -275,7 +271,7 @@ def _apply_fixers(validator_class, module: nn.Module, name: str, memo: Dict[int,
             after_items = _repr_items(result)
             old = [item for item in before_items if item not in after_items]
             new = [item for item in after_items if item not in before_items]
-            type_name = module_type_name(module)
+            type_name = op_name(module)
             changes.append((name or ROOT_NAME, f"{type_name}({', '.join(old)})", f"{type_name}({', '.join(new)})"))
     memo[id(module)] = result
     return result
@@ -284,9 +280,9 @@ def _apply_fixers(validator_class, module: nn.Module, name: str, memo: Dict[int,
 def _describe_module(module: nn.Module) -> str:
     """``nn.GroupNorm(32, 64)``: the type and the positional part of its ``extra_repr``."""
     if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
-        return f"{module_type_name(module)}(sized at its first input)"
+        return f"{op_name(module)}(sized at its first input)"
     items = [item for item in _repr_items(module) if "=" not in item]
-    return f"{module_type_name(module)}({', '.join(items)})"
+    return f"{op_name(module)}({', '.join(items)})"
 
 
 def _repr_items(module: nn.Module) -> List[str]:
@@ -304,29 +300,9 @@ def _repr_items(module: nn.Module) -> List[str]:
 
 
 def _rewrite_inplace_ops(model: nn.Module) -> Tuple[nn.Module, str]:
-    from fxdp.passes.inplace import remove_inplace_ops
-    from fxdp.tracing import trace
+    from fxdp.rewrite_inplace import rewrite_inplace_ops  # the inplace pass's graph rewrite, traced
 
-    traced = trace(model)
-    if not traced.ok:
-        where = f" at {traced.location}" if traced.location is not None else ""
-        logger.info(
-            "ModuleValidator.fix(remove_inplace_ops=True): %s cannot be traced (%s%s); returning it "
-            "with the module-level fixes only, its in-place ops are left as they are",
-            type(model).__name__, traced.reason, where,
-        )
-        return model, ""
-    result = remove_inplace_ops(traced.graph_module)
-    warning = (
-        f"ModuleValidator.fix(remove_inplace_ops=True) returns a torch.fx.GraphModule, not a "
-        f"{type(model).__name__}: isinstance checks, methods defined on {type(model).__name__} and "
-        f"pickling by class see the GraphModule type ({len(result.report.changes)} in-place op(s) "
-        f"rewritten)."
-    )
-    kept = [f for f in result.report.findings if f.severity is not Severity.INFO]
-    if kept:
-        warning += " Not rewritten: " + "; ".join(f"{f.node} at {f.where}: {f.message}" for f in kept)
-    return result.graph_module, warning
+    return rewrite_inplace_ops(model)
 
 
 def register_module_validator(

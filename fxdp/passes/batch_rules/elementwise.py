@@ -14,7 +14,7 @@ from typing import Dict, Optional
 import torch
 import torch.fx
 
-from fxdp import out_of_place
+from fxdp.runtime import inplace_ops as out_of_place
 from fxdp.layout import BROADCAST, UNBATCHED_LAYOUT, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
     _FIX_PAIR, OpCall, Verdict, _at, _first_tensor, _fn, _keys, _modules, _ordinal, find_batch_rule,

@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from fxdp import out_of_place
+from fxdp.runtime import inplace_ops as out_of_place
 from fxdp.layout import BROADCAST, UNBATCHED_LAYOUT, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
     _FIX_INDEX, _FIX_LAYER, _FIX_PAIR, OpCall, Verdict, _at, _fn, _inner, _keys, _modules, _moved, _norm_dim,

@@ -1,9 +1,5 @@
-"""Out-of-place twins of in-place ops, which the inplace pass writes into rewritten graphs.
-
-They run when the compiled model runs, and the batch_dim pass has batch rules for them; both import
-them from here, so neither reaches into the other. None of them writes into its arguments. This
-module imports nothing from fxdp.
-"""
+"""Out-of-place helpers the inplace pass's rewritten graph calls (``x[idx] = v`` becomes
+``x = index_assign(x, idx, v)``, ...). They never write into their arguments."""
 
 from __future__ import annotations
 
@@ -30,7 +26,6 @@ def index_assign(x: torch.Tensor, index, value) -> torch.Tensor:
 
 
 def is_basic_index(p) -> bool:
-    """None, ..., a slice or an int: an index that selects a view, never a copy."""
     return p is None or p is Ellipsis or isinstance(p, slice) or (isinstance(p, int) and not isinstance(p, bool))
 
 

@@ -1,14 +1,19 @@
-"""What a validator says about a module that DP-SGD cannot train as it is.
+"""Every error fxdp raises on purpose, in one hierarchy.
 
-Every error names the module (qualified name and type), says what is wrong and how to fix it, and maps
-to one :class:`fxdp.diagnostics.Kind`, so validation errors and the validate pass's findings speak
-the same language:
+``FxdpError`` is the root. ``NotPrivateError`` is "this model cannot be trained privately as it is",
+whatever the engine and whether ``strict`` is on, so ``except fxdp.NotPrivateError`` catches all of them:
 
-- :class:`UnsupportedModuleError` — the module cannot be made private (e.g. BatchNorm in training);
-  it is also what ``strict`` validation raises, carrying every error in ``errors``;
-- :class:`ShouldReplaceModuleError` — works, but a drop-in replacement is needed;
-- :class:`IllegalModuleConfigurationError` — the module's configuration breaks DP-SGD;
-- :class:`NotYetSupportedModuleError` — could be supported, is not yet.
+- :class:`BatchMixingError` — an op lets samples influence each other;
+- :class:`UnsupportedError` and its validators' taxonomy, each mapping to one :class:`Kind` so that
+  validation errors and the validate pass's findings speak the same language:
+  :class:`UnsupportedModuleError` (the module cannot be made private, e.g. BatchNorm in training; also
+  what ``strict`` validation raises, carrying every error in ``errors``), :class:`ShouldReplaceModuleError`
+  (works once replaced by a drop-in), :class:`IllegalModuleConfigurationError` (its configuration breaks
+  DP-SGD), :class:`NotYetSupportedModuleError` (could be supported, is not yet).
+
+The others say fxdp could not finish its own work: :class:`PassError` (a pass failed unexpectedly; the
+original exception is ``__cause__``) and :class:`BatchDimAnalysisError` (the batch-dimension analysis
+could not run; :class:`MissingBatchRuleError` under ``strict`` for an op without a batch rule).
 
 :class:`ModuleFixWarning` lists what ``ModuleValidator.fix`` replaced; :func:`expect_module` is the
 TypeError for an entry point given something that is not a module.
@@ -19,20 +24,44 @@ from __future__ import annotations
 import inspect
 from typing import Iterable, Optional, Sequence, Tuple
 
-from fxdp.diagnostics import Finding, Kind, Severity
-from fxdp.tracing import SourceLocation
+from fxdp.diagnostics.findings import Finding, Kind, Severity, render_findings
+from fxdp.diagnostics.naming import op_name
+from fxdp.diagnostics.source import SourceLocation
+
+
+class FxdpError(Exception):
+    """The root of every error fxdp raises on purpose."""
+
+
+class PassError(FxdpError, RuntimeError):
+    """A pass failed; ``__cause__`` holds the original exception."""
+
+    def __init__(self, pass_name: str, cause: BaseException):
+        self.pass_name = pass_name
+        super().__init__(f"fxdp pass '{pass_name}' failed: {type(cause).__name__}: {cause}")
+
+
+class BatchDimAnalysisError(FxdpError, RuntimeError):
+    """The batch-dimension analysis could not run (untraceable model, inputs that do not fit, ...)."""
+
+
+class MissingBatchRuleError(BatchDimAnalysisError):
+    """Strict mode: a per-sample tensor reached an op that has no batch rule."""
+
+
+class NotPrivateError(FxdpError, ValueError):
+    """The model cannot be trained with DP-SGD as it is; ``findings`` says why and where."""
+
+    def __init__(self, findings, header: str):
+        self.findings = tuple(findings)
+        super().__init__(header + "\n" + render_findings(self.findings))
+
+
+class BatchMixingError(NotPrivateError):
+    """The model lets samples influence each other; no DP guarantee survives that."""
+
 
 ROOT_NAME = "<model>"  # how the root module is named in errors and findings
-
-
-def module_type_name(module_or_type) -> str:
-    """``nn.BatchNorm2d`` for torch.nn layers, the bare class name otherwise."""
-    if module_or_type is None:
-        return "?"
-    cls = module_or_type if isinstance(module_or_type, type) else type(module_or_type)
-    if cls.__module__.startswith("torch.nn"):
-        return f"nn.{cls.__name__}"
-    return cls.__name__
 
 
 def expect_module(obj, call: str) -> None:
@@ -43,7 +72,7 @@ def expect_module(obj, call: str) -> None:
     if isinstance(obj, nn.Module):
         return
     if isinstance(obj, type) and issubclass(obj, nn.Module):
-        given = f"the class {module_type_name(obj)} itself, not an instance; pass one, e.g. {obj.__name__}(...)"
+        given = f"the class {op_name(obj)} itself, not an instance; pass one, e.g. {obj.__name__}(...)"
     elif inspect.isroutine(obj):
         given = (f"the function {getattr(obj, '__qualname__', obj)!r}; wrap it in an nn.Module whose "
                  "forward calls it, with its parameters registered on the module")
@@ -67,8 +96,8 @@ class ModuleFixWarning(UserWarning):
         super().__init__(f"ModuleValidator.fix changed {len(self.changes)} module(s){hint}:\n" + "\n".join(lines))
 
 
-class UnsupportedError(ValueError):
-    """Base of the taxonomy: a module DP-SGD cannot train as it is.
+class UnsupportedError(NotPrivateError):
+    """Base of the validators' taxonomy: a module DP-SGD cannot train as it is.
 
     ``module_name`` and ``module_type`` may be left out by a validator: the caller (``ModuleValidator``
     or the validate pass) fills them in, since it knows where the module sits in the model.
@@ -86,7 +115,7 @@ class UnsupportedError(ValueError):
         location: Optional[SourceLocation] = None,
         op: Optional[str] = None,
     ):
-        super().__init__(message)
+        ValueError.__init__(self, message)  # str() is describe(), not a findings table
         self.message = message
         self.module_name = module_name
         self.module_type = module_type
@@ -98,6 +127,10 @@ class UnsupportedError(ValueError):
     def errors(self) -> Tuple["UnsupportedError", ...]:
         return (self,)
 
+    @property
+    def findings(self) -> Tuple[Finding, ...]:  # as NotPrivateError's, so one handler reads both
+        return tuple(e.to_finding() for e in self.errors)
+
     def locate(self, module_name: str, module_type: Optional[type]) -> "UnsupportedError":
         """Fill in the module's name and type where the validator left them out."""
         if self.module_name is None:
@@ -108,7 +141,7 @@ class UnsupportedError(ValueError):
 
     @property
     def type_name(self) -> str:
-        return self._op or module_type_name(self.module_type)
+        return self._op or op_name(self.module_type)
 
     def describe(self) -> str:
         """One line: which module, where, what is wrong, how to fix it."""
