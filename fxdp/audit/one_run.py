@@ -47,8 +47,9 @@ def one_run(
         model: the model to train; its parameters are trained in place.
         train_set: a dataset of ``(input, label)`` pairs.
         noise_multiplier, max_grad_norm: sigma and C of DP-SGD.
-        batch_size: the expected (Poisson) batch size; the sample rate is ``batch_size / len(train_set)``
-            (with input canaries, the training set includes the canaries that are in).
+        batch_size: the expected (Poisson) batch size: the sample rate is one over the number of batches
+            of that size, about ``batch_size / len(train_set)`` (with input canaries, the training set
+            includes the canaries that are in).
         epochs: passes over the data (``epochs * len(train_set) / batch_size`` steps).
         canaries: how many canaries; each is in with probability 1/2.
         canary: ``"gradient"`` (white box: a gradient of its own direction in a parameter block the model
