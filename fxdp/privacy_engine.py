@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 
 from fxdp.accounting import create_accountant, get_noise_multiplier
 from fxdp.compiler import compile_for_dp
+from fxdp.data import DPDataLoader
 from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer, bucket_bytes_of, check_poisson_group,
                               global_batch_size, split_data_parallel, wrap_like)
 from fxdp.grad_sample.sink import sink_of
@@ -158,8 +159,6 @@ class PrivacyEngine:
     def _prepare_data(self, data_loader: DataLoader, poisson_sampling: bool,
                       ddp=None) -> Tuple[DataLoader, float, Optional[int]]:
         if poisson_sampling:
-            from fxdp.data import DPDataLoader  # until fxdp.data is merged: every module must import
-
             # secure mode: the sampler is a torch generator, seeded from the OS's cryptographic source
             generator = torch.Generator().manual_seed(secure_seed()) if self.secure_mode else None
             if ddp is not None:  # one shared mask over the global dataset, each rank its share

@@ -4,7 +4,6 @@ real training runs: consistent at sigma = 1, strong without noise, a violation w
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
 
@@ -22,11 +21,6 @@ from fxdp.audit.bound import (
     p_value,
 )
 
-# The audits train with fxdp's DP optimizer, data loader and privacy engine (other branches until they
-# are merged into main); those tests run as soon as the three modules are importable.
-needs_training = pytest.mark.skipif(
-    any(importlib.util.find_spec(name) is None for name in ("fxdp.optim", "fxdp.data", "fxdp.privacy_engine")),
-    reason="needs fxdp.optim, fxdp.data and fxdp.privacy_engine (the training pieces) merged")
 
 # --------------------------------------------------------------------------- the bound's statistics
 
@@ -185,7 +179,6 @@ def test_canary_rows_join_the_real_samples_rows():
     assert all(p.grad_sample is None for p in model.parameters())
 
 
-@needs_training
 def test_the_dp_optimizer_clips_each_canary_to_c_and_leaves_the_data_alone():
     import fxdp
     from fxdp.grad_sample.sink import sink_of
@@ -273,7 +266,6 @@ def _audit(noise_multiplier, canary="gradient", **kwargs):
                    canaries=1000, canary=canary, delta=1e-5, confidence=0.95, seed=0, **kwargs)
 
 
-@needs_training
 def test_audit_with_noise_stays_below_the_claim():
     result = _audit(1.0)
     assert result.canaries == 1000 and result.delta == 1e-5 and result.confidence == 0.95
@@ -282,7 +274,6 @@ def test_audit_with_noise_stays_below_the_claim():
     assert result.consistent
 
 
-@needs_training
 def test_audit_without_noise_finds_the_leak():
     result = _audit(0.0)
     assert result.epsilon_claimed == math.inf
@@ -291,7 +282,6 @@ def test_audit_without_noise_finds_the_leak():
     assert result.correct == result.guesses and result.positives == result.guesses
 
 
-@needs_training
 def test_audit_catches_a_clipping_bound_ten_times_too_large(monkeypatch):
     # A test-only bug: the optimizer clips at 10 C while the noise (sigma C) and the accountant use C.
     from fxdp.optim.dp_optimizer import DPOptimizer
@@ -313,7 +303,6 @@ def test_audit_catches_a_clipping_bound_ten_times_too_large(monkeypatch):
     assert not broken.consistent and "VIOLATION" in str(broken)
 
 
-@needs_training
 def test_input_canaries_find_what_a_model_memorises():
     # Black box: without noise, 300 digits and 10 epochs at a high learning rate, the model fits the
     # random labels of the canaries it trained on, and their loss gives them away.
@@ -325,7 +314,6 @@ def test_input_canaries_find_what_a_model_memorises():
     assert result.positives > 0 and result.correct / result.guesses > 0.8
 
 
-@needs_training
 def test_audit_leaves_the_callers_random_state_alone():
     data, _ = digits()
     model = _mlp()
@@ -344,7 +332,6 @@ def test_bad_audit_settings_are_errors():
         one_run(_mlp(), data, noise_multiplier=1.0, max_grad_norm=1.0, batch_size=64, epochs=1, canaries=0)
 
 
-@needs_training
 def test_command_line_audit(capsys):
     from fxdp.cli import main
 

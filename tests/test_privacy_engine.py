@@ -3,49 +3,16 @@ checkpoints, on the compiled graph and the hooks engine."""
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 
-def _install_doubles_for_missing_packages():
-    """fxdp.data is written on another branch; until it is merged, this stand-in (same interface,
-    simplest behaviour) lets the engine's wiring be tested."""
-    try:
-        import fxdp.data  # noqa: F401
-    except ImportError:
-        data = types.ModuleType("fxdp.data")
-
-        class PoissonLoader(DataLoader):
-            def __init__(self, dataset, sample_rate, steps, generator):
-                self.sample_rate = sample_rate
-                batches = [torch.nonzero(torch.rand(len(dataset), generator=generator) < sample_rate).flatten().tolist()
-                           for _ in range(steps)]
-                super().__init__(dataset, batch_sampler=batches, collate_fn=self._collate)
-
-            def _collate(self, samples):
-                if not samples:
-                    return tuple(t[:0] for t in self.dataset.tensors)
-                return tuple(torch.stack(f) for f in zip(*samples))
-
-            @classmethod
-            def from_data_loader(cls, loader, generator=None, distributed=False):
-                return cls(loader.dataset, 1 / len(loader), len(loader), generator)
-
-        data.DPDataLoader = PoissonLoader
-        sys.modules["fxdp.data"] = data
-
-
-_install_doubles_for_missing_packages()
-
-import fxdp  # noqa: E402
-from fxdp.data import DPDataLoader  # noqa: E402
-from fxdp.optim import DPOptimizer  # noqa: E402
-from fxdp.privacy_engine import PrivacyEngine  # noqa: E402
+import fxdp
+from fxdp.data import DPDataLoader
+from fxdp.optim import DPOptimizer
+from fxdp.privacy_engine import PrivacyEngine
 
 ENGINES = ("fx", "hooks")
 DELTA = 1e-5
@@ -259,3 +226,43 @@ def test_make_private_with_epsilon_lands_within_one_percent_below_the_target():
     assert len(engine.accountant) == epochs * 4
     eps = engine.get_epsilon(DELTA)
     assert 0.99 * target <= eps <= target
+
+
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_memory_manager_physical_batches_give_the_same_training_and_accounting(mode):
+    """A logical Poisson batch (expected 16 samples) cut into physical batches of at most 5: the same
+    updates as whole logical batches (noise off), one accounted step per logical batch."""
+    from fxdp.data import BatchMemoryManager
+
+    results = []
+    for max_physical in (None, 5):
+        engine = PrivacyEngine()
+        model = classifier()
+        dp_model, optimizer, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+            data_loader=DataLoader(dataset(), batch_size=16), noise_multiplier=0.0, max_grad_norm=0.1,
+            grad_sample_mode=mode)
+        torch.manual_seed(5)  # the Poisson draws come from the global generator: the same logical batches
+        sizes = []
+        if max_physical is None:
+            for x, y in loader:
+                sizes.append(len(x))
+            torch.manual_seed(5)
+            train(dp_model, optimizer, loader)
+        else:
+            with BatchMemoryManager(data_loader=loader, max_physical_batch_size=max_physical,
+                                    optimizer=optimizer) as physical:
+                for x, y in physical:
+                    assert len(x) <= max_physical
+                    sizes.append(len(x))
+                    optimizer.zero_grad()
+                    nn.functional.cross_entropy(dp_model(x), y).backward()
+                    optimizer.step()
+        assert len(engine.accountant) == optimizer.steps == len(loader)
+        results.append(([p.detach().clone() for p in model.parameters()], sizes))
+    (whole, logical_sizes), (split, physical_sizes) = results
+    assert sum(logical_sizes) == sum(physical_sizes) and len(physical_sizes) > len(logical_sizes)
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(a, b)
