@@ -7,7 +7,6 @@ batch sizes, a wrong rate, shared or missing indices) fails."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import warnings
 from collections import namedtuple
@@ -365,10 +364,6 @@ def test_memory_manager_refuses_a_plain_optimizer_and_bad_sizes():
 
 # -- the memory manager with the real DP optimizer ---------------------------------------------------
 
-# fxdp.optim is written on another branch (training); this guard goes once both are merged.
-needs_optim = pytest.mark.skipif(importlib.util.find_spec("fxdp.optim") is None,
-                                 reason="fxdp.optim is not merged yet")
-
 
 def small_classifier(bias=True):
     torch.manual_seed(0)
@@ -409,7 +404,6 @@ def private_run(max_physical, noise_multiplier, *, q=0.3, steps=4, seed=0, grad_
     return [p.detach().clone() for p in model.parameters()]
 
 
-@needs_optim
 @pytest.mark.parametrize("grad_sample_mode", ["fx", "hooks"])
 @pytest.mark.parametrize("noise_multiplier", [0.0, 1.0])
 def test_physical_steps_accumulate_to_one_logical_step(noise_multiplier, grad_sample_mode):
@@ -423,7 +417,6 @@ def test_physical_steps_accumulate_to_one_logical_step(noise_multiplier, grad_sa
     assert any(not torch.equal(a, b) for a, b in zip(whole, initial))
 
 
-@needs_optim
 @pytest.mark.parametrize("grad_sample_mode", ["fx", "hooks"])
 def test_empty_logical_batches_still_step_with_noise_under_the_memory_manager(grad_sample_mode):
     # bias=False: the per-sample rule of a Linear bias does not take an empty batch yet (reported)

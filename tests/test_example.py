@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("sklearn", reason='the example needs the examples extra: pip install -e ".[examples]"')
-if importlib.util.find_spec("fxdp.privacy_engine") is None:  # written on another branch; goes once merged
-    pytest.skip("fxdp.privacy_engine is not merged yet", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[1]
 
