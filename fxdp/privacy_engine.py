@@ -133,7 +133,7 @@ class PrivacyEngine:
         target_delta: float,
         epochs: int,
         max_grad_norm: Union[float, Sequence[float]],
-        epsilon_tolerance: float = 0.01,
+        epsilon_tolerance: float = 0.001,
         **kwargs: Any,
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
         """:meth:`make_private` with the smallest noise multiplier (within ``epsilon_tolerance``) for
