@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxdp.grad_sample import compute_grad_samples, register_grad_sampler
-from fxdp.grad_sample.bookkeeping import BookkeepingSink, plan_layer
+from fxdp.grad_sample.bookkeeping import BookkeepingSink, call_without_param_grads, plan_layer
 from fxdp.grad_sample.sink import GradSampleSink, LayerCapture
 from per_sample_reference import batch_loss, expected_grad_samples
 
@@ -346,3 +346,59 @@ def test_flat_clipping_end_to_end_matches_the_materialised_sink():
 def test_mixed_sink_method_argument_is_checked():
     with pytest.raises(ValueError, match="method must be"):
         BookkeepingSink("fast")
+
+
+# -- layers run without their parameter gradients ---------------------------------------------------------
+
+LAYERS_WITHOUT_PARAM_GRADS = [
+    ("linear", lambda: nn.Linear(5, 3), lambda: torch.randn(4, 2, 5, requires_grad=True)),
+    ("linear-no-bias", lambda: nn.Linear(5, 3, bias=False), lambda: torch.randn(4, 5, requires_grad=True)),
+    ("conv1d", lambda: nn.Conv1d(4, 6, 3, stride=2, padding=1, dilation=2, groups=2),
+     lambda: torch.randn(3, 4, 11, requires_grad=True)),
+    ("conv2d-same-reflect", lambda: nn.Conv2d(2, 3, 4, padding="same", padding_mode="reflect"),
+     lambda: torch.randn(2, 2, 6, 5, requires_grad=True)),
+    ("conv3d", lambda: nn.Conv3d(2, 2, 2, padding=1), lambda: torch.randn(2, 2, 3, 4, 3, requires_grad=True)),
+    ("embedding", lambda: nn.Embedding(6, 3, padding_idx=2), lambda: torch.tensor([[1, 2, 2], [5, 0, 1]])),
+]
+
+
+@pytest.mark.parametrize("name,make,make_x", LAYERS_WITHOUT_PARAM_GRADS, ids=[c[0] for c in LAYERS_WITHOUT_PARAM_GRADS])
+def test_layers_called_without_param_grads_give_the_same_output_and_input_gradient(name, make, make_x):
+    torch.manual_seed(0)
+    layer, x = make(), make_x()
+    want = layer(x)
+    cotangent = torch.randn_like(want)
+    want_dx = torch.autograd.grad(want, x, cotangent)[0] if x.requires_grad else None
+    layer.zero_grad(set_to_none=True)
+    got = call_without_param_grads(layer, (x,), {})
+    torch.testing.assert_close(got, want)
+    seen = []
+    got.register_hook(seen.append)  # the output gradient still reaches the op's hook
+    if x.requires_grad:
+        (got * cotangent).sum().backward()
+        torch.testing.assert_close(x.grad, want_dx)
+    else:
+        (got * cotangent).sum().backward()
+    assert len(seen) == 1 and all(p.grad is None for p in layer.parameters())
+
+
+def test_layers_without_a_fast_call_are_called_as_usual():
+    assert call_without_param_grads(nn.LayerNorm(3), (torch.randn(2, 3),), {}) is None
+    assert call_without_param_grads(nn.Embedding(4, 2, max_norm=1.0), (torch.tensor([[1]]),), {}) is None
+
+    class Shifted(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + 1
+
+    assert call_without_param_grads(Shifted(3, 2), (torch.randn(2, 3),), {}) is None
+    with torch.no_grad():
+        assert call_without_param_grads(nn.Linear(3, 2), (torch.randn(2, 3),), {}) is None
+
+
+def test_the_sink_survives_deepcopy_with_its_method_and_nothing_recorded():
+    model = nn.Linear(3, 2)
+    model.fxdp_sink = BookkeepingSink("ghost")
+    attach(model, [model.fxdp_sink], "sum")
+    model(torch.randn(2, 3)).sum().backward()
+    copied = copy.deepcopy(model)
+    assert copied.fxdp_sink.method == "ghost" and copied.fxdp_sink.squared_norms(copied.parameters()) == {}

@@ -360,6 +360,18 @@ class BookkeepingSink(GradientSink):
         self._pending: Dict[int, Dict[nn.Parameter, List[_Use]]] = {}  # graph task -> uses in that pass
         self._segments: Dict[nn.Parameter, List[_Segment]] = {}  # published backward passes, in call order
 
+    # Layers it can book-keep run without their weight gradient in backward (only input gradients
+    # flow, see :func:`call_without_param_grads`): the optimizer writes ``p.grad`` from the clipped sums.
+    skips_param_grads = True
+
+    # A copied or pickled model (copy.deepcopy, torch.save) gets a fresh sink: what is recorded belongs
+    # to backward passes of the original, and a lock cannot be copied.
+    def __getstate__(self):
+        return {"method": self.method}
+
+    def __setstate__(self, state):
+        self.__init__(state["method"])
+
     # -- write side ------------------------------------------------------------------------------------
 
     def add(self, capture: LayerCapture) -> None:
@@ -469,4 +481,85 @@ class BookkeepingSink(GradientSink):
         return out
 
 
-__all__ = ["BookkeepingSink", "LayerPlan", "plan_layer", "METHODS"]
+# -- layers called without their parameter gradients ------------------------------------------------------
+
+
+class _LinearInputGradOnly(torch.autograd.Function):
+    """``F.linear`` whose backward computes the input gradient only: the weight gradient, the product
+    the sink forms later with re-weighted rows, is not computed twice."""
+
+    @staticmethod
+    def forward(x, weight, bias):
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return (grad.matmul(weight.to(grad.dtype)) if ctx.needs_input_grad[0] else None), None, None
+
+
+class _ConvInputGradOnly(torch.autograd.Function):
+    """A convolution (input already padded as the layer pads it) whose backward computes the input
+    gradient only."""
+
+    @staticmethod
+    def forward(x, weight, bias, stride, padding, dilation, groups):
+        return torch.convolution(x, weight, bias, stride, padding, dilation, False, [0] * len(padding), groups)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, _, ctx.stride, ctx.padding, ctx.dilation, ctx.groups = inputs
+        ctx.save_for_backward(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 7
+        x, weight = ctx.saved_tensors
+        grad_x, _, _ = torch.ops.aten.convolution_backward(
+            grad, x, weight, None, ctx.stride, ctx.padding, ctx.dilation, False, [0] * len(ctx.padding),
+            ctx.groups, [True, False, False],
+        )
+        return (grad_x,) + (None,) * 6
+
+
+class _EmbeddingNoGrad(torch.autograd.Function):
+    """A lookup whose backward computes nothing (indices have no gradient; the weight's is the sink's)."""
+
+    @staticmethod
+    def forward(indices, weight, padding_idx):
+        return torch.nn.functional.embedding(indices, weight, padding_idx)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None
+
+
+def call_without_param_grads(module: nn.Module, args: tuple, kwargs: dict):
+    """``module(*args, **kwargs)`` with the same output, whose backward gives input gradients but no
+    parameter gradients — for a layer the sink book-keeps (its clipped sum replaces the weight
+    gradient). Returns ``None`` where that does not apply: the caller then calls the layer as usual."""
+    if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or not torch.is_grad_enabled():
+        return None
+    x = args[0]
+    if _own_rule(module, nn.Linear, linear_grad_sample):
+        return _LinearInputGradOnly.apply(x, module.weight, module.bias)
+    if _own_rule(module, _CONVS, conv_grad_sample) and x.dim() == len(module.kernel_size) + 2:
+        x, padding = _pad_activations(module, x)
+        return _ConvInputGradOnly.apply(x, module.weight, module.bias, list(module.stride), list(padding),
+                                        list(module.dilation), module.groups)
+    if (_own_rule(module, nn.Embedding, embedding_grad_sample) and module.max_norm is None
+            and not module.scale_grad_by_freq and not module.sparse):
+        return _EmbeddingNoGrad.apply(x, module.weight, module.padding_idx)
+    return None
+
+
+__all__ = ["BookkeepingSink", "LayerPlan", "plan_layer", "METHODS", "call_without_param_grads"]
