@@ -402,3 +402,29 @@ def test_the_sink_survives_deepcopy_with_its_method_and_nothing_recorded():
     model(torch.randn(2, 3)).sum().backward()
     copied = copy.deepcopy(model)
     assert copied.fxdp_sink.method == "ghost" and copied.fxdp_sink.squared_norms(copied.parameters()) == {}
+
+
+def test_plans_of_a_compiled_graph_come_from_the_shapes_the_batch_dim_pass_found():
+    import fxdp
+    from fxdp.grad_sample.bookkeeping import describe_plans, plan_graph
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 16)
+            self.seq = nn.Linear(16, 32)  # on (T, N, d): the batch moved
+            self.ln = nn.LayerNorm(32)
+            self.head = nn.Linear(32, 2)
+
+        def forward(self, idx):
+            h = self.ln(self.seq(self.emb(idx).transpose(0, 1)))
+            return self.head(h.mean(0))
+
+    x = torch.randint(0, 50, (4, 300))
+    plans = dict(plan_graph(fxdp.compile_for_dp(Net(), example_inputs=x)))
+    assert {k: p.method for k, p in plans.items()} == {"emb": "index", "seq": "per_sample", "ln": "materialise",
+                                                       "head": "outer"}
+    assert plans["seq"].per_sample_cost == 300 * 16 * 32 and "T=300" in plans["seq"].reason  # batch-first T
+    assert describe_plans([("head", plans["head"])]) == ["book-keeping: 'head' (Linear): outer (input (N, d): "
+                                                         "||a_i|| * ||g_i||)"]
+    assert plan_graph(fxdp.compile_for_dp(Net())) == []  # without example inputs: decided on the first batch

@@ -36,16 +36,19 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.fx
 from torch import nn
 
+from fxdp import meta
 from fxdp.grad_sample.conv import _pad_activations, conv_grad_sample
 from fxdp.grad_sample.embedding import embedding_grad_sample
 from fxdp.grad_sample.linear import linear_grad_sample
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.grad_sample.sink import GradientSink, LayerCapture, check_grad_sample
+from fxdp.layout import parse_layout
 
 METHODS = ("outer", "ghost", "per_sample", "index", "materialise")
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -129,7 +132,43 @@ def plan_layer(
         if a + [module.embedding_dim] != g:
             return LayerPlan(name, "materialise", f"output gradient {tuple(g)} is not indices {tuple(a)} + (D,)")
         return LayerPlan(name, "index", "rows of equal index summed per sample (no dense per-sample gradient)")
-    return LayerPlan(name, "materialise", "no book-keeping form for this layer: its per-sample gradients are small or generic")
+    return LayerPlan(name, "materialise", "no book-keeping form: per-sample gradients from its rule (norm layers "
+                                          "and the generic rule; their parameters are small)")
+
+
+def plan_graph(gm: torch.fx.GraphModule, prefer: Optional[str] = None) -> List[Tuple[str, LayerPlan]]:
+    """``(layer name, plan)`` for every layer call the per_sample pass made a DP-aware op, from the shapes
+    the batch_dim pass recorded (compiled with example_inputs; ``[]`` without them). A layer called twice
+    is listed twice."""
+    source = getattr(gm, "fxdp_batch", None)
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    if source is None or source.input_index >= len(placeholders):
+        return []
+    batch = placeholders[source.input_index].meta.get(meta.FAKE_VALUE)
+    if not isinstance(batch, torch.Tensor):
+        return []
+    n = batch.shape[source.dim]
+    plans = []
+    for node in gm.graph.nodes:
+        if meta.PER_SAMPLE_RULE not in node.meta or len(node.args) < 3 or node.args[0].op != "get_attr":
+            continue  # functional uses of parameters: the generic rule, which always materialises
+        module = gm.get_submodule(node.args[0].target)
+        site = getattr(gm, node.args[1].target)
+        fakes = [a.meta.get(meta.FAKE_VALUE) if isinstance(a, torch.fx.Node) else None for a in node.args[3:]]
+        out = node.meta.get(meta.FAKE_VALUE)
+        try:
+            ins = [site.in_layout(i).to_batch_first(torch.empty(t.shape, device="meta"), n).shape
+                   for i, t in enumerate(t for t in fakes if isinstance(t, torch.Tensor))]
+            g = parse_layout(site.out_layouts[0]).to_batch_first(torch.empty(out.shape, device="meta"), n).shape
+        except Exception:  # shapes not recorded: the sink decides on the first batch (BookkeepingSink.plans)
+            continue
+        plans.append((node.args[0].target, plan_layer(module, ins, g, prefer)))
+    return plans
+
+
+def describe_plans(plans: Iterable[Tuple[str, LayerPlan]]) -> List[str]:
+    """One line per layer for a report: ``"book-keeping: 'fc1' (Linear): outer (input (N, d): ...)"``."""
+    return [f"book-keeping: '{name}' ({plan.layer}): {plan.method} ({plan.reason})" for name, plan in plans]
 
 
 # -- one use of one parameter in one backward pass ------------------------------------------------------
@@ -566,4 +605,5 @@ def call_without_param_grads(module: nn.Module, args: tuple, kwargs: dict):
     return None
 
 
-__all__ = ["BookkeepingSink", "LayerPlan", "plan_layer", "METHODS", "call_without_param_grads"]
+__all__ = ["BookkeepingSink", "LayerPlan", "plan_layer", "plan_graph", "describe_plans", "METHODS",
+           "call_without_param_grads"]
