@@ -13,7 +13,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fxdp.grad_sample import compute_grad_samples, register_grad_sampler
