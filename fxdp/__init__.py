@@ -7,42 +7,63 @@ The pipeline, in the order it runs::
     fxdp.passes.inplace   in-place ops rewritten out of place
     fxdp.passes.batch_dim where the batch sits at every node; ops that move it or mix samples
     fxdp.passes.per_sample DP-aware ops (fxdp.runtime) that record per-sample gradients
+
+then an engine (fxdp.engines) chosen by fxdp.compiler: the compiled graph ("fx"), the whole model as
+one DP-aware op ("fx+whole-model"), or one that does not compile ("hooks", "ew", "functorch", "no_op").
 """
 
 from fxdp import grad_sample, validators  # grad_sample registers the built-in per-sample rules
 from fxdp.checker import check_per_sample_gradients_are_correct, per_sample_gradient_diagnostics
 from fxdp.compiler import compile_for_dp, inspect, report
 from fxdp.diagnostics import (
+    BatchDimAnalysisError,
     BatchMixingError,
     CompileReport,
     Finding,
+    FxdpError,
+    IllegalModuleConfigurationError,
     Kind,
+    MissingBatchRuleError,
     NotPrivateError,
+    NotYetSupportedModuleError,
     PassError,
     Severity,
+    ShouldReplaceModuleError,
+    UnsupportedError,
+    UnsupportedModuleError,
 )
+from fxdp.engines import GradSampleModule
 from fxdp.grad_sample.accumulate import zero_grad_sample
-from fxdp.grad_sample.hooks import GradSampleModule
 from fxdp.grad_sample.registry import register_grad_sampler
 from fxdp.passes.batch_dim import find_batch_dim_violations
+from fxdp.passes.batch_rules import register_batch_rule
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchDimAnalysisError",
     "BatchMixingError",
     "CompileReport",
     "Finding",
+    "FxdpError",
     "GradSampleModule",
+    "IllegalModuleConfigurationError",
     "Kind",
+    "MissingBatchRuleError",
     "NotPrivateError",
+    "NotYetSupportedModuleError",
     "PassError",
     "Severity",
+    "ShouldReplaceModuleError",
+    "UnsupportedError",
+    "UnsupportedModuleError",
     "check_per_sample_gradients_are_correct",
     "compile_for_dp",
     "find_batch_dim_violations",
     "grad_sample",
     "inspect",
     "per_sample_gradient_diagnostics",
+    "register_batch_rule",
     "register_grad_sampler",
     "report",
     "validators",

@@ -27,8 +27,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fxdp.grad_sample.accumulate import LOSS_REDUCTIONS, zero_grad_sample
-from fxdp.grad_sample.engines import check_grad_sample_mode, wrap_model
+from fxdp.compiler import compile_for_dp, wrap_model
+from fxdp.engines import check_grad_sample_mode
+from fxdp.grad_sample.accumulate import zero_grad_sample
+from fxdp.grad_sample.generic import LOSS_REDUCTIONS
 
 Inputs = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -204,8 +206,6 @@ def per_sample_gradient_diagnostics(
 
 def _wrap(model: nn.Module, mode: str, inputs, batch_dim: int, reduction: str) -> nn.Module:
     if mode == "fx":
-        from fxdp.compiler import compile_for_dp
-
         example = inputs[0] if len(inputs) == 1 else inputs
         return compile_for_dp(model, example_inputs=example, batch_dim=batch_dim, loss_reduction=reduction)
     return wrap_model(model, mode, batch_first=batch_dim == 0, loss_reduction=reduction)

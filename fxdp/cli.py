@@ -12,7 +12,9 @@ import argparse
 import importlib
 import importlib.metadata
 import inspect as pyinspect
+import math
 import os
+import re
 import sys
 import sysconfig
 import traceback
@@ -47,6 +49,14 @@ DTYPES = {
 
 class UsageError(Exception):
     """Something on the command line (or the target it names) is wrong; exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (``fxdp inspect: error: ...``), not usage text and a line."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
 
 
 # --------------------------------------------------------------------------- loading the model
@@ -168,7 +178,7 @@ def load_model(target: str) -> nn.Module:
                          f"with none: wrap it in a function that takes no arguments")
     try:
         model = obj()
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit() in a factory is a failure to build the model
         raise UsageError(f"{target} raised {_describe(exc)}") from exc
     if not isinstance(model, nn.Module):
         raise UsageError(f"{target} returned {type(model).__name__}, not a torch.nn.Module")
@@ -185,10 +195,44 @@ def parse_shape(text: str) -> tuple:
         shape = tuple(int(p) for p in parts)
     except ValueError:
         shape = ()
+    negative = [s for s in shape if s < 0]
+    if negative:
+        raise UsageError(f"--input {text!r} has a negative size ({negative[0]}): sizes are positive, "
+                         f"e.g. --input 8,3,32,32")
     if not shape or any(s <= 0 for s in shape):
         raise UsageError(f"malformed --input {text!r}: expected positive sizes separated by ',' or 'x', "
                          f"e.g. --input 8,3,32,32")
     return shape
+
+
+# The most elements fxdp inspect makes random inputs of (and at most half the free memory): the report
+# is the same for a small batch, so a huge --input is a typo or a misunderstanding, not a need.
+MAX_INPUT_ELEMENTS = 2**31
+
+
+def _free_memory() -> Optional[int]:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not on Linux
+        return None
+
+
+def check_input_sizes(specs: list, texts: list) -> None:
+    """Refuse inputs too large to allocate comfortably, before allocating them."""
+    sizes = [(math.prod(shape), torch.empty((), dtype=dtype).element_size()) for shape, dtype in specs]
+    elements = sum(n for n, _ in sizes)
+    nbytes = sum(n * b for n, b in sizes)
+    free = _free_memory()
+    if elements > MAX_INPUT_ELEMENTS or (free is not None and nbytes > free // 2):
+        given = " ".join(f"--input {t}" for t in texts)
+        within = f", within half the free memory ({_gigabytes(free // 2)})" if free is not None else ""
+        raise UsageError(f"{given} is too large: {elements:,} elements ({_gigabytes(nbytes)}); fxdp inspect "
+                         f"makes random inputs of at most {MAX_INPUT_ELEMENTS:,} elements{within}. The report "
+                         f"is the same for small sizes: use a small batch")
+
+
+def _gigabytes(n: int) -> str:
+    return f"{n / 1e9:,.1f} GB"
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -212,6 +256,13 @@ def random_input(shape: tuple, dtype: torch.dtype, high: int) -> torch.Tensor:
     return torch.randint(0, high, shape, dtype=dtype)
 
 
+def _make_input(shape: tuple, dtype: torch.dtype, high: int, text: str) -> torch.Tensor:
+    try:
+        return random_input(shape, dtype, high)
+    except (RuntimeError, MemoryError) as exc:  # out of memory despite the size check
+        raise UsageError(f"cannot make --input {text}: {_describe(exc)}") from exc
+
+
 # --------------------------------------------------------------------------- commands
 
 
@@ -222,7 +273,7 @@ def _check_inputs_fit(model: nn.Module, example_inputs: tuple, texts: list) -> N
     try:
         with torch.no_grad():
             model(*example_inputs)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         given = " ".join(f"--input {t}" for t in texts)
         dtypes = ", ".join(str(x.dtype).replace("torch.", "") for x in example_inputs)
         raise UsageError(f"the model's forward fails on {given} ({dtypes}): {_describe(exc)}") from exc
@@ -233,20 +284,27 @@ def _cmd_inspect(args) -> int:
     specs = [parse_input(text, default_dtype) for text in args.input]
     if args.high <= 0:
         raise UsageError(f"--high must be positive, got {args.high}")
-    for (shape, _), text in zip(specs, args.input):
+    for (shape, dtype), text in zip(specs, args.input):
         if not 0 <= args.batch_dim < len(shape):
             raise UsageError(f"--batch-dim {args.batch_dim} is out of range for --input {text} "
                              f"({len(shape)} dimensions)")
+        if not dtype.is_floating_point and dtype is not torch.bool and args.high > torch.iinfo(dtype).max + 1:
+            raise UsageError(f"--high {args.high} does not fit --input {text} ({str(dtype)[6:]}: values up to "
+                             f"{torch.iinfo(dtype).max}); use --high {torch.iinfo(dtype).max + 1} or less")
+    if not -2**63 <= args.seed < 2**64:
+        raise UsageError(f"--seed {args.seed} is out of range: use an integer in [-2**63, 2**64)")
+    check_input_sizes(specs, args.input)
 
     torch.manual_seed(args.seed)  # the same weights and inputs on every run
     model = load_model(args.target)
-    example_inputs = tuple(random_input(shape, dtype, args.high) for shape, dtype in specs) or None
+    example_inputs = tuple(_make_input(shape, dtype, args.high, text)
+                           for (shape, dtype), text in zip(specs, args.input)) or None
     if example_inputs is not None:
         _check_inputs_fit(model, example_inputs, args.input)
 
     try:
         report = fxdp.inspect(model, example_inputs, batch_dim=args.batch_dim, strict=args.strict)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         # With --strict a pass raises instead of reporting: the model's problem, so no traceback.
         text = f"{type(exc).__name__}: {exc}"
         cause = exc.__cause__
@@ -268,7 +326,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fxdp", description="Compile PyTorch models for differentially private training (DP-SGD).")
     parser.add_argument("--version", action="version", version=f"fxdp {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -294,14 +352,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true",
                    help="strict mode: passes raise on problems instead of reporting them (exit 1)")
     p.add_argument("--seed", type=int, default=0, help="random seed for the weights and inputs (default 0)")
-    p.set_defaults(func=_cmd_inspect)
+    p.set_defaults(func=_cmd_inspect, command_parser=p)
     return parser
+
+
+def _attach_option_values(argv: Sequence[str]) -> list:
+    """``--input -1,4`` -> ``--input=-1,4``: argparse takes a value that starts with '-' for an option
+    (unless it is a plain number), and would answer "expected one argument"; the shape check then
+    says what is wrong with it."""
+    argv, out, i = list(argv), [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if len(arg) > 2 and "--input".startswith(arg) and i + 1 < len(argv) and re.match(r"-\d", argv[i + 1]):
+            out.append(f"--input={argv[i + 1]}")
+            i += 2
+            continue
+        if arg == "--":  # everything after it is positional already
+            out.extend(argv[i:])
+            break
+        out.append(arg)
+        i += 1
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
+    argv = _attach_option_values(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # said by the command's parser: "fxdp inspect: error: ..."
+            getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # --help, --version and argparse's own usage errors
         return EXIT_OK if exc.code is None else exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if args.command is None:

@@ -1,4 +1,8 @@
-"""``compile_for_dp``: trace, run the passes by name, emit a GraphModule (or fall back, and say why)."""
+"""``compile_for_dp``: trace, run the passes by name, emit a GraphModule (or fall back, and say why).
+
+This module is the ONE place an engine is chosen (:func:`compile_for_dp`, :func:`wrap_model`); the
+report names it (``fx``, ``fx+whole-model``, ``hooks``, ``ew``, ``functorch``, ``no_op``) and says why.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +14,40 @@ import torch.fx
 from torch import nn
 
 from fxdp import runtime
-from fxdp.diagnostics import BatchMixingError, CompileReport, Kind, NotPrivateError, PassError, PassReport, PassResult, Severity
-from fxdp.grad_sample.accumulate import check_loss_reduction
-from fxdp.grad_sample.engines import check_grad_sample_mode, wrap_model
-from fxdp.passes.batch_dim import BatchDimAnalysisError, propagate_batch_dim
+from fxdp.diagnostics import (
+    BatchMixingError,
+    CompileReport,
+    FxdpError,
+    Kind,
+    NotPrivateError,
+    PassError,
+    PassReport,
+    PassResult,
+    Severity,
+)
+from fxdp.engines import (
+    ExpandedWeightsGradSampleModule,
+    FunctorchGradSampleModule,
+    GradSampleModule,
+    NoOpGradSampleModule,
+    check_grad_sample_mode,
+)
+from fxdp.engines.whole_model import whole_model_op
+from fxdp.grad_sample.generic import check_loss_reduction
+from fxdp.grad_sample.sink import GradSampleSink
+from fxdp.passes.batch_dim import propagate_batch_dim
 from fxdp.passes.inplace import remove_inplace_ops
-from fxdp.passes.per_sample import insert_per_sample_ops, update_site_layouts, whole_model_op
+from fxdp.passes.per_sample import insert_per_sample_ops, update_site_layouts
 from fxdp.passes.validate import validate_graph
 from fxdp.tracing import trace
-from fxdp.validators.errors import UnsupportedError
+from fxdp.diagnostics.errors import expect_module
 
 _REPORT_ATTR = "fxdp_report"
 
 
-# Errors that already tell the user what is wrong and where; anything else from a pass is a PassError.
-_USER_ERRORS = (NotPrivateError, UnsupportedError, BatchDimAnalysisError)
+# Errors that already tell the user what is wrong and where (NotPrivateError, BatchDimAnalysisError,
+# ...); anything else from a pass is a PassError.
+_USER_ERRORS = (FxdpError,)
 
 
 def _run(name: str, fn: Callable[..., PassResult], gm: torch.fx.GraphModule, reports: List[PassReport], **kwargs):
@@ -52,16 +75,16 @@ def _analyse(model: nn.Module, example_inputs, batch_dim: int, strict: bool):
     return gm, traced, reports
 
 
-def _make_report(model, traced, reports, mode="fx", fallback_reason=None, fallback_location=None, notes=()):
+def _make_report(model, traced, reports, engine="fx", fallback_reason=None, fallback_location=None, notes=()):
     if traced.fixed_to_none:
         notes = [*notes, f"traced with {', '.join(traced.fixed_to_none)} = None (they default to None and "
                          "example_inputs does not give them); give them in example_inputs to use them"]
     if not traced.ok:
         fallback_reason = f"the model cannot be traced by torch.fx ({traced.reason})"
         fallback_location = traced.location
-        mode = "hooks"
+        engine = "hooks"
     return CompileReport(type(model).__name__, traced.ok, tuple(reports), fallback_reason, fallback_location,
-                         mode, tuple(notes))
+                         engine, tuple(notes))
 
 
 _NO_INPUTS_NOTE = ("batch_dim: not run (no example_inputs); compile_for_dp runs it on the first batch, "
@@ -70,6 +93,7 @@ _NO_INPUTS_NOTE = ("batch_dim: not run (no example_inputs); compile_for_dp runs 
 
 def inspect(model: nn.Module, example_inputs: Any = None, batch_dim: int = 0, strict: bool = False) -> CompileReport:
     """The report ``compile_for_dp`` would produce, without compiling (the model is not changed)."""
+    expect_module(model, "fxdp.inspect(model, ...)")
     gm, traced, reports = _analyse(model, example_inputs, batch_dim, strict)
     notes = [_NO_INPUTS_NOTE] if traced.ok and example_inputs is None else []
     return _make_report(model, traced, reports, notes=notes)
@@ -115,6 +139,7 @@ def compile_for_dp(
     :class:`fxdp.diagnostics.NotPrivateError` for a model DP-SGD cannot train (BatchNorm in training,
     ops that mix samples), with a table of the findings.
     """
+    expect_module(model, "fxdp.compile_for_dp(model, ...)")
     check_loss_reduction(loss_reduction)
     check_grad_sample_mode(grad_sample_mode)
     if batch_dim not in (0, 1):
@@ -123,22 +148,24 @@ def compile_for_dp(
     gm, traced, reports = _analyse(model, example_inputs, batch_dim, strict)
     _refuse_if_not_private(reports)
     if gm is None or grad_sample_mode != "fx":
-        mode = "hooks" if gm is None else grad_sample_mode
-        wrapped = wrap_model(model, mode, batch_first=(batch_dim == 0), loss_reduction=loss_reduction)
+        engine = "hooks" if gm is None else grad_sample_mode
+        wrapped = _wrap(model, engine, batch_first=(batch_dim == 0), loss_reduction=loss_reduction)
         reason = None if gm is None else f"grad_sample_mode={grad_sample_mode!r} was asked for"
-        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, mode, reason))
+        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, engine, reason))
         return wrapped
 
     analysed = None if example_inputs is not None else torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    gm = _run("per_sample", insert_per_sample_ops, gm, reports, loss_reduction=loss_reduction, batch_dim=batch_dim)
+    sink = GradSampleSink()  # one per compiled model: its DP-aware ops deliver here
+    gm = _run("per_sample", insert_per_sample_ops, gm, reports, loss_reduction=loss_reduction, batch_dim=batch_dim,
+              sink=sink)
     unsupported = [f for f in reports[-1].findings if f.severity is not Severity.INFO]
     if unsupported:
         if strict:
             raise NotPrivateError(unsupported, "strict=True: fxdp cannot compute per-sample gradients on the graph for:")
-        wrapped = whole_model_op(model, gm, loss_reduction=loss_reduction, batch_dim=batch_dim)
+        wrapped = whole_model_op(model, gm, loss_reduction=loss_reduction, batch_dim=batch_dim, sink=sink)
         reason = (f"{len(unsupported)} parametrised op(s) the graph engine cannot handle (see per_sample findings); "
                   "the whole model runs as one op with the generic per-sample rule")
-        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, "functorch", reason))
+        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, "fx+whole-model", reason))
         return wrapped
 
     notes = [_NO_INPUTS_NOTE] if analysed is not None else []
@@ -171,3 +198,34 @@ def _analyse_on_first_batch(gm: torch.fx.GraphModule, analysed: torch.fx.GraphMo
             handle.remove()
 
     handle = gm.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def wrap_model(
+    model: nn.Module,
+    grad_sample_mode: str,
+    *,
+    batch_first: bool = True,
+    loss_reduction: str = "mean",
+    strict: bool = False,
+) -> nn.Module:
+    """``model`` with the engine named by ``grad_sample_mode``, without the analysis passes for the
+    engines that do not compile (see :mod:`fxdp.engines`); ``"fx"`` is :func:`compile_for_dp`."""
+    check_grad_sample_mode(grad_sample_mode)
+    check_loss_reduction(loss_reduction)
+    if grad_sample_mode == "fx":
+        return compile_for_dp(model, batch_dim=0 if batch_first else 1, loss_reduction=loss_reduction, strict=strict)
+    return _wrap(model, grad_sample_mode, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
+
+
+_WRAPPERS = {
+    "hooks": GradSampleModule,
+    "ew": ExpandedWeightsGradSampleModule,
+    "functorch": FunctorchGradSampleModule,
+    "no_op": NoOpGradSampleModule,
+}
+
+
+def _wrap(model: nn.Module, engine: str, *, batch_first: bool, loss_reduction: str, strict: bool = False) -> nn.Module:
+    if engine == "hooks":
+        return GradSampleModule(model, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
+    return _WRAPPERS[engine](model, batch_first=batch_first, loss_reduction=loss_reduction)

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import inspect
 import operator
-import os
-import re
-import traceback
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -23,56 +20,8 @@ import torch.fx
 from torch import nn
 
 from fxdp import meta
+from fxdp.diagnostics.source import SourceLocation, location_from_stack_trace, location_from_traceback
 from fxdp.grad_sample.registry import find_grad_sampler
-
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-_FXDP_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-@dataclass(frozen=True)
-class SourceLocation:
-    """A line of the user's code."""
-
-    file: str
-    line: int
-    function: str = ""
-    code: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}"
-
-    @property
-    def short(self) -> str:
-        return f"{os.path.basename(self.file)}:{self.line}"
-
-
-def _is_library_file(filename: str) -> bool:
-    path = os.path.abspath(filename)
-    return path.startswith(_TORCH_DIR) or path.startswith(_FXDP_DIR)
-
-
-_FRAME_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?:    (?P<code>[^\n]*))?')
-
-
-def location_from_stack_trace(stack_trace: Optional[str]) -> Optional[SourceLocation]:
-    """The innermost frame of ``node.stack_trace`` that is in the user's code."""
-    if not stack_trace:
-        return None
-    user = None
-    for m in _FRAME_RE.finditer(stack_trace):
-        if not _is_library_file(m["file"]):
-            user = SourceLocation(m["file"], int(m["line"]), m["func"], (m["code"] or "").strip())
-    return user
-
-
-def location_from_traceback(tb) -> Optional[SourceLocation]:
-    """The innermost frame of a traceback that is in the user's code."""
-    user = None
-    for frame in traceback.extract_tb(tb):
-        if not _is_library_file(frame.filename):
-            user = SourceLocation(frame.filename, frame.lineno, frame.name, (frame.line or "").strip())
-    return user
-
 
 def source_location(node: torch.fx.Node) -> Optional[SourceLocation]:
     """Where in the user's code ``node`` was created, if known."""

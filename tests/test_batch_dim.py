@@ -479,7 +479,7 @@ def test_a_registered_rule_for_a_base_class_serves_its_subclasses():
         gm, findings = analyse(model, torch.randn(N, D))
         assert findings == []
         assert node_named(gm, "scale").meta[meta.BATCH_DIM] == BatchLayout.at(0)
-        assert find_batch_rule(Scale()) is batch_rules._registered_layer
+        assert find_batch_rule(Scale()) is batch_rules.core._registered_layer
         register_batch_rule(ScaleBase)(keeps_layout)
         gm, findings = analyse(model, torch.randn(N, D))
         assert findings == []
@@ -487,7 +487,7 @@ def test_a_registered_rule_for_a_base_class_serves_its_subclasses():
         assert find_batch_rule(Scale()) is keeps_layout
     finally:
         _GRAD_SAMPLERS.pop(Scale, None)
-        batch_rules._RULES.pop(ScaleBase, None)
+        batch_rules.core._LAYER_RULES.entries.pop(ScaleBase, None)
 
 
 def test_registry_lookup_walks_the_mro_and_names_ops():

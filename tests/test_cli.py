@@ -172,6 +172,89 @@ def test_argparse_errors_and_no_command_exit_2(capsys):
     assert code == 2 and "argument --batch-dim: invalid int value: 'first'" in err
 
 
+@pytest.mark.parametrize("argv, message", [
+    # a negative size looks like an option to argparse; it is read as the value it is
+    (["inspect", f"{MODELS}:mlp", "--input", "-1,4"],
+     "fxdp inspect: error: --input '-1,4' has a negative size (-1): sizes are positive, e.g. --input 8,3,32,32"),
+    (["inspect", f"{MODELS}:mlp", "--inp", "-1x4"],
+     "fxdp inspect: error: --input '-1x4' has a negative size (-1): sizes are positive, e.g. --input 8,3,32,32"),
+    (["inspect", f"{MODELS}:mlp", "--input=8,-4"],
+     "fxdp inspect: error: --input '8,-4' has a negative size (-4): sizes are positive, e.g. --input 8,3,32,32"),
+    # argparse's own errors: one line, no usage block
+    (["inspect", f"{MODELS}:mlp", "--input"],
+     "fxdp inspect: error: argument --input: expected one argument (see fxdp inspect --help)"),
+    (["inspect", f"{MODELS}:mlp", "--input", "8,20", "--bogus"],
+     "fxdp inspect: error: unrecognized arguments: --bogus (see fxdp inspect --help)"),
+    (["inspect", f"{MODELS}:mlp", "8,20"],
+     "fxdp inspect: error: unrecognized arguments: 8,20 (see fxdp inspect --help)"),
+    (["inspect"], "fxdp inspect: error: the following arguments are required: TARGET (see fxdp inspect --help)"),
+    (["inspect", f"{MODELS}:mlp", "--batch-dim", "first"],
+     "fxdp inspect: error: argument --batch-dim: invalid int value: 'first' (see fxdp inspect --help)"),
+    (["--bogus"], "fxdp: error: unrecognized arguments: --bogus (see fxdp --help)"),
+    # values argparse accepts that torch would not
+    (["inspect", f"{MODELS}:mlp", "--input", "8,20", "--seed", str(2**64)],
+     f"fxdp inspect: error: --seed {2**64} is out of range: use an integer in [-2**63, 2**64)"),
+    (["inspect", f"{MODELS}:mlp", "--input", "8,20:int8", "--high", "1000"],
+     "fxdp inspect: error: --high 1000 does not fit --input 8,20:int8 (int8: values up to 127); use --high 128 "
+     "or less"),
+])
+def test_every_bad_argument_is_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert (code, out, err) == (2, "", message + "\n")
+
+
+def test_an_unknown_command_is_one_line_and_exit_2(capsys):
+    code, out, err = run(capsys, "inspct", f"{MODELS}:mlp")  # argparse quotes the choices by Python version
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert err.startswith("fxdp: error: argument COMMAND: invalid choice: 'inspct' (choose from ")
+    assert err.endswith("inspect) (see fxdp --help)\n") or err.endswith("inspect') (see fxdp --help)\n")
+
+
+def test_a_huge_input_is_refused_before_it_is_allocated(capsys, monkeypatch):
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("an input was allocated")
+
+    monkeypatch.setattr("fxdp.cli.random_input", no_allocation)
+    monkeypatch.setattr("fxdp.cli._free_memory", lambda: 16 * 10**9)
+    code, out, err = run(capsys, "inspect", f"{MODELS}:mlp", "--input", "100000,100000,100000")
+    assert (code, out) == (2, "")
+    assert err == ("fxdp inspect: error: --input 100000,100000,100000 is too large: 1,000,000,000,000,000 elements "
+                   "(4,000,000.0 GB); fxdp inspect makes random inputs of at most 2,147,483,648 elements, within "
+                   "half the free memory (8.0 GB). The report is the same for small sizes: use a small batch\n")
+    # what fits in the element limit but not in memory; inputs are counted together
+    monkeypatch.setattr("fxdp.cli._free_memory", lambda: 1000)
+    code, out, err = run(capsys, "inspect", f"{MODELS}:mlp", "--input", "8,20", "--input", "2,2:long")
+    assert (code, out) == (2, "")
+    assert err == ("fxdp inspect: error: --input 8,20 --input 2,2:long is too large: 164 elements (0.0 GB); fxdp "
+                   "inspect makes random inputs of at most 2,147,483,648 elements, within half the free memory "
+                   "(0.0 GB). The report is the same for small sizes: use a small batch\n")
+    monkeypatch.setattr("fxdp.cli._free_memory", lambda: None)  # unknown free memory: the element limit
+    code, out, err = run(capsys, "inspect", f"{MODELS}:mlp", "--input", f"{2**16},{2**15 + 1}")
+    assert err == (f"fxdp inspect: error: --input {2**16},{2**15 + 1} is too large: 2,147,549,184 elements (8.6 GB); "
+                   "fxdp inspect makes random inputs of at most 2,147,483,648 elements. The report is the same for "
+                   "small sizes: use a small batch\n")
+
+
+def test_a_factory_or_forward_that_exits_is_a_usage_error_naming_it(capsys, tmp_path):
+    path = tmp_path / "exits.py"
+    path.write_text(
+        "import sys\n"
+        "from torch import nn\n"
+        "\n"
+        "def model():\n"
+        "    raise SystemExit(3)\n"
+        "\n"
+        "class Quits(nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        sys.exit()\n"
+    )
+    code, out, err = run(capsys, "inspect", f"{path}:model", "--input", "8,4")
+    assert (code, out, err) == (2, "", f"fxdp inspect: error: {path}:model raised SystemExit: 3 ({path}:5)\n")
+    code, out, err = run(capsys, "inspect", f"{path}:Quits", "--input", "8,4")
+    assert (code, out, err) == (2, "", f"fxdp inspect: error: the model's forward fails on --input 8,4 (float32): "
+                                       f"SystemExit ({path}:9)\n")
+
+
 def test_version(capsys):
     code, out, err = run(capsys, "--version")
     assert (code, out, err) == (0, f"fxdp {version('fxdp')}\n", "")

@@ -229,7 +229,7 @@ def test_a_failing_generic_rule_names_the_node_in_the_error(monkeypatch):
     def cannot_rerun(*args, **kwargs):
         raise RuntimeError("this op cannot run on one sample")
 
-    monkeypatch.setattr(fxdp.runtime, "functional_grad_samples", cannot_rerun)
+    monkeypatch.setattr(fxdp.grad_sample.generic, "functional_grad_samples", cannot_rerun)
     compiled = fxdp.compile_for_dp(BareParameter(), example_inputs=torch.randn(4, 3, 4))
     with pytest.raises(RuntimeError, match=r"generic per-sample rule, which re-runs each sample alone as a batch of one, "
                                            r"failed on '_operator.matmul' at node 'matmul': this op cannot run on one "

@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxdp.grad_sample  # noqa: F401  (registers the built-in rules)
-from fxdp.grad_sample.engines import (
+from fxdp.compiler import wrap_model
+from fxdp.engines import (
     ExpandedWeightsGradSampleModule,
     FunctorchGradSampleModule,
+    GradSampleModule,
     NoOpGradSampleModule,
-    wrap_model,
 )
-from fxdp.grad_sample.hooks import GradSampleModule
 from fxdp.grad_sample.registry import _GRAD_SAMPLERS, register_grad_sampler
 
 REDUCTIONS = ("mean", "sum")
@@ -246,8 +246,8 @@ def test_container_parameter_tied_to_child_is_not_counted_twice(mode, reduction)
 
 def test_hooks_container_parameter_puts_its_whole_subtree_under_the_generic_rule():
     dp = GradSampleModule(build(Scaled))
-    assert dp.grad_sample_layers == {"<model>": "functorch (its whole subtree)"}
-    assert dp.functorch_fallbacks == ["<model>"]
+    assert dp.grad_sample_layers == {"<model>": "generic (its whole subtree)"}
+    assert dp.generic_fallbacks == ["<model>"]
 
 
 class CalledAndFunctional(nn.Module):
@@ -354,7 +354,7 @@ def test_attention_called_with_keywords_and_a_child_used_without_being_called(mo
     wrapped, model = assert_engine_matches_loop(build(Attention), x_of(3, 5, 4), mode, reduction)
     assert model.attn.out_proj.weight.grad_sample.shape == (3, 4, 4)
     if mode == "hooks":
-        assert wrapped.grad_sample_layers["attn"] == "functorch (its whole subtree)"
+        assert wrapped.grad_sample_layers["attn"] == "generic (its whole subtree)"
 
 
 def test_hooks_generic_rule_refuses_tensor_keyword_arguments():

@@ -16,9 +16,9 @@ from fxdp.grad_sample import (
     compute_grad_samples,
     find_grad_sampler,
     functional_grad_samples,
-    functorch_grad_sampler,
     register_grad_sampler,
 )
+from fxdp.grad_sample import generic_grad_sampler as functorch_grad_sampler
 from fxdp.grad_sample.conv import conv_grad_sample
 from fxdp.grad_sample.linear import linear_grad_sample
 from grad_sample_harness import assert_rule_matches_loop, fixed_cotangent, loss_backprops

@@ -168,7 +168,7 @@ def test_the_whole_model_engine_takes_keyword_inputs_and_tuple_outputs():
     x, mask = torch.randn(4, 4), (torch.rand(4, 4) > 0.3).float()
     compiled = fxdp.compile_for_dp(model, example_inputs={"x": x, "mask": mask}, loss_reduction="sum")
     rep = fxdp.report(compiled)
-    assert rep.mode == "functorch" and "the whole model runs as one op" in rep.fallback_reason
+    assert rep.engine == "fx+whole-model" and "the whole model runs as one op" in rep.fallback_reason
     assert any("'w' goes through 't'" in f.message for f in rep.findings)
 
     R1, R2 = torch.randn(1, 2), torch.randn(1)

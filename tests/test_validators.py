@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 from fxdp.diagnostics import Kind, Severity
 from fxdp.validators import (
     IllegalModuleConfigurationError,
+    ModuleFixWarning,
     ModuleValidator,
     NotYetSupportedModuleError,
     ShouldReplaceModuleError,
@@ -174,9 +176,12 @@ def test_fix_replaces_batch_norm_with_group_norm_on_a_copy():
 
 
 @pytest.mark.parametrize("channels, groups", [(8, 8), (3, 1), (64, 32), (12, 4)])
-def test_default_groups_are_gcd_of_32_and_channels(channels, groups):
-    fixed = ModuleValidator.fix(nn.Sequential(nn.BatchNorm1d(channels)))
+def test_default_groups_over_positions_are_gcd_of_32_and_channels(channels, groups):
+    fixed = ModuleValidator.fix(nn.Sequential(nn.BatchNorm2d(channels)))
     assert (fixed[0].num_groups, fixed[0].num_channels) == (groups, channels)
+    # a BatchNorm1d seen over (N, C, L) by the example forward: the same groups
+    fixed = ModuleValidator.fix(nn.Sequential(nn.BatchNorm1d(channels)), example_inputs=torch.randn(2, channels, 5))
+    assert (type(fixed[0]), fixed[0].num_groups, fixed[0].num_channels) == (nn.GroupNorm, groups, channels)
 
 
 def test_num_groups_is_passed_to_the_fixer():
@@ -261,8 +266,12 @@ def test_fix_a_root_batch_norm():
 
 
 def test_fix_and_validate():
-    fixed = ModuleValidator.fix_and_validate(ConvBN())
+    with pytest.warns(ModuleFixWarning) as record:
+        fixed = ModuleValidator.fix_and_validate(ConvBN())
     assert type(fixed.bn) is nn.GroupNorm
+    assert os.path.samefile(record[0].filename, __file__)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    assert isinstance(ModuleValidator.fix_and_validate(model, example_inputs=torch.randn(2, 3))[1], nn.LayerNorm)
     with pytest.raises(UnsupportedModuleError) as info:
         ModuleValidator.fix_and_validate(ConvBN().eval())
     assert [type(e) for e in info.value.errors] == [IllegalModuleConfigurationError]
@@ -289,7 +298,10 @@ def test_fix_with_remove_inplace_ops_returns_a_graph_module_and_warns():
     model = Residual()
     with pytest.warns(UserWarning) as record:
         fixed = ModuleValidator.fix(model, remove_inplace_ops=True)
-    (warning,) = record
+    replaced, warning = record
+    assert replaced.category is ModuleFixWarning and warning.category is UserWarning
+    assert os.path.samefile(replaced.filename, __file__)
+    assert replaced.message.changes == (("bn", "nn.BatchNorm1d(4)", "nn.GroupNorm(1, 4)"),)
     assert os.path.samefile(warning.filename, __file__)  # stacklevel=2: points at the caller
     assert str(warning.message).startswith(
         "ModuleValidator.fix(remove_inplace_ops=True) returns a torch.fx.GraphModule, not a Residual")
@@ -327,7 +339,8 @@ def test_fix_of_an_untraceable_model_logs_why_and_returns_the_module(caplog, rec
     message = record.getMessage()
     assert message.startswith("ModuleValidator.fix(remove_inplace_ops=True): Branchy cannot be traced (TraceError:")
     assert f"{__file__}:" in message and "returning it with the module-level fixes only" in message
-    assert [w for w in recwarn if issubclass(w.category, UserWarning)] == []
+    # only the replacement is reported, no GraphModule warning
+    assert [w.category for w in recwarn if issubclass(w.category, UserWarning)] == [ModuleFixWarning]
 
 
 # -- registration ---------------------------------------------------------------------------------------------
@@ -425,3 +438,208 @@ def test_fix_does_not_share_state_with_the_original():
     with torch.no_grad():
         fixed.fc.weight.add_(1.0)
     assert not torch.allclose(fixed.fc.weight, model.fc.weight)
+
+
+# -- fix keeps the model's output a function of its input (issue #10, situation 9) -------------------------
+
+
+def affine_bn(make, channels):
+    bn = make(channels)
+    with torch.no_grad():  # a non-trivial scale and shift, so "the output is its bias" shows
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-1, 1)
+    return nn.Sequential(bn)
+
+
+def assert_output_depends_on_input(model, shape):
+    """Per sample: another input changes the output; another sample's input does not."""
+    torch.manual_seed(0)
+    x, other = torch.randn(shape), torch.randn(shape)
+    out, out_other = model(x), model(other)
+    for i in range(shape[0]):
+        assert not torch.allclose(out[i], out_other[i], atol=1e-3), f"sample {i}'s output ignores its input"
+    mixed = x.clone()
+    mixed[1:] = other[1:]
+    torch.testing.assert_close(model(mixed)[0], out[0])  # samples still independent
+
+
+def fix_reporting(model, **kwargs):
+    with pytest.warns(ModuleFixWarning) as record:
+        fixed = ModuleValidator.fix(model, **kwargs)
+    (warning,) = [w for w in record if w.category is ModuleFixWarning]
+    return fixed, warning.message
+
+
+def test_the_input_dependence_check_catches_a_group_per_channel_over_features():
+    # What fix produced for BatchNorm1d over (N, C) before: GroupNorm(C, C), whose output is its bias.
+    model = nn.Sequential(nn.GroupNorm(8, 8))
+    with torch.no_grad():
+        model[0].bias.uniform_(-1, 1)
+    with pytest.raises(AssertionError, match="ignores its input"):
+        assert_output_depends_on_input(model, (4, 8))
+
+
+def gcd32(c):
+    return math.gcd(32, c)
+
+
+BN_CASES = [  # (layer, input shape, replacement with example_inputs, replacement without)
+    *[(nn.BatchNorm1d, (4, c), ("LayerNorm", c), ("GroupNorm", 1, c)) for c in (3, 32, 64)],
+    *[(nn.BatchNorm1d, (4, c, 5), ("GroupNorm", gcd32(c), c), ("GroupNorm", 1, c)) for c in (3, 32, 64)],
+    (nn.BatchNorm1d, (4, 1, 5), ("GroupNorm", 1, 1), None),
+    *[(nn.BatchNorm2d, (4, c, 3, 3), ("GroupNorm", gcd32(c), c), ("GroupNorm", gcd32(c), c)) for c in (1, 3, 32, 64)],
+    *[(nn.BatchNorm3d, (4, c, 2, 2, 2), ("GroupNorm", gcd32(c), c), ("GroupNorm", gcd32(c), c)) for c in (1, 32)],
+    # BatchNorm2d after global pooling: features again, one group
+    *[(nn.BatchNorm2d, (4, c, 1, 1), ("GroupNorm", 1, c), ("GroupNorm", gcd32(c), c)) for c in (3, 64)],
+]
+
+
+def describe(norm):
+    if isinstance(norm, nn.LayerNorm):
+        return ("LayerNorm", *norm.normalized_shape)
+    return (type(norm).__name__, norm.num_groups, norm.num_channels)
+
+
+@pytest.mark.parametrize("make, shape, with_inputs, without", BN_CASES,
+                         ids=[f"{m.__name__}-{'x'.join(map(str, s))}" for m, s, *_ in BN_CASES])
+def test_fixed_batch_norm_output_depends_on_its_input(make, shape, with_inputs, without):
+    channels = shape[1]
+    model = affine_bn(make, channels)
+    x = torch.randn(shape)
+    fixed, report = fix_reporting(model, example_inputs=x)
+    assert describe(fixed[0]) == with_inputs
+    assert_output_depends_on_input(fixed, shape)
+    torch.testing.assert_close(fixed[0].weight, model[0].weight)
+    new = (f"nn.LayerNorm(({channels},))" if with_inputs[0] == "LayerNorm"
+           else f"nn.GroupNorm({with_inputs[1]}, {channels})")
+    assert report.changes == (("0", f"nn.{make.__name__}({channels})", f"{new} (input {shape})"),)
+    assert str(report) == (f"ModuleValidator.fix changed 1 module(s):\n  `0`: nn.{make.__name__}({channels}) -> "
+                           f"{new} (input {shape})")
+
+    if without is None:  # could be (N, 1) or (N, 1, L): refused, with advice
+        with pytest.raises(ValueError) as info:
+            ModuleValidator.fix(model)
+        assert str(info.value).startswith("cannot fix `0` (nn.BatchNorm1d): over (N, 1) inputs it has one value per "
+                                          "sample")
+        assert "Pass example_inputs=... to ModuleValidator.fix" in str(info.value)
+        return
+    fixed, report = fix_reporting(model)
+    assert describe(fixed[0]) == without
+    assert report.changes[0][:2] == ("0", f"nn.{make.__name__}({channels})")
+    assert "without example_inputs" in str(report)
+    if shape[2:] != (1, 1):  # what the type alone cannot tell: a BatchNorm2d over 1x1 positions
+        assert_output_depends_on_input(fixed, shape)
+
+
+@pytest.mark.parametrize("make, shape", [(nn.BatchNorm1d, (4, 1)), (nn.BatchNorm1d, (4, 1, 1)),
+                                         (nn.BatchNorm2d, (4, 1, 1, 1))])
+def test_batch_norm_over_one_value_per_sample_is_refused(make, shape):
+    model = nn.Sequential(nn.Identity(), affine_bn(make, 1))
+    with pytest.raises(ValueError) as info:
+        ModuleValidator.fix(model, example_inputs=torch.randn(shape))
+    assert str(info.value) == (
+        f"cannot fix `1.0` (nn.{make.__name__}): its input {shape} has one value per sample; normalising a single "
+        "value outputs the layer's bias whatever the input. Remove the layer, or register a fixer of your own "
+        "(fxdp.validators.register_module_fixer)")
+
+
+def test_num_groups_that_leave_one_value_per_group_are_refused():
+    model = affine_bn(nn.BatchNorm1d, 8)
+    with pytest.raises(ValueError) as info:
+        ModuleValidator.fix(model, num_groups=8)
+    assert str(info.value).startswith(
+        "cannot fix `0` (nn.BatchNorm1d): num_groups=8 leaves one channel per group, and over (N, C) inputs it "
+        "would have no positions: each group would normalise a single value and output its bias whatever the "
+        "input. Use fewer groups (a divisor of 8 below 8), or pass example_inputs=...")
+    with pytest.raises(ValueError, match=r"its input \(2, 8\) has no positions"):
+        ModuleValidator.fix(model, num_groups=8, example_inputs=torch.randn(2, 8))
+    fixed = ModuleValidator.fix(model, num_groups=4, example_inputs=torch.randn(2, 8))
+    assert describe(fixed[0]) == ("GroupNorm", 4, 8)
+    assert_output_depends_on_input(fixed, (2, 8))
+    fixed = ModuleValidator.fix(model, num_groups=8, example_inputs=torch.randn(2, 8, 3))
+    assert describe(fixed[0]) == ("GroupNorm", 8, 8)
+
+
+def test_shapes_come_from_every_call_of_a_shared_layer_and_the_model_is_left_alone():
+    class TwoCalls(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(6)
+            self.seq = nn.Sequential(nn.Linear(4, 6), self.bn)  # shared: named `bn` first
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x, seq):
+            return self.drop(self.bn(seq).mean(2)) + self.seq(x)
+
+    model = TwoCalls()
+    saved = state(model)
+    fixed, report = fix_reporting(model, example_inputs=(torch.randn(2, 4), torch.randn(2, 6, 5)))
+    # over (N, 6) and (N, 6, 5): a GroupNorm with one group suits both
+    assert describe(fixed.bn) == ("GroupNorm", 1, 6) and fixed.seq[1] is fixed.bn
+    assert report.changes == (("bn", "nn.BatchNorm1d(6)", "nn.GroupNorm(1, 6) (input (2, 6, 5), (2, 6))"),)
+    assert model.training and fixed.training and fixed.drop.training  # the probe ran on a copy in eval mode
+    assert_same_state(model, saved)
+    assert type(model.bn) is nn.BatchNorm1d and model.bn.num_batches_tracked == 0
+
+
+def test_example_inputs_may_be_keyword_inputs_and_errors_say_how_to_give_them():
+    class Kw(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(3)
+
+        def forward(self, *, features):
+            return self.bn(features)
+
+    fixed = ModuleValidator.fix(Kw(), example_inputs={"features": torch.randn(2, 3)})
+    assert isinstance(fixed.bn, nn.LayerNorm)
+    with pytest.raises(ValueError) as info:
+        ModuleValidator.fix(Kw(), example_inputs=torch.randn(2, 3))
+    assert str(info.value).startswith("ModuleValidator.fix: running Kw on example_inputs failed (TypeError: ")
+    assert str(info.value).endswith("give example_inputs as forward takes them: a tensor, a tuple of positional "
+                                    "inputs or a dict of keyword inputs")
+
+
+def test_lazy_batch_norm_becomes_a_group_norm_sized_by_its_first_input():
+    fixed = ModuleValidator.fix(nn.Sequential(nn.Linear(3, 5), nn.LazyBatchNorm1d()))
+    fixed(torch.randn(2, 3))
+    assert describe(fixed[1]) == ("GroupNorm", 1, 5)  # over (N, C) features: one group
+    assert_output_depends_on_input(fixed, (2, 3))
+    lazy = ModuleValidator.fix(nn.Sequential(nn.LazyBatchNorm1d()))
+    with pytest.raises(ValueError, match=r"got input of shape \(2, 1\) and 1 group\(s\): each group would hold one "
+                                         "value per sample"):
+        lazy(torch.randn(2, 1))
+
+
+def test_instance_norm_change_is_reported():
+    model = nn.Sequential(nn.InstanceNorm1d(4, track_running_stats=True))
+    _, report = fix_reporting(model)
+    assert report.changes == (("0", "nn.InstanceNorm1d(track_running_stats=True)",
+                               "nn.InstanceNorm1d(track_running_stats=False)"),)
+
+
+def test_a_model_without_anything_to_replace_warns_nothing(recwarn):
+    ModuleValidator.fix(nn.Sequential(nn.Linear(2, 2), nn.ReLU(inplace=True)))
+    assert [w for w in recwarn if issubclass(w.category, UserWarning)] == []
+
+
+# -- what is not a module ------------------------------------------------------------------------------------
+
+
+def a_function(x):
+    return x
+
+
+@pytest.mark.parametrize("call", ["validate", "is_valid", "fix", "fix_and_validate"])
+@pytest.mark.parametrize("given, described", [
+    (None, "None"),
+    (a_function, "the function 'a_function'; wrap it in an nn.Module whose forward calls it, with its "
+                 "parameters registered on the module"),
+    (nn.Linear, "the class nn.Linear itself, not an instance; pass one, e.g. Linear(...)"),
+    (3, "an int"),
+    (torch.zeros(2), "a torch.Tensor"),
+])
+def test_what_is_not_a_module_is_a_type_error_naming_it(call, given, described):
+    with pytest.raises(TypeError) as info:
+        getattr(ModuleValidator, call)(given)
+    assert str(info.value) == f"ModuleValidator.{call}(module) expects a torch.nn.Module, got {described}"

@@ -1,31 +1,36 @@
-"""From (activations, backprops) to ``p.grad_sample``: the step every engine shares.
+"""From (activations, backprops) to per-sample gradients: the step every engine shares.
 
 Conventions (the same as the incumbent's, so code written for it keeps working):
 
 - ``p.grad_sample[i]`` is the gradient sample i alone would give in a batch of one. With
-  ``loss_reduction="mean"`` the backprops carry a ``1/N`` factor, which is undone here.
+  ``loss_reduction="mean"`` the backprops carry a ``1/N`` factor, which
+  :func:`~fxdp.grad_sample.generic.summed_loss_backprops` undoes.
 - Within one backward pass, the uses of a parameter add up (tied weights, a module called twice).
 - Successive backward passes without clearing append along dimension 0: after two backward passes
   over batches of N1 and N2 samples, ``p.grad_sample`` has shape ``(N1 + N2, *p.shape)``, one row per
   sample seen (as with gradient accumulation over virtual batches). Clear it with
   :func:`zero_grad_sample` (the DP optimizer does) before the next logical batch.
+
+The last two are the materialising sink's (:class:`~fxdp.grad_sample.sink.GradSampleSink`): engines
+hand it one :class:`~fxdp.grad_sample.sink.LayerCapture` per layer and backward pass
+(:func:`layer_capture`).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 import torch
 from torch import nn
 
+from fxdp.grad_sample.generic import (  # noqa: F401  (LOSS_REDUCTIONS, check_loss_reduction: re-exported)
+    LOSS_REDUCTIONS,
+    check_loss_reduction,
+    generic_grad_sampler,
+    summed_loss_backprops,
+)
 from fxdp.grad_sample.registry import find_grad_sampler
-
-LOSS_REDUCTIONS = ("mean", "sum")
-
-
-def check_loss_reduction(loss_reduction: str) -> None:
-    if loss_reduction not in LOSS_REDUCTIONS:
-        raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+from fxdp.grad_sample.sink import LayerCapture
 
 
 def compute_grad_samples(
@@ -39,75 +44,42 @@ def compute_grad_samples(
     """Per-sample gradients of ``module``'s trainable parameters, batch first.
 
     ``activations`` and ``backprops`` are batch first already. The module's registered rule is used,
-    or the generic functorch rule when it has none.
+    or the generic rule when it has none.
     """
-    rule = find_grad_sampler(module)
-    if rule is None:
-        from fxdp.grad_sample.functorch_rule import functorch_grad_sampler
-
-        rule = functorch_grad_sampler
-    if loss_reduction == "mean":
-        backprops = backprops * batch_size
-    grad_samples = rule(module, activations, backprops)
+    rule = find_grad_sampler(module) or generic_grad_sampler
+    grad_samples = rule(module, activations, summed_loss_backprops(backprops, loss_reduction, batch_size))
     return {p: g for p, g in grad_samples.items() if p.requires_grad}
 
 
-class _PendingGradSamples:
-    """Sums per-sample gradients within one backward pass and publishes them when it ends."""
+def layer_capture(
+    module: nn.Module,
+    activations: List[Any],
+    backprops: torch.Tensor,
+    *,
+    batch_size: int,
+    batch_dim: int = 0,
+    kwargs: Optional[Mapping[str, Any]] = None,
+    generic: bool = False,
+) -> LayerCapture:
+    """What a layer hands its model's sink: ``activations`` and ``backprops`` are batch first, the
+    backprops those of a summed loss. With a hand-written rule (unless ``generic``) the capture carries
+    the layer, A and G (the rule sees neither ``kwargs`` nor ``batch_dim``); otherwise only the generic
+    rule's thunk, which re-runs each sample with the batch at ``batch_dim`` (the layer's own layout)."""
+    params = tuple(p for p in module.parameters() if p.requires_grad)
+    rule = None if generic else find_grad_sampler(module)
+    if rule is not None:
+        def grad_samples() -> Dict[nn.Parameter, torch.Tensor]:
+            with torch.enable_grad():  # backward hooks run with grad mode off: the CPU LSTM has no backward there
+                return {p: g for p, g in rule(module, activations, backprops).items() if p.requires_grad}
 
-    def __init__(self):
-        self.current: Dict[int, torch.Tensor] = {}
-        self.params: Dict[int, nn.Parameter] = {}
-        self.task = None  # the autograd graph task (one backward call) the sums belong to
+        tensors = tuple(a for a in activations if isinstance(a, torch.Tensor))
+        return LayerCapture(batch_size, grad_samples, module, tensors, backprops, params)
 
-    def add(self, param: nn.Parameter, grad_sample: torch.Tensor) -> None:
-        task = torch._C._current_graph_task_id()
-        if task != self.task:
-            # a new backward pass; sums left by one that raised before finishing are dropped
-            self.current.clear()
-            self.params.clear()
-            self.task = task
-            # runs once, when the autograd engine finishes this backward pass
-            torch.autograd.Variable._execution_engine.queue_callback(self.publish)
-        key = id(param)
-        if key in self.current:
-            self.current[key] = self.current[key] + grad_sample
-        else:
-            self.current[key] = grad_sample
-            self.params[key] = param
+    def generic() -> Dict[nn.Parameter, torch.Tensor]:
+        with torch.enable_grad():
+            return generic_grad_sampler(module, activations, backprops, batch_dim=batch_dim, kwargs=kwargs)
 
-    def publish(self) -> None:
-        for key, grad_sample in self.current.items():
-            param = self.params[key]
-            previous = getattr(param, "grad_sample", None)
-            if previous is None:
-                param.grad_sample = grad_sample
-            else:
-                param.grad_sample = torch.cat([previous, grad_sample], dim=0)
-        self.current.clear()
-        self.params.clear()
-        self.task = None
-
-
-_PENDING = _PendingGradSamples()
-
-
-def accumulate_grad_samples(grad_samples: Dict[nn.Parameter, torch.Tensor], batch_size: Optional[int] = None) -> None:
-    """Add per-sample gradients computed during a backward pass (call only from backward hooks).
-    With ``batch_size``, each must have exactly one row per sample of the batch."""
-    for param, grad_sample in grad_samples.items():
-        if batch_size is not None and grad_sample.shape[0] != batch_size:
-            raise RuntimeError(
-                f"fxdp: per-sample gradients with {grad_sample.shape[0]} rows for a batch of {batch_size} samples "
-                f"(parameter of shape {tuple(param.shape)}); where the batch sits was recorded wrongly. Pass "
-                "example_inputs with more than one sample to compile_for_dp"
-            )
-        if grad_sample.shape[1:] != param.shape:
-            raise RuntimeError(
-                f"fxdp: a per-sample rule returned shape {tuple(grad_sample.shape)} for a parameter of "
-                f"shape {tuple(param.shape)}; expected (N, *{tuple(param.shape)})"
-            )
-        _PENDING.add(param, grad_sample.detach())
+    return LayerCapture(batch_size, generic, params=params)
 
 
 def zero_grad_sample(module_or_params) -> None:

@@ -19,44 +19,26 @@ from typing import Callable, Dict, Iterable, List, Optional, Type, Union
 import torch
 from torch import nn
 
+from fxdp.registry import TypeRegistry
+
 GradSampler = Callable[[nn.Module, List[torch.Tensor], torch.Tensor], Dict[nn.Parameter, torch.Tensor]]
 
-_GRAD_SAMPLERS: Dict[type, GradSampler] = {}
+GRAD_SAMPLERS: TypeRegistry[GradSampler] = TypeRegistry(
+    nn.Module, type_error="register_grad_sampler expects nn.Module subclasses, got {!r}")
+_GRAD_SAMPLERS = GRAD_SAMPLERS.entries  # the plain dict underneath (tests snapshot and restore it)
 
 
 def register_grad_sampler(target_class_or_classes: Union[Type[nn.Module], Iterable[Type[nn.Module]]]):
     """Decorator: register ``fn(module, activations, backprops)`` as the rule for the given types."""
-    targets = (
-        list(target_class_or_classes)
-        if isinstance(target_class_or_classes, (list, tuple, set))
-        else [target_class_or_classes]
-    )
-    for t in targets:
-        if not (isinstance(t, type) and issubclass(t, nn.Module)):
-            raise TypeError(f"register_grad_sampler expects nn.Module subclasses, got {t!r}")
-
-    def decorator(fn: GradSampler) -> GradSampler:
-        for t in targets:
-            _GRAD_SAMPLERS[t] = fn
-        return fn
-
-    return decorator
+    return GRAD_SAMPLERS.register(target_class_or_classes)
 
 
 def find_grad_sampler(module_or_type) -> Optional[GradSampler]:
     """The rule for a module (or module type), walking the class hierarchy; ``None`` if there is none."""
-    cls = module_or_type if isinstance(module_or_type, type) else type(module_or_type)
-    for klass in cls.__mro__:
-        rule = _GRAD_SAMPLERS.get(klass)
-        if rule is not None:
-            return rule
-    return None
+    return GRAD_SAMPLERS.find(module_or_type)
 
 
 def rule_name(module_or_type) -> Optional[str]:
     """Name of the class whose rule applies (``"Linear"`` for a subclass of nn.Linear), or None."""
-    cls = module_or_type if isinstance(module_or_type, type) else type(module_or_type)
-    for klass in cls.__mro__:
-        if klass in _GRAD_SAMPLERS:
-            return klass.__name__
-    return None
+    owner = GRAD_SAMPLERS.owner(module_or_type)
+    return None if owner is None else owner.__name__

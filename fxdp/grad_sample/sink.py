@@ -80,6 +80,14 @@ class GradSampleSink(GradientSink):
         self._lock = threading.Lock()
         self._pending: Dict[int, Dict[nn.Parameter, torch.Tensor]] = {}  # graph task -> sums of that pass
 
+    # A copied or pickled model (copy.deepcopy, torch.save) gets a fresh sink: what is pending belongs
+    # to a backward pass of the original, and a lock cannot be copied.
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state):
+        self.__init__()
+
     def add(self, capture: LayerCapture) -> None:
         grad_samples = capture.grad_samples()
         task = torch._C._current_graph_task_id()

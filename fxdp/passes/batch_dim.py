@@ -8,8 +8,11 @@ back afterwards, so the user's model is left as it was. For every node it writes
   None for values that are not tensors), the per_sample pass's map of where each sample's rows are;
 - ``node.meta[fxdp.meta.FAKE_VALUE]``: the fake output.
 
-The per-op knowledge lives in :mod:`fxdp.passes.batch_rules`. Findings (each with the user's line and
-the path from the batched input):
+The interpreter is generic: it names no op. The per-op knowledge lives in
+:mod:`fxdp.passes.batch_rules`: each op's rule (``find_batch_rule(op)(call) -> Verdict``), and what
+the interpreter asks about a node besides its rule (:mod:`fxdp.passes.batch_rules.nodes`: sizes equal
+to the batch size, elements of tuple outputs, in-place writes). Findings (each with the user's line
+and the path from the batched input):
 
 - ``MOVES_BATCH`` (warning): the op changed where the batch sits (transpose(0, 1), permute, a
   reshape merging the batch with time, unsqueeze(0), ...) and did not put it back where it was;
@@ -25,7 +28,8 @@ shape ``(1, T)``) and unbatched otherwise (a ``(T, T)`` mask).
 from __future__ import annotations
 
 import builtins
-import operator
+import contextlib
+import logging
 from typing import Any, Dict, List, Optional, Tuple
 
 import networkx as nx
@@ -37,10 +41,25 @@ from torch.fx.node import map_aggregate
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fxdp import meta
-from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity
-from fxdp.layout import BATCHED, BROADCAST, UNBATCHED_LAYOUT, UNKNOWN, UNKNOWN_LAYOUT, BatchLayout
-from fxdp.passes import batch_rules
-from fxdp.passes.batch_rules import Facts, OpCall, Verdict, find_batch_rule, mirror, op_name, per_sample
+from fxdp.diagnostics import BatchDimAnalysisError, Finding, Kind, MissingBatchRuleError, PassReport, PassResult, Severity
+from fxdp.layout import BROADCAST, UNBATCHED_LAYOUT, UNKNOWN, UNKNOWN_LAYOUT, BatchLayout
+from fxdp.passes.batch_rules import (
+    Facts,
+    OpCall,
+    Verdict,
+    element_layout,
+    find_batch_rule,
+    is_inplace,
+    keeps_sample_index,
+    mirror,
+    op_name,
+    per_sample,
+    reads_facts,
+    record_facts,
+    selects_element,
+    stores_item,
+    tensor_pairs,
+)
 from fxdp.tracing import source_location, trace
 
 PASS_NAME = "batch_dim"
@@ -58,14 +77,6 @@ except ImportError:  # pragma: no cover - older torch
     _DATA_DEPENDENT = ()
 
 
-class BatchDimAnalysisError(RuntimeError):
-    """The batch-dimension analysis could not run (untraceable model, inputs that do not fit, ...)."""
-
-
-class MissingBatchRuleError(BatchDimAnalysisError):
-    """Strict mode: a per-sample tensor reached an op that has no batch rule."""
-
-
 class _Unknown:
     """The value of a node that could not run on fake tensors (its shape depends on the data)."""
 
@@ -74,11 +85,6 @@ class _Unknown:
 
 
 _UNKNOWN_VALUE = _Unknown()
-
-# ops that keep "this is torch.arange(N), each sample's own index" when applied to it
-_INDEX_PRESERVING = {"unsqueeze", "view", "reshape", "expand", "contiguous", "to", "long", "int",
-                     torch.unsqueeze, torch.reshape, operator.getitem}
-
 
 # --------------------------------------------------------------------------------------------
 # Inputs
@@ -124,7 +130,7 @@ def _bind_inputs(placeholders: List[torch.fx.Node], example_inputs) -> List[Any]
 
 def _first_tensor(values) -> Optional[torch.Tensor]:
     for v in values:
-        for t, _ in batch_rules._tensor_pairs(v, None):
+        for t, _ in tensor_pairs(v, None):
             return t
     return None
 
@@ -174,6 +180,9 @@ class BatchDimInterpreter(torch.fx.Interpreter):
     def __init__(self, gm: torch.fx.GraphModule, mode: FakeTensorMode, input_layouts: Dict[torch.fx.Node, Any],
                  batch_size: int, home: BatchLayout, strict: bool):
         super().__init__(gm)
+        # our errors name the node and the user's line; torch's extra traceback would paste its own
+        # frames into their message
+        self.extra_traceback = False
         self.mode = mode
         self.input_layouts = input_layouts
         self.batch_size = batch_size
@@ -213,7 +222,7 @@ class BatchDimInterpreter(torch.fx.Interpreter):
         self.layouts[n] = layout
         if n in self._rearranged:
             self._carry_moves(n, layout)
-        elif n.op != "placeholder" and (_has_tensor(out) or n.op == "output" or n.target is operator.setitem):
+        elif n.op != "placeholder" and (_has_tensor(out) or n.op == "output" or stores_item(n)):
             for a in _flat_nodes(n):  # an op computing with moved values: their moves count now
                 self._emit(self.pending.get(a, ()))
         n.meta[meta.BATCH_DIM] = layout
@@ -258,11 +267,10 @@ class BatchDimInterpreter(torch.fx.Interpreter):
             return self._arg_layout(n.args[0])
         if out is _UNKNOWN_VALUE:
             return UNKNOWN_LAYOUT
-        self._record_facts(n, args)
-        if n.op == "call_function" and n.target in (operator.getitem, builtins.getattr) and \
-                isinstance(args[0], (tuple, list, dict)):  # an element of a tuple output, or .values
+        record_facts(n, args, self.layouts, self.facts)
+        if selects_element(n, args):  # an element of a tuple output, or .values
             self._rearranged.add(n)
-            return _select_layout(self._arg_layout(n.args[0]), args[0], args[1], out, n.target)
+            return element_layout(n, self._arg_layout(n.args[0]), args, out)
 
         arg_layouts = self._arg_layout(n.args)
         kwarg_layouts = self._arg_layout(n.kwargs)
@@ -270,14 +278,13 @@ class BatchDimInterpreter(torch.fx.Interpreter):
         op = module if module is not None else n.target
         call = OpCall(op, args, kwargs, arg_layouts, kwarg_layouts, out, self.batch_size, self.home, n, self.facts)
         pairs = call.operands()
-        writes = n.target is operator.setitem
+        writes = stores_item(n)
         if not _has_tensor(out) and not writes:
             return mirror(out, None)
         if any(isinstance(lay, BatchLayout) and lay.kind == UNKNOWN for _, lay in pairs):
             return mirror(out, UNKNOWN_LAYOUT)  # the op that lost the batch was reported already
         per = any(per_sample(lay) for _, lay in pairs)
-        uses_facts = any(isinstance(a, torch.fx.Node) and (a in self.facts.batch_size or a in self.facts.shapes)
-                         for a in _flat_nodes(n)) or n.target is torch.arange
+        uses_facts = reads_facts(n, _flat_nodes(n), self.facts)
         broadcast = any(isinstance(lay, BatchLayout) and lay.kind == BROADCAST for _, lay in pairs)
 
         rule = find_batch_rule(op)
@@ -320,38 +327,12 @@ class BatchDimInterpreter(torch.fx.Interpreter):
         if target is not None:
             if verdict.updates_input is not None:
                 self.layouts[target] = verdict.updates_input  # later readers of the written tensor see it
-            elif _is_inplace(n) and isinstance(verdict.layout, BatchLayout):
+            elif is_inplace(n) and isinstance(verdict.layout, BatchLayout):
                 self.layouts[target] = verdict.layout
-            if (target in self.facts.sample_index and n.op != "call_module" and n.target in _INDEX_PRESERVING
+            if (target in self.facts.sample_index and keeps_sample_index(n)
                     and not verdict.mixes and per_sample(verdict.layout)):
                 self.facts.sample_index.add(n)
         return verdict.layout
-
-    def _record_facts(self, n: torch.fx.Node, args) -> None:
-        """Remember ints that are the batch size (x.size(0), x.shape[0]) and torch.arange(N)."""
-        t = n.target
-        first = n.args[0] if n.args else None
-        lay = self.layouts.get(first) if isinstance(first, torch.fx.Node) else None
-        if n.op == "call_method" and t == "size" and isinstance(args[0], torch.Tensor):
-            d = args[1] if len(args) > 1 else n.kwargs.get("dim")
-            if d is None:
-                self.facts.shapes[n] = lay
-            elif _is_batched(lay) and batch_rules._norm_dim(d, args[0].dim()) == lay.dim:
-                self.facts.batch_size.add(n)
-        elif n.op == "call_function" and t is builtins.getattr and args[1] == "shape" and isinstance(args[0], torch.Tensor):
-            self.facts.shapes[n] = lay
-        elif n.op == "call_function" and t is operator.getitem and first in self.facts.shapes and isinstance(args[1], int):
-            shape_of = self.facts.shapes[first]
-            if _is_batched(shape_of) and batch_rules._norm_dim(args[1], len(args[0])) == shape_of.dim:
-                self.facts.batch_size.add(n)
-        elif n.op == "call_function" and t is builtins.len and _is_batched(lay) and lay.dim == 0:
-            self.facts.batch_size.add(n)
-        elif n.op == "call_function" and t is torch.arange:
-            a = list(n.args)
-            step_one = n.kwargs.get("step", a[2] if len(a) > 2 else 1) == 1
-            end = a[0] if len(a) == 1 else (a[1] if len(a) > 1 and args[0] == 0 else n.kwargs.get("end"))
-            if step_one and isinstance(end, torch.fx.Node) and end in self.facts.batch_size:
-                self.facts.sample_index.add(n)
 
     # -- findings --------------------------------------------------------------------------
 
@@ -389,11 +370,11 @@ class BatchDimInterpreter(torch.fx.Interpreter):
             raise MissingBatchRuleError(
                 f"fxdp batch_dim (strict): {message}. It receives a per-sample tensor ({lays}) at node "
                 f"{n.name}" + (f", {loc} ({loc.code})" if loc else "") + f".\n  node: {n.format_node()}\n"
-                f"Register a rule with fxdp.passes.batch_rules.register_batch_rule(...) or run with "
+                f"Register a rule with fxdp.register_batch_rule(...) or run with "
                 "strict=False to report the op as unverified.")
         self._report(n, Kind.UNVERIFIED, Severity.WARNING,
                      f"{message}; it receives a per-sample tensor ({lays})",
-                     "Register a batch rule for it (fxdp.passes.batch_rules.register_batch_rule), or check "
+                     "Register a batch rule for it (fxdp.register_batch_rule), or check "
                      "by hand that it treats samples independently.")
 
 
@@ -409,7 +390,7 @@ def _contains_unknown(value) -> bool:
 
 
 def _has_tensor(value) -> bool:
-    return any(True for _ in batch_rules._tensor_pairs(value, None))
+    return any(True for _ in tensor_pairs(value, None))
 
 
 def _has_per_sample(layout) -> bool:
@@ -418,10 +399,6 @@ def _has_per_sample(layout) -> bool:
     if isinstance(layout, dict):
         return any(_has_per_sample(x) for x in layout.values())
     return per_sample(layout)
-
-
-def _is_batched(layout) -> bool:
-    return isinstance(layout, BatchLayout) and layout.kind == BATCHED
 
 
 def _first_layout(layout) -> Optional[BatchLayout]:
@@ -435,32 +412,10 @@ def _first_layout(layout) -> Optional[BatchLayout]:
     return None
 
 
-def _select_layout(layout, container, index, out, how):
-    """The layout of ``container[index]`` (or of the field ``index`` of a named tuple like max's)."""
-    if how is builtins.getattr:  # torch.return_types: find the field by identity
-        index = next((i for i, v in enumerate(container) if v is out), None)
-        if index is None:
-            return mirror(out, UNKNOWN_LAYOUT)
-    try:
-        picked = layout[index]
-    except (TypeError, KeyError, IndexError):
-        return None
-    return tuple(picked) if isinstance(index, slice) else picked
-
-
 def _flat_nodes(n: torch.fx.Node) -> List[torch.fx.Node]:
     found: List[torch.fx.Node] = []
     map_aggregate((n.args, n.kwargs), lambda x: found.append(x) if isinstance(x, torch.fx.Node) else None)
     return found
-
-
-def _is_inplace(n: torch.fx.Node) -> bool:
-    if n.kwargs.get("inplace") is True:
-        return True
-    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-    if n.op == "call_function" and getattr(n.target, "__module__", "") in ("_operator", "operator"):
-        return name.startswith("i") and name not in ("is_", "is_not", "index", "invert", "itemgetter")
-    return n.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("__")
 
 
 def _paths(gm: torch.fx.GraphModule, sources: List[str], layouts) -> Dict[str, List[str]]:
@@ -488,6 +443,26 @@ def _paths(gm: torch.fx.GraphModule, sources: List[str], layouts) -> Dict[str, L
 # --------------------------------------------------------------------------------------------
 # Entry points
 # --------------------------------------------------------------------------------------------
+
+
+# torch loggers that print a traceback of an op failing on fake tensors (example inputs of the wrong
+# shape) before the exception reaches the pass, which raises its own error for it
+_NOISY_TORCH_LOGGERS = ("torch._subclasses.fake_tensor",)
+
+
+@contextlib.contextmanager
+def quiet_torch_logs():
+    """Keep torch's logged tracebacks off the user's terminal while the analysis runs: the loggers'
+    levels are raised for the duration and restored after; nothing else about logging is touched."""
+    loggers = [logging.getLogger(name) for name in _NOISY_TORCH_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: int = 0,
@@ -520,7 +495,7 @@ def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: 
     state = {name: mode.from_tensor(t) for name, t in
              list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))}
     interpreter = BatchDimInterpreter(gm, mode, input_layouts, n, BatchLayout.at(batch_dim), strict)
-    with _reparametrize_module(gm, state), mode:
+    with _reparametrize_module(gm, state), mode, quiet_torch_logs():
         interpreter.run(*fake_values)
 
     findings: Tuple[Finding, ...] = ()

@@ -39,100 +39,12 @@ from torch import nn
 from torch.fx import Node
 
 from fxdp import meta
-from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity
+from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity, op_name
 from fxdp.tracing import source_location
+from fxdp.runtime.inplace_ops import apply_out_of_place, copy_into, index_assign, is_basic_index, random_like
 from fxdp.validators.inplace_flags import has_inplace_flag
 
 PASS_NAME = "inplace"
-
-# ---------------------------------------------------------------------------------------------------
-# Out-of-place helpers the rewritten graph calls. They never write into their arguments.
-# ---------------------------------------------------------------------------------------------------
-
-
-def index_assign(x: torch.Tensor, index, value) -> torch.Tensor:
-    """``x[index] = value`` out of place: a new tensor, differentiable in ``x`` and ``value``."""
-    if isinstance(value, torch.Tensor):
-        value = value.to(dtype=x.dtype, device=x.device)
-    else:
-        value = torch.as_tensor(value, dtype=x.dtype, device=x.device)
-    parts = index if isinstance(index, tuple) else (index,)
-    if all(isinstance(p, torch.Tensor) for p in parts):  # x[mask] = v, x[i] = v, x[i, j] = v
-        return x.index_put(parts, value)
-    if all(_is_basic_index(p) for p in parts):  # x[:, 0] = v, x[..., 1:3] = v
-        return _assign_basic(x, parts, value)
-    # Mixed basic and advanced indexing: find the positions written by indexing an arange alike.
-    positions = torch.arange(x.numel(), device=x.device).view(x.shape)[index]
-    value = _broadcast_like_setitem(value, positions.shape)
-    flat = x.reshape(-1).index_put((positions.reshape(-1),), value.reshape(-1))
-    return flat.view(x.shape)
-
-
-def _is_basic_index(p) -> bool:
-    return p is None or p is Ellipsis or isinstance(p, slice) or (isinstance(p, int) and not isinstance(p, bool))
-
-
-def _broadcast_like_setitem(value: torch.Tensor, shape) -> torch.Tensor:
-    # setitem accepts extra leading dimensions of size one in the value.
-    while value.dim() > len(shape) and value.shape[0] == 1:
-        value = value.squeeze(0)
-    return value.expand(shape)
-
-
-def _assign_basic(x: torch.Tensor, parts: tuple, value: torch.Tensor) -> torch.Tensor:
-    """Basic indexing: one index vector per dimension of ``x`` (an open mesh) for ``index_put``."""
-    consuming = sum(1 for p in parts if p is not None and p is not Ellipsis)
-    if any(p is Ellipsis for p in parts):
-        at = next(i for i, p in enumerate(parts) if p is Ellipsis)
-        parts = parts[:at] + (slice(None),) * (x.dim() - consuming) + parts[at + 1:]
-    else:
-        parts = parts + (slice(None),) * (x.dim() - consuming)
-    value = _broadcast_like_setitem(value, x[parts].shape)
-    indices, squeeze, unsqueeze = [], [], []
-    region_dim = 0
-    for p in parts:
-        if p is None:  # a new dimension of size one in x[parts], none in x
-            squeeze.append(region_dim)
-            region_dim += 1
-            continue
-        d = len(indices)
-        positions = torch.arange(x.shape[d], device=x.device)[p]
-        if isinstance(p, int):  # the dimension is gone from x[parts]; the mesh keeps it, size one
-            positions = positions.reshape(1)
-            unsqueeze.append(d)
-        else:
-            region_dim += 1
-        indices.append(positions)
-    for dim in reversed(squeeze):
-        value = value.squeeze(dim)
-    for dim in unsqueeze:
-        value = value.unsqueeze(dim)
-    mesh = tuple(
-        idx.reshape([-1 if k == d else 1 for k in range(x.dim())]) for d, idx in enumerate(indices)
-    )
-    return x.index_put(mesh, value)
-
-
-def copy_into(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-    """``dst.copy_(src)`` out of place: ``src`` in ``dst``'s dtype and device, broadcast to its shape."""
-    return src.to(dtype=dst.dtype, device=dst.device, non_blocking=non_blocking).expand(dst.shape).clone()
-
-
-def random_like(dst: torch.Tensor, method: str, *args, **kwargs) -> torch.Tensor:
-    """``dst.normal_(...)`` (any random fill) out of place: the fill does not read ``dst``'s values."""
-    return getattr(torch.empty_like(dst), method)(*args, **kwargs)
-
-
-def apply_out_of_place(x: torch.Tensor, method: str, *args, **kwargs) -> torch.Tensor:
-    """``x.foo_(...)`` for an in-place method with no out-of-place twin: run it on a private copy."""
-    out = x.clone()
-    getattr(out, method)(*args, **kwargs)
-    return out
-
-
-# Re-tracing a rewritten GraphModule must keep the helpers as calls (they branch on tensor types).
-for _helper in ("index_assign", "copy_into", "random_like", "apply_out_of_place"):
-    torch.fx.wrap(_helper)
 
 # ---------------------------------------------------------------------------------------------------
 # What counts as an in-place op, and its equivalent
@@ -185,22 +97,6 @@ class InplaceOp:
     kwargs: Dict[str, Any] = field(default_factory=dict)
     cast_to_mutated: bool = False  # bool results cast back to the written tensor's dtype
     reason: str = ""  # why there is no equivalent
-
-
-def function_name(fn) -> str:
-    """``operator.iadd``, ``torch.relu_``, ``F.relu``, ``Tensor.add_``, or the bare name."""
-    name = getattr(fn, "__name__", repr(fn))
-    if getattr(operator, name, None) is fn:
-        return f"operator.{name}"
-    if name.startswith("_") and getattr(F, name[1:], None) is fn:  # F.threshold is F._threshold
-        return f"F.{name[1:]}"
-    if getattr(torch, name, None) is fn:
-        return f"torch.{name}"
-    if getattr(F, name, None) is fn:
-        return f"F.{name}"
-    if getattr(torch.Tensor, name, None) is fn:
-        return f"Tensor.{name}"
-    return name
 
 
 def _first_input(node: Node):
@@ -257,7 +153,7 @@ def find_inplace_op(node: Node, gm: Optional[torch.fx.GraphModule] = None) -> Op
         target = node.target
         if target in OUT_OF_PLACE_OPERATORS:
             new = OUT_OF_PLACE_OPERATORS[target]
-            return InplaceOp(node, node.args[0], "augmented", function_name(target), function_name(new),
+            return InplaceOp(node, node.args[0], "augmented", op_name(target), op_name(new),
                              "call_function", new, node.args, dict(node.kwargs))
         if target is operator.setitem:
             if isinstance(node.args[1], str):  # a dict or module attribute, not a tensor
@@ -273,7 +169,7 @@ def find_inplace_op(node: Node, gm: Optional[torch.fx.GraphModule] = None) -> Op
         if index is not None:
             flag = node.kwargs.get("inplace", node.args[index] if len(node.args) > index else False)
             if flag is True:
-                name = function_name(target)
+                name = op_name(target)
                 args = node.args[:index] + node.args[index + 1:] if len(node.args) > index else node.args
                 return InplaceOp(node, _first_input(node), "flag", f"{name}(inplace=True)",
                                  f"{name}(inplace=False)", "call_function", target, args,
@@ -283,7 +179,7 @@ def find_inplace_op(node: Node, gm: Optional[torch.fx.GraphModule] = None) -> Op
         name = node.target
         if name in _DUNDER_OPERATORS:
             new = OUT_OF_PLACE_OPERATORS[_DUNDER_OPERATORS[name]]
-            return InplaceOp(node, node.args[0], "augmented", f"Tensor.{name}", function_name(new),
+            return InplaceOp(node, node.args[0], "augmented", f"Tensor.{name}", op_name(new),
                              "call_function", new, node.args, dict(node.kwargs))
         if name == "__setitem__":
             return InplaceOp(node, node.args[0], "setitem", "Tensor.__setitem__", "index_assign",
@@ -318,7 +214,7 @@ def _forward_reads_inplace_flag(module_type: type) -> bool:
 def _function_equivalent(node: Node, target, name: str) -> Optional[InplaceOp]:
     """``torch.relu_(x)``, ``F.leaky_relu_(x, 0.1)``, ``Tensor.add_(x, y)`` called as functions."""
     base = name[:-1]
-    old = function_name(target)
+    old = op_name(target)
     for namespace in (torch, F):
         if getattr(namespace, name, None) is not target:
             continue
@@ -331,7 +227,7 @@ def _function_equivalent(node: Node, target, name: str) -> Optional[InplaceOp]:
         for out_namespace in (namespace, F, torch):
             new = getattr(out_namespace, base, None)
             if callable(new):
-                return InplaceOp(node, _first_input(node), "function", old, function_name(new), "call_function",
+                return InplaceOp(node, _first_input(node), "function", old, op_name(new), "call_function",
                                  new, node.args, dict(node.kwargs))
     if getattr(torch.Tensor, name, None) is target and node.args:
         op = _method_equivalent(node, name, node.args[0], tuple(node.args[1:]), dict(node.kwargs), old)
@@ -345,7 +241,7 @@ def _out_argument(node: Node) -> Optional[InplaceOp]:
     out = node.kwargs.get("out")
     if not isinstance(out, Node):
         return None
-    name = function_name(node.target) if node.op == "call_function" else f"Tensor.{node.target}"
+    name = op_name(node.target) if node.op == "call_function" else f"Tensor.{node.target}"
     kwargs = {k: v for k, v in node.kwargs.items() if k != "out"}
     return InplaceOp(node, out, "out", f"{name}(out=...)", name, node.op, node.target, node.args, kwargs)
 
@@ -482,7 +378,7 @@ def _resolve_live_aliases(op: InplaceOp, live: List[Node], order, code: str, gm)
         if _is_write_back(first, base, index, node):
             return _Verdict(True)  # `x[i] += v`: the store that follows writes the result back
         parts = index if isinstance(index, tuple) else (index,)
-        if all(_is_basic_index(p) for p in parts):  # a view for sure: write the result back ourselves
+        if all(is_basic_index(p) for p in parts):  # a view for sure: write the result back ourselves
             return _Verdict(True, writeback=(base, index))
     other = live[0]
     later = min((u for u in other.users if order[u] > here), key=order.__getitem__)
@@ -594,7 +490,7 @@ class _CallRewriter(ast.NodeTransformer):
             args = args[:1] + [ast.Constant(self.name)] + args[1:]
         if op.target is torch.zeros_like:
             args = args[:1]
-        new_func = ast.parse(function_name(op.target), mode="eval").body
+        new_func = ast.parse(op_name(op.target), mode="eval").body
         return ast.Call(new_func, args, call.keywords), written
 
 

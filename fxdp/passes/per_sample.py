@@ -4,11 +4,16 @@
   ``per_sample_call(self.<layer>, self.fxdp_site_<node>, batch_size, *args)``;
 - torch functions and Tensor methods that take a trainable parameter directly (``F.linear(x, self.w)``,
   ``x * self.scale``, ``x + self.pos_embedding``, ``x @ self.proj``) become
-  ``per_sample_function(<fn>, self.fxdp_site_<node>, batch_size, *args)``.
+  ``per_sample_function(self.fxdp_site_<node>, batch_size, *args)`` (the site holds the function).
 
 Each site records where the batch sits in the call's inputs and output (from the batch_dim pass, or
 the default ``batch@<batch_dim>`` until the first batch fills it in), so per-sample gradients stay
-right when a layer sees its input time-major, merged ``(N*T, d)`` or broadcast ``(1, T)``.
+right when a layer sees its input time-major, merged ``(N*T, d)`` or broadcast ``(1, T)``. Every site
+holds the model's gradient sink (``gm.fxdp_sink``), where its op delivers what it sees in backward.
+
+A parametrised op no site can serve is a finding (a warning): the compiler then runs the whole model
+as one DP-aware op (:mod:`fxdp.engines.whole_model`, engine ``fx+whole-model``), or refuses it under
+``strict``.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxdp import meta, runtime
-from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity
+from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity, op_name
 from fxdp.grad_sample.registry import rule_name
+from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
 from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED, UNKNOWN, BatchLayout
 from fxdp.tracing import source_location
 
 PASS_NAME = "per_sample"
+_WHOLE_MODEL = "fxdp runs the whole model as one op (engine fx+whole-model) instead"
 
 
 def _inputs_reach(graph: torch.fx.Graph) -> Set[torch.fx.Node]:
@@ -73,7 +80,8 @@ def _out_layout_strings(node, first: BatchLayout, default: BatchLayout) -> List[
 
 
 def _finding(node, message: str, fix: str, kind=Kind.NOT_YET_SUPPORTED, severity=Severity.ERROR, op="") -> Finding:
-    return Finding(PASS_NAME, node.name, op or str(node.target), kind, severity, message, fix, source_location(node))
+    return Finding(PASS_NAME, node.name, op or op_name(node.target), kind, severity, message, fix,
+                   source_location(node))
 
 
 def _check_layouts(node, ins: List[BatchLayout], out: BatchLayout) -> Tuple[Optional[BatchLayout], Optional[Finding]]:
@@ -81,8 +89,7 @@ def _check_layouts(node, ins: List[BatchLayout], out: BatchLayout) -> Tuple[Opti
     if any(lay.kind == UNKNOWN for lay in ins) or out.kind == UNKNOWN:
         return None, _finding(
             node, "where the batch sits in this call's input or output is unknown (an op upstream has no batch rule)",
-            "see the batch_dim findings; fxdp uses the whole-model functorch engine instead", Kind.UNVERIFIED,
-            Severity.WARNING)
+            f"see the batch_dim findings; {_WHOLE_MODEL}", Kind.UNVERIFIED, Severity.WARNING)
     if out.kind in (BATCHED, MERGED):
         return out, None
     if out.kind == BROADCAST and any(lay.kind == BROADCAST for lay in ins):
@@ -96,12 +103,11 @@ def _check_layouts(node, ins: List[BatchLayout], out: BatchLayout) -> Tuple[Opti
                 return None, _finding(
                     node, f"this layer's input is broadcast over the batch, and its consumer '{user.name}' does "
                     "not simply broadcast the output against per-sample data",
-                    "expand the input to the batch size before the layer; fxdp uses the whole-model functorch "
-                    "engine instead", Severity.WARNING)
+                    f"expand the input to the batch size before the layer; {_WHOLE_MODEL}", severity=Severity.WARNING)
         return BatchLayout.at(out.dim), None
     return None, _finding(
         node, f"this layer's output carries no batch dimension ({out}), so no per-sample gradient can be read "
-        "from its backward", "feed the layer per-sample data; fxdp uses the whole-model functorch engine instead",
+        "from its backward", f"feed the layer per-sample data; {_WHOLE_MODEL}",
         severity=Severity.WARNING)
 
 
@@ -114,15 +120,20 @@ def _site_layout_strings(node, default, reached) -> Tuple[List[str], List[str], 
     return [str(lay) for lay in ins], _out_layout_strings(node, out, default), None
 
 
-def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "mean", batch_dim: int = 0) -> PassResult:
+def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "mean", batch_dim: int = 0,
+                          sink: Optional[GradientSink] = None) -> PassResult:
+    """Make every parametrised call a DP-aware op delivering to ``sink`` (a new
+    :class:`~fxdp.grad_sample.sink.GradSampleSink` if not given), stored as ``gm.fxdp_sink``."""
     graph = gm.graph
+    sink = sink if sink is not None else GradSampleSink()
+    setattr(gm, SINK_ATTR, sink)
     default = BatchLayout.at(batch_dim)
     reached = _inputs_reach(graph)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if not placeholders:
         raise ValueError("the model takes no inputs, so there is no batch to compute per-sample gradients over")
 
-    gm.fxdp_batch = runtime.BatchSource(*_batch_source(placeholders, batch_dim))
+    gm.fxdp_batch = runtime.BatchSource(*batch_source(placeholders, batch_dim))
     with graph.inserting_after(placeholders[-1]):
         source = _get_attr(graph, "fxdp_batch")
     with graph.inserting_after(source):
@@ -138,7 +149,7 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
             module = gm.get_submodule(node.target)
             if not arg_params and next(module.parameters(), None) is None:
                 continue
-            rule = (rule_name(module) if not arg_params else None) or "functorch"
+            rule = (rule_name(module) if not arg_params else None) or "generic"
             target, call, fn = node.target, runtime.per_sample_call, None
             what = f"layer '{node.target}' ({type(module).__name__})"
         elif node.op in ("call_function", "call_method") and arg_params:
@@ -147,11 +158,10 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
                     findings.append(_finding(
                         node, f"parameter '{arg_params[0].target}' goes through '{node.name}' before it meets "
                         "per-sample data", "use the parameter directly in the op that consumes the input (e.g. "
-                        "`x @ self.w.t()` as `F.linear(x, self.w)`); fxdp uses the whole-model functorch engine "
-                        "instead", severity=Severity.WARNING))
+                        f"`x @ self.w.t()` as `F.linear(x, self.w)`); {_WHOLE_MODEL}", severity=Severity.WARNING))
                 continue
             target = node.target if isinstance(node.target, str) else torch.typename(node.target)
-            rule, call, fn = "functorch", runtime.per_sample_function, node.target
+            rule, call, fn = "generic", runtime.per_sample_function, node.target
             what = f"'{node.name}' using {', '.join(repr(p.target) for p in arg_params)}"
         else:
             continue
@@ -160,7 +170,7 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
         if problem is not None:
             findings.append(problem)
             continue
-        site = runtime.PerSampleSite(node.name, str(target), rule, loss_reduction, ins, outs, fn, what)
+        site = runtime.PerSampleSite(node.name, str(target), rule, loss_reduction, ins, outs, fn, what, sink)
         site_attr = f"fxdp_site_{node.name}"
         setattr(gm, site_attr, site)
         with graph.inserting_before(node):
@@ -199,7 +209,7 @@ def _uncovered_parameters(gm: torch.fx.GraphModule) -> List[Finding]:
             if user.target not in _DP_OPS:
                 problems.append(_finding(
                     user, f"parameter '{node.target}' reaches the loss through '{user.name}' ({user.target}), "
-                    "which records no per-sample gradient", "fxdp uses the whole-model functorch engine instead",
+                    "which records no per-sample gradient", _WHOLE_MODEL,
                     severity=Severity.WARNING))
                 break
     return problems
@@ -212,7 +222,8 @@ def _get_attr(graph: torch.fx.Graph, name: str) -> torch.fx.Node:
         return graph.get_attr(name)
 
 
-def _batch_source(placeholders, batch_dim: int) -> Tuple[int, int]:
+def batch_source(placeholders, batch_dim: int) -> Tuple[int, int]:
+    """(input index, dim) of the model input that carries the batch, as the batch_dim pass found it."""
     for i, ph in enumerate(placeholders):
         layout = ph.meta.get(meta.BATCH_DIM)
         if isinstance(layout, BatchLayout) and layout.kind == BATCHED:
@@ -231,7 +242,7 @@ def update_site_layouts(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule
     default = BatchLayout.at(batch_dim)
     problems, changes = [], []
     placeholders = [n for n in analysed.graph.nodes if n.op == "placeholder"]
-    gm.fxdp_batch.input_index, gm.fxdp_batch.dim = _batch_source(placeholders, batch_dim)
+    gm.fxdp_batch.input_index, gm.fxdp_batch.dim = batch_source(placeholders, batch_dim)
     for site in list(vars(gm).values()):
         if not isinstance(site, runtime.PerSampleSite):
             continue
@@ -242,26 +253,3 @@ def update_site_layouts(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule
         site.layouts, site.out_layouts = ins, outs
         changes.append(_site_change(compiled[site.node], site))
     return problems, changes
-
-
-def whole_model_op(model: nn.Module, gm: torch.fx.GraphModule, *, loss_reduction: str,
-                   batch_dim: int) -> runtime.PerSampleModel:
-    """The whole model as one DP-aware op (the generic rule), with the layouts the batch_dim pass found
-    for its inputs and outputs on ``gm``: the engine for models with an op this pass cannot handle."""
-    default = BatchLayout.at(batch_dim)
-
-    def layout_strings(value) -> List[str]:
-        return [str(lay if lay.kind != UNKNOWN else default)
-                for lay in pytree.tree_leaves(value) if isinstance(lay, BatchLayout)]
-
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    out_nodes = [a for a in pytree.tree_leaves(output.args[0]) if isinstance(a, torch.fx.Node)]
-    site = runtime.PerSampleSite(
-        "<model>", type(model).__name__, "functorch", loss_reduction,
-        out_layouts=[s for node in out_nodes for s in layout_strings(node.meta.get(meta.BATCH_DIM, default))],
-        description=f"the whole model ({type(model).__name__})",
-    )
-    index, dim = _batch_source(placeholders, batch_dim)
-    inputs = {ph.target: layout_strings(ph.meta.get(meta.BATCH_DIM, default)) for ph in placeholders}
-    return runtime.PerSampleModel(model, site, inputs, (placeholders[index].target, dim))

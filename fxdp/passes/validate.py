@@ -22,11 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import Node
 
-from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity
+from fxdp.diagnostics import ROOT_NAME, Finding, Kind, PassReport, PassResult, Severity, SourceLocation, UnsupportedModuleError, error_from_finding, op_name
 from fxdp.grad_sample.registry import find_grad_sampler
-from fxdp.passes.inplace import alias_root, attribute_kind, find_inplace_op, function_name
-from fxdp.tracing import DPTracer, SourceLocation, source_location
-from fxdp.validators.errors import ROOT_NAME, UnsupportedModuleError, error_from_finding, module_type_name
+from fxdp.passes.inplace import alias_root, attribute_kind, find_inplace_op
+from fxdp.tracing import DPTracer, source_location
 from fxdp.validators.module_validator import ModuleValidator, model_not_training_error
 
 PASS_NAME = "validate"
@@ -84,7 +83,7 @@ def _finding(node: str, op: str, kind: Kind, severity: Severity, message: str, f
 
 def _check_module_call(gm, node: Node, location, validator_class, uses) -> List[Finding]:
     module = gm.get_submodule(node.target)
-    op = module_type_name(module)
+    op = op_name(module)
     findings = [
         _finding(node.name, op if e.module_name == node.target else e.type_name, e.kind, Severity.ERROR,
                  e.message if e.module_name == node.name else f"`{e.module_name}`: {e.message}", e.fix, location)
@@ -118,7 +117,7 @@ def _check_leaf_buffer_writes(node: Node, module: nn.Module, op: str, location) 
     """A trainable leaf module that writes into its own buffers in forward (e.g. running statistics)."""
     if not any(True for _ in module.buffers()) or type(module).__module__.startswith("torch.nn"):
         return []  # torch.nn layers with buffers are the norms, which the validators cover
-    tracer = _BufferTracer()
+    tracer = DPTracer()  # buffers are get_attr nodes: writes into them show up (and do not run)
     try:
         inner_gm = torch.fx.GraphModule(module, tracer.trace(module))
     except Exception as exc:  # untraceable Python is a reported outcome, not a failure of the pass
@@ -140,14 +139,6 @@ def _check_leaf_buffer_writes(node: Node, module: nn.Module, op: str, location) 
                 _BUFFER_WRITE_FIX, location,
             ))
     return findings
-
-
-class _BufferTracer(DPTracer):
-    """Records buffers as ``get_attr`` nodes, so writes into them show up (and do not run)."""
-
-    def __init__(self):
-        super().__init__()
-        self.proxy_buffer_attributes = True
 
 
 def _written_state(gm, node: Node) -> Optional[Tuple[str, str]]:
@@ -210,8 +201,8 @@ def _check_function(node: Node, location) -> List[Finding]:
         training = _argument(node, 5, "training", False)
         if training is True or isinstance(training, Node):
             return [_finding(
-                node.name, function_name(target), Kind.CANNOT_BE_PRIVATE, Severity.ERROR,
-                f"`{function_name(target)}` with training=True normalises each sample with statistics of "
+                node.name, op_name(target), Kind.CANNOT_BE_PRIVATE, Severity.ERROR,
+                f"`{op_name(target)}` with training=True normalises each sample with statistics of "
                 f"the whole batch, so samples influence each other.",
                 "use F.group_norm / nn.GroupNorm (or F.layer_norm), or pass training=False with fixed "
                 "running statistics.",
@@ -223,8 +214,8 @@ def _check_function(node: Node, location) -> List[Finding]:
         use_input_stats = _argument(node, 5, "use_input_stats", True if functional else None)
         if running_mean is not None and use_input_stats is not False:
             return [_finding(
-                node.name, function_name(target), Kind.ILLEGAL_CONFIGURATION, Severity.ERROR,
-                f"`{function_name(target)}` updates running statistics from the batch; they would be "
+                node.name, op_name(target), Kind.ILLEGAL_CONFIGURATION, Severity.ERROR,
+                f"`{op_name(target)}` updates running statistics from the batch; they would be "
                 f"released without noise.",
                 "pass running_mean=None and running_var=None (nn.InstanceNorm: track_running_stats=False).",
                 location,

@@ -4,14 +4,16 @@
 copy. Default rules live one family per module; importing this package registers them:
 
 - :mod:`~fxdp.validators.batch_norm`    — BatchNorm in training mixes samples; replaced by GroupNorm
+  or LayerNorm, chosen by the layer's input shape
 - :mod:`~fxdp.validators.instance_norm` — InstanceNorm running statistics; turned off
 - :mod:`~fxdp.validators.inplace_flags` — ``inplace=True`` modules; always turned off by ``fix``
 
 Add rules for your own types with :func:`register_module_validator` / :func:`register_module_fixer`.
 """
 
-from fxdp.validators.errors import (
+from fxdp.diagnostics import (
     IllegalModuleConfigurationError,
+    ModuleFixWarning,
     NotYetSupportedModuleError,
     ShouldReplaceModuleError,
     UnsupportedError,
@@ -33,4 +35,5 @@ __all__ = [
     "ShouldReplaceModuleError",
     "IllegalModuleConfigurationError",
     "NotYetSupportedModuleError",
+    "ModuleFixWarning",
 ]

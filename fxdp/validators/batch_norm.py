@@ -1,14 +1,23 @@
 """BatchNorm: in training it normalises each sample with the whole batch's statistics.
 
 Samples then influence each other's outputs, so no per-sample gradient bounds one sample's influence:
-it cannot be made private. The fix replaces it with GroupNorm, which normalises each sample on its
-own (over groups of channels), keeping the affine parameters.
+it cannot be made private. The fix replaces it with a norm that normalises each sample on its own,
+keeping the affine parameters, chosen by what the layer normalises:
+
+- over positions (``(N, C, L)``, ``(N, C, H, W)``, ...): ``GroupNorm(gcd(32, C), C)``;
+- over features (``(N, C)``): ``LayerNorm(C)``. GroupNorm with one channel per group would normalise
+  single values: its output would be its bias whatever the input. Without example inputs a
+  ``BatchNorm1d`` may see either shape, so it becomes ``GroupNorm(1, C)``, right for both;
+- one value per sample (``(N, 1)``): no per-sample normalisation depends on it; refused.
+
+Without example inputs a ``BatchNorm2d``/``3d`` is taken to see more than one position per channel
+(a ``(N, C, 1, 1)`` input after global pooling is only recognised with example inputs).
 """
 
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -16,7 +25,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import UninitializedParameter
 
-from fxdp.validators.errors import UnsupportedError, UnsupportedModuleError
+from fxdp.diagnostics import UnsupportedError, UnsupportedModuleError
 from fxdp.validators.module_validator import register_module_fixer, register_module_validator
 
 BATCH_NORM_FIX = (
@@ -56,17 +65,76 @@ def _check_groups(num_groups: int, num_channels: int) -> None:
         )
 
 
+# BatchNorm types whose input always has positions after the channels (their forward checks the rank).
+_ALWAYS_SPATIAL = (nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
+
+ONE_VALUE_ADVICE = (
+    "normalising a single value outputs the layer's bias whatever the input. Remove the layer, or register "
+    "a fixer of your own (fxdp.validators.register_module_fixer)"
+)
+
+
+def values_per_channel(module: _BatchNorm, input_shapes: Optional[Sequence[Tuple[int, ...]]]) -> Optional[int]:
+    """How many values of one channel of one sample the layer normalises over (the fewest, if it is
+    called on several shapes); None when unknown (a layer that may see (N, C) features or more)."""
+    if input_shapes:
+        return min(math.prod(shape[2:]) for shape in input_shapes)
+    return None if not isinstance(module, _ALWAYS_SPATIAL) else 2  # 2: "more than one", by its type
+
+
 @register_module_fixer(_BatchNorm)
-def replace_batch_norm(module: _BatchNorm, *, num_groups: Optional[int] = None, **kwargs) -> nn.Module:
-    """GroupNorm with the BatchNorm's channels, eps and affine parameters (copied)."""
+def replace_batch_norm(module: _BatchNorm, *, num_groups: Optional[int] = None,
+                       input_shapes: Optional[Sequence[Tuple[int, ...]]] = None, **kwargs) -> nn.Module:
+    """A per-sample norm with the BatchNorm's channels, eps and affine parameters (copied).
+
+    ``input_shapes``: the shapes the layer's input had in the example forward of
+    ``ModuleValidator.fix(model, example_inputs=...)`` (None without example inputs).
+    """
     if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
         return LazyGroupNorm(num_groups, eps=module.eps, affine=module.affine)
     channels = module.num_features
-    groups = default_num_groups(channels) if num_groups is None else num_groups
-    _check_groups(groups, channels)
+    per_channel = values_per_channel(module, input_shapes)
+    if per_channel is not None and per_channel > 1:  # normalises over positions
+        groups = default_num_groups(channels) if num_groups is None else num_groups
+        _check_groups(groups, channels)
+        return _copy_affine(module, nn.GroupNorm(groups, channels, eps=module.eps, affine=module.affine,
+                                                 **_factory(module)))
+    # over features (or maybe: per_channel is None), so each group needs several channels
+    known = per_channel is not None
+    if channels == 1:
+        if known:
+            raise ValueError(f"its input {_shapes(input_shapes)} has one value per sample; {ONE_VALUE_ADVICE}")
+        raise ValueError(
+            "over (N, 1) inputs it has one value per sample, and no per-sample normalisation depends on it; "
+            "over (N, 1, L) inputs GroupNorm(1, 1) replaces it. Pass example_inputs=... to "
+            "ModuleValidator.fix so it can see which")
+    if num_groups is not None:
+        _check_groups(num_groups, channels)
+        if channels // num_groups < 2:
+            where = f"its input {_shapes(input_shapes)} has" if known else "over (N, C) inputs it would have"
+            raise ValueError(
+                f"num_groups={num_groups} leaves one channel per group, and {where} no positions: each group "
+                f"would normalise a single value and output its bias whatever the input. Use fewer groups "
+                f"(a divisor of {channels} below {channels})"
+                + ("" if known else ", or pass example_inputs=... if the layer sees (N, C, L) inputs"))
+        norm = nn.GroupNorm(num_groups, channels, eps=module.eps, affine=module.affine, **_factory(module))
+    elif known and all(len(shape) == 2 for shape in input_shapes):
+        norm = nn.LayerNorm(channels, eps=module.eps, elementwise_affine=module.affine, **_factory(module))
+    else:
+        norm = nn.GroupNorm(1, channels, eps=module.eps, affine=module.affine, **_factory(module))
+    return _copy_affine(module, norm)
+
+
+def _shapes(input_shapes) -> str:
+    return " and ".join(str(tuple(s)) for s in dict.fromkeys(tuple(s) for s in input_shapes))
+
+
+def _factory(module: _BatchNorm) -> dict:
     ref = module.weight if module.affine else module.running_mean
-    factory = {} if ref is None else {"device": ref.device, "dtype": ref.dtype}
-    norm = nn.GroupNorm(groups, channels, eps=module.eps, affine=module.affine, **factory)
+    return {} if ref is None else {"device": ref.device, "dtype": ref.dtype}
+
+
+def _copy_affine(module: _BatchNorm, norm: nn.Module) -> nn.Module:
     if module.affine:
         with torch.no_grad():
             norm.weight.copy_(module.weight)
@@ -101,8 +169,16 @@ class LazyGroupNorm(LazyModuleMixin, nn.GroupNorm):
         if self.num_channels:
             return
         channels = input.shape[1]
-        groups = default_num_groups(channels) if self.requested_groups is None else self.requested_groups
+        per_channel = math.prod(input.shape[2:])
+        groups = self.requested_groups
+        if groups is None:  # over features (N, C): one group, as LayerNorm(C)
+            groups = default_num_groups(channels) if per_channel > 1 else 1
         _check_groups(groups, channels)
+        if per_channel * (channels // groups) == 1:
+            raise ValueError(
+                f"LazyGroupNorm (what ModuleValidator.fix made of a LazyBatchNorm) got input of shape "
+                f"{tuple(input.shape)} and {groups} group(s): each group would hold one value per sample, and "
+                f"{ONE_VALUE_ADVICE}")
         self.num_channels, self.num_groups = channels, groups
         if self.affine:
             with torch.no_grad():

@@ -11,7 +11,7 @@ from typing import List
 from torch import nn
 from torch.nn.modules.instancenorm import _InstanceNorm
 
-from fxdp.validators.errors import IllegalModuleConfigurationError, UnsupportedError
+from fxdp.diagnostics import IllegalModuleConfigurationError, UnsupportedError
 from fxdp.validators.module_validator import register_module_fixer, register_module_validator
 
 

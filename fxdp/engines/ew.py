@@ -1,39 +1,22 @@
-"""The engines that compute per-sample gradients without compiling the model, and ``wrap_model``.
+"""The ``ew`` engine: PyTorch's ExpandedWeights (``torch.nn.utils._per_sample_grad``), for models made of
+the layers it knows, batch first.
 
-``grad_sample_mode``:
-
-- ``"fx"``: the compiled graph (:func:`fxdp.compile_for_dp`; hooks fallback when untraceable);
-- ``"hooks"``: :class:`~fxdp.grad_sample.hooks.GradSampleModule`, per-layer rules on module hooks;
-- ``"ew"``: PyTorch's ExpandedWeights (``torch.nn.utils._per_sample_grad``), for models made of the
-  layers it knows, batch first;
-- ``"functorch"``: the whole model differentiated per sample with ``vmap(vjp(functional_call))``:
-  any layer, any functional use of a parameter, but the model must return one tensor;
-- ``"no_op"``: computes nothing; the user fills ``p.grad_sample`` (their own functorch code, say).
-
-Every engine follows the conventions of :mod:`fxdp.grad_sample.accumulate`: ``p.grad_sample[i]`` is
-the gradient of sample ``i`` alone, for either loss reduction; uses within one backward pass add up;
-successive backward passes append along dim 0 until ``zero_grad()``.
+ExpandedWeights writes ``p.grad_sample`` itself, so this engine delivers no captures to its sink; the
+sink's read side (:class:`~fxdp.grad_sample.sink.GradSampleSink`) reads ``p.grad_sample``.
 """
 
 from __future__ import annotations
 
 import traceback
-from typing import Any, Dict
+from typing import Dict, Optional
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fxdp.grad_sample.accumulate import accumulate_grad_samples
-from fxdp.grad_sample.hooks import (
-    GradSampleModule,
-    GradSampleModuleBase,
-    trainable_own_params,
-    vmap_vjp_grad_samples,
-)
-from fxdp.tracing import location_from_traceback
-
-GRAD_SAMPLE_MODES = ("fx", "hooks", "ew", "functorch", "no_op")
+from fxdp.diagnostics import location_from_traceback
+from fxdp.engines.base import GradSampleModuleBase, trainable_own_params
+from fxdp.grad_sample.sink import GradientSink
 
 # The layers whose functional ops ExpandedWeights implements (F.linear, F.conv*, F.embedding,
 # F.group_norm, F.instance_norm, F.layer_norm). Its RNN support is partial, so RNNs are not listed.
@@ -51,90 +34,6 @@ EW_SUPPORTED_LAYERS = (
 )
 
 
-def check_grad_sample_mode(grad_sample_mode: str) -> None:
-    if grad_sample_mode not in GRAD_SAMPLE_MODES:
-        raise ValueError(
-            f"fxdp: unknown grad_sample_mode {grad_sample_mode!r}; valid modes are "
-            + ", ".join(repr(m) for m in GRAD_SAMPLE_MODES)
-        )
-
-
-def wrap_model(
-    model: nn.Module,
-    grad_sample_mode: str,
-    *,
-    batch_first: bool = True,
-    loss_reduction: str = "mean",
-    strict: bool = False,
-) -> nn.Module:
-    """Wrap ``model`` with the engine named by ``grad_sample_mode`` (see the module docstring)."""
-    check_grad_sample_mode(grad_sample_mode)
-    if grad_sample_mode == "fx":
-        from fxdp.compiler import compile_for_dp  # the compiler imports the engines, not the reverse
-
-        return compile_for_dp(
-            model, batch_dim=0 if batch_first else 1, loss_reduction=loss_reduction, strict=strict
-        )
-    if grad_sample_mode == "hooks":
-        return GradSampleModule(model, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
-    if grad_sample_mode == "ew":
-        return ExpandedWeightsGradSampleModule(model, batch_first=batch_first, loss_reduction=loss_reduction)
-    if grad_sample_mode == "functorch":
-        return FunctorchGradSampleModule(model, batch_first=batch_first, loss_reduction=loss_reduction)
-    return NoOpGradSampleModule(model, batch_first=batch_first, loss_reduction=loss_reduction)
-
-
-class NoOpGradSampleModule(GradSampleModuleBase):
-    """Computes no per-sample gradients: for users who set ``p.grad_sample`` themselves."""
-
-
-class FunctorchGradSampleModule(GradSampleModuleBase):
-    """Per-sample gradients of the whole model at once: ``vmap`` over the samples of ``vjp`` through
-    ``functional_call(model, params, x_i)``, run in a hook on the model's output.
-
-    Positional tensor arguments carry the batch (at dim 0, or 1 with ``batch_first=False``); keyword
-    arguments are passed unchanged to every sample. Random ops (dropout in training mode) cannot be
-    replayed per sample and make vmap raise.
-    """
-
-    def forward(self, *args, **kwargs):
-        out = self._module(*args, **kwargs)
-        if not torch.is_grad_enabled():
-            return out
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(
-                f"fxdp: grad_sample_mode='functorch' differentiates the model's output, which must be a "
-                f"single tensor, but {type(self._module).__name__}.forward returned {_describe(out)}. "
-                "Use grad_sample_mode='fx' or 'hooks', or wrap the model so that forward returns one tensor."
-            )
-        if out.requires_grad and any(p.requires_grad for p in self._module.parameters()):
-            activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-            out.register_hook(self._backward_hook(activations, kwargs))
-        return out
-
-    def _backward_hook(self, activations, kwargs):
-        def hook(grad: torch.Tensor) -> None:
-            params = {n: p for n, p in self._module.named_parameters() if p.requires_grad}
-            acts, backprops = activations, grad
-            if not self.batch_first:
-                acts = [a.movedim(1, 0) if isinstance(a, torch.Tensor) else a for a in activations]
-                backprops = grad.movedim(1, 0)
-            n = backprops.shape[0]
-            if self.loss_reduction == "mean":
-                backprops = backprops * n
-            with torch.enable_grad():
-                per_name = vmap_vjp_grad_samples(
-                    self._module,
-                    {name: p.detach() for name, p in params.items()},
-                    acts,
-                    backprops,
-                    batch_dim=self.batch_dim,
-                    kwargs=kwargs,
-                )
-            accumulate_grad_samples({params[name]: gs for name, gs in per_name.items()})
-
-        return hook
-
 
 class ExpandedWeightsGradSampleModule(GradSampleModuleBase):
     """PyTorch's ExpandedWeights: the forward runs with every trainable parameter replaced by an
@@ -145,14 +44,15 @@ class ExpandedWeightsGradSampleModule(GradSampleModuleBase):
     as the other engines do.
     """
 
-    def __init__(self, model: nn.Module, batch_first: bool = True, loss_reduction: str = "mean"):
+    def __init__(self, model: nn.Module, batch_first: bool = True, loss_reduction: str = "mean", *,
+                 sink: Optional[GradientSink] = None):
         if not batch_first:
             raise ValueError(
                 "fxdp: grad_sample_mode='ew' (PyTorch ExpandedWeights) needs the batch in dimension 0 of "
                 "every layer's input; batch_first=False is not supported. Use grad_sample_mode='fx', "
                 "'hooks' or 'functorch', or make the model batch first."
             )
-        super().__init__(model, batch_first=batch_first, loss_reduction=loss_reduction)
+        super().__init__(model, batch_first=batch_first, loss_reduction=loss_reduction, sink=sink)
         unsupported = [
             f"'{name or '<model>'}' ({type(m).__name__})"
             for name, m in model.named_modules()
@@ -251,9 +151,3 @@ def _leading_size(args, kwargs) -> int:
     raise ValueError(
         "fxdp: grad_sample_mode='ew' found no tensor argument to read the batch size from"
     )
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of {len(value)} values"
-    return f"a {type(value).__name__}"

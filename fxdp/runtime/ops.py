@@ -2,29 +2,30 @@
 
 A compiled model's code reads, for a Linear layer ``fc``::
 
-    batch_size = fxdp_runtime_batch_size(self.fxdp_batch, x)
-    fc = fxdp_runtime_per_sample_call(self.fc, self.fxdp_site_fc, batch_size, x)
+    batch_size = fxdp_runtime_ops_batch_size(self.fxdp_batch, x)
+    fc = fxdp_runtime_ops_per_sample_call(self.fc, self.fxdp_site_fc, batch_size, x)
 
 The forward is the ordinary one. What differs is backward: a hook on the layer's output receives the
-output gradient G, and together with the saved input A (both moved to batch-first with the layouts
-the batch_dim pass recorded in the *site*) the layer's per-sample rule turns them into
-``p.grad_sample``. The same (A, G, layout) pair is what book-keeping clipping needs, so a later
-engine can compute norms and clipped sums from it instead of materialising gradients.
+output gradient G, and together with the saved input A (both moved to batch first with the layouts
+the batch_dim pass recorded in the *site*) it becomes one :class:`~fxdp.grad_sample.sink.LayerCapture`
+for the model's gradient sink (``site.sink``, the compiled model's ``fxdp_sink``): the layer, A and G
+when a hand-written rule applies, and always a function that materialises the per-sample gradients.
+The same (A, G, layout) is what book-keeping clipping needs.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fxdp.grad_sample.accumulate import accumulate_grad_samples, compute_grad_samples
-from fxdp.grad_sample.functorch_rule import functional_grad_samples
+from fxdp.grad_sample.accumulate import layer_capture
+from fxdp.grad_sample.generic import layout_grad_samples, summed_loss_backprops
 from fxdp.grad_sample.registry import find_grad_sampler
+from fxdp.grad_sample.sink import GradientSink, LayerCapture
 from fxdp.layout import BROADCAST, BatchLayout, parse_layout
 
 
@@ -51,12 +52,13 @@ class PerSampleSite:
 
     node: str  # the original node's name
     target: str  # "fc" (module) or "torch.nn.functional.linear" / "mul" (function / method)
-    rule: str  # rule name for the report: "Linear", "functorch", ...
+    rule: str  # rule name for the report: "Linear" (hand-written), "generic", ...
     loss_reduction: str
     layouts: List[str] = field(default_factory=list)
     out_layouts: List[str] = field(default_factory=lambda: ["batch@0"])  # one per tensor output
     fn: Union[Callable, str, None] = None  # functional uses: the torch function, or the Tensor method's name
     description: str = ""  # for the report: "layer 'fc' (Linear)", "'mul' using 'scale'"
+    sink: Optional[GradientSink] = field(default=None, repr=False, compare=False)  # the model's sink
 
     def in_layout(self, i: int) -> BatchLayout:
         if i >= len(self.layouts):  # a guess here could read another sample's data as this one's
@@ -107,69 +109,6 @@ def _output_tensors(out) -> List[torch.Tensor]:
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
-def _per_sample_vjp(call, leaves, layouts, param_positions, out_layouts, grads, n, site):
-    """Per-sample gradients of ``call(leaves)`` w.r.t. the leaves at ``param_positions``.
-
-    ``grads`` holds the gradient of each tensor output (None where the loss did not use it). Each
-    sample runs alone, as a batch of one in the layout the graph gives it (a batch at dim 1 stays at
-    dim 1), vmapped over the batch: the definition of a per-sample gradient, for any op. Several
-    outputs are handled as one scalar per sample, ``sum_k <out_k, grad_k>``, whose gradient is the vjp.
-    """
-    batched = [i for i, lay in enumerate(layouts) if lay is not None and lay.is_batched]
-    if not batched:
-        return _per_row_vjp(call, leaves, param_positions, out_layouts, grads, n)
-    args = [
-        layouts[i].to_batch_first(leaf.detach(), n) if i in batched
-        else leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
-        for i, leaf in enumerate(leaves)
-    ]
-    used = [k for k, g in enumerate(grads) if g is not None]
-    cotangents = [out_layouts[k].to_batch_first(grads[k], n) for k in used]
-    n_args = len(args)
-
-    def sample_loss(*flat):  # one sample, batch first -> the layout the graph gives it -> <out, grad>
-        inputs = [layouts[i].from_batch_first(v) if i in batched else v for i, v in enumerate(flat[:n_args])]
-        outs = _output_tensors(call(inputs))
-        total = sum((out_layouts[k].to_batch_first(outs[k], 1) * g).sum() for k, g in zip(used, flat[n_args:]))
-        return total.reshape(1)
-
-    ones = torch.ones(n, dtype=cotangents[0].dtype, device=cotangents[0].device)
-    cotangent_positions = list(range(n_args, n_args + len(used)))
-    try:
-        return functional_grad_samples(sample_loss, args + cotangents, {}, param_positions,
-                                       batched + cotangent_positions, ones)
-    except Exception as exc:  # re-raised naming the node; the cause is kept
-        raise RuntimeError(
-            f"fxdp: the generic per-sample rule, which re-runs each sample alone as a batch of one, failed on "
-            f"'{site.target}' at node '{site.node}': {exc}. Or register a per-sample rule for this layer with "
-            "@fxdp.register_grad_sampler."
-        ) from exc
-
-
-def _per_row_vjp(call, leaves, param_positions, out_layouts, grads, n):
-    """Per-sample gradients of an op that builds per-sample rows from shared values only (a parameter
-    expanded to the batch: ``cls.expand(N, -1, -1)``): sample i's gradient is the vjp of the whole op
-    against row i of the output gradient, the other rows zeroed."""
-    fixed = [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-
-    def whole(*param_values):
-        flat = list(fixed)
-        for i, v in zip(param_positions, param_values):
-            flat[i] = v
-        return tuple(_output_tensors(call(flat)))
-
-    outs, vjp_fn = torch.func.vjp(whole, *[fixed[i] for i in param_positions])
-    rows = [lay.to_batch_first(g if g is not None else torch.zeros_like(o), n)
-            for lay, g, o in zip(out_layouts, grads, outs)]
-
-    def sample(i):
-        own = [lay.from_batch_first(r * (torch.arange(n, device=r.device) == i).view(n, *[1] * (r.dim() - 1)))
-               for lay, r in zip(out_layouts, rows)]
-        return vjp_fn(tuple(own))
-
-    return torch.func.vmap(sample)(torch.arange(n))
-
-
 def _on_backward(outputs: List[torch.Tensor], record) -> None:
     """Call ``record(grads)`` once the gradients of all ``outputs`` are known (never if none needs them).
 
@@ -202,14 +141,30 @@ def _out_layouts(site: PerSampleSite, count: int) -> List[BatchLayout]:
     return layouts + [layouts[-1]] * (count - len(layouts))
 
 
+def _deliver(site: PerSampleSite, capture: LayerCapture) -> None:
+    if site.sink is None:  # a site is given its model's sink when the per_sample pass creates it
+        raise RuntimeError(f"fxdp: node '{site.node}' has no gradient sink; compile the model with fxdp.compile_for_dp")
+    site.sink.add(capture)
+
+
 def _generic_recorder(call, leaves, layouts, positions, out_layouts, n, site):
     """The backward step of the generic rule: per-sample gradients of the leaves at ``positions``."""
 
     def record(grads) -> None:
-        scale = n if site.loss_reduction == "mean" else 1  # undo the mean's 1/N
-        grads = [None if g is None else g * scale for g in grads]
-        samples = _per_sample_vjp(call, leaves, layouts, positions, out_layouts, grads, n, site)
-        accumulate_grad_samples({leaves[i]: g for i, g in zip(positions, samples)}, batch_size=n)
+        grads = summed_loss_backprops(grads, site.loss_reduction, n)
+
+        def grad_samples():
+            try:
+                samples = layout_grad_samples(call, leaves, layouts, positions, out_layouts, grads, n)
+            except Exception as exc:  # re-raised naming the node; the cause is kept
+                raise RuntimeError(
+                    f"fxdp: the generic per-sample rule, which re-runs each sample alone as a batch of one, failed "
+                    f"on '{site.target}' at node '{site.node}': {exc}. Or register a per-sample rule for this layer "
+                    "with @fxdp.register_grad_sampler."
+                ) from exc
+            return {leaves[i]: g for i, g in zip(positions, samples)}
+
+        _deliver(site, LayerCapture(n, grad_samples, params=tuple(leaves[i] for i in positions)))
 
     return record
 
@@ -236,11 +191,8 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
         ]
 
         def record(grads) -> None:
-            backprops = out_layouts[0].to_batch_first(grads[0], n)
-            accumulate_grad_samples(
-                compute_grad_samples(module, activations, backprops, loss_reduction=site.loss_reduction, batch_size=n),
-                batch_size=n,
-            )
+            backprops = summed_loss_backprops(out_layouts[0].to_batch_first(grads[0], n), site.loss_reduction, n)
+            _deliver(site, layer_capture(module, activations, backprops, batch_size=n))
 
     else:
         # generic rule: the layer as a function of its parameters, each sample alone
@@ -282,31 +234,3 @@ def per_sample_function(site: PerSampleSite, n: int, *args, **kwargs):
 
     _on_backward(outputs, _generic_recorder(call, leaves, layouts, param_positions, out_layouts, n, site))
     return out
-
-
-class PerSampleModel(nn.Module):
-    """The whole model as one DP-aware op, for models whose graph has a parametrised op the per_sample
-    pass cannot handle: the generic rule over all parameters, each sample re-run alone, with the layouts
-    the batch_dim pass found for every input (batched, broadcast or unbatched, positional or keyword)
-    and every output (tuples included)."""
-
-    def __init__(self, model: nn.Module, site: PerSampleSite, input_layouts: Dict[str, List[str]],
-                 batch_input: Tuple[str, int]):
-        super().__init__()
-        self.module = model
-        self.fxdp_site = site
-        self._input_layouts = input_layouts  # forward's parameter name -> layouts of its tensors
-        self._batch_input = batch_input  # (name, dim) of the input that carries the batch
-        self._signature = inspect.signature(model.forward)
-
-    def forward(self, *args, **kwargs):
-        bound = self._signature.bind(*args, **kwargs)
-        name, dim = self._batch_input
-        n = bound.arguments[name].shape[dim]
-        layouts = []
-        for arg_name, value in [*zip(self._signature.parameters, args), *kwargs.items()]:
-            tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-            recorded = self._input_layouts.get(arg_name, [])
-            layouts += [recorded[i] if i < len(recorded) else "unbatched" for i in range(len(tensors))]
-        self.fxdp_site.layouts = layouts
-        return per_sample_call(self.module, self.fxdp_site, n, *args, **kwargs)

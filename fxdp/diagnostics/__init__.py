@@ -1,0 +1,68 @@
+"""Diagnostics are data: findings, reports, errors, op names and source locations.
+
+This package imports nothing else from fxdp, so every other module can use it.
+
+- :mod:`~fxdp.diagnostics.findings` — :class:`Finding`, :class:`PassReport`, :class:`PassResult`, rendering;
+- :mod:`~fxdp.diagnostics.report`   — :class:`CompileReport`, the engine names;
+- :mod:`~fxdp.diagnostics.errors`   — every error class, one hierarchy under :class:`FxdpError`;
+- :mod:`~fxdp.diagnostics.naming`   — :func:`op_name`, how findings name an op;
+- :mod:`~fxdp.diagnostics.source`   — :class:`SourceLocation`, the user's line behind a node or a traceback.
+"""
+
+from fxdp.diagnostics.errors import (
+    ROOT_NAME,
+    BatchDimAnalysisError,
+    BatchMixingError,
+    FxdpError,
+    IllegalModuleConfigurationError,
+    MissingBatchRuleError,
+    ModuleFixWarning,
+    NotPrivateError,
+    NotYetSupportedModuleError,
+    PassError,
+    ShouldReplaceModuleError,
+    UnsupportedError,
+    UnsupportedModuleError,
+    error_from_finding,
+    expect_module,
+)
+from fxdp.diagnostics.findings import Finding, Kind, PassReport, PassResult, Severity, render_findings
+from fxdp.diagnostics.naming import op_name
+from fxdp.diagnostics.report import ENGINES, CompileReport
+from fxdp.diagnostics.source import (
+    SourceLocation,
+    location_from_stack_trace,
+    location_from_traceback,
+    relative_path,
+)
+
+__all__ = [
+    "BatchDimAnalysisError",
+    "BatchMixingError",
+    "CompileReport",
+    "ENGINES",
+    "Finding",
+    "FxdpError",
+    "IllegalModuleConfigurationError",
+    "Kind",
+    "MissingBatchRuleError",
+    "ModuleFixWarning",
+    "NotPrivateError",
+    "NotYetSupportedModuleError",
+    "PassError",
+    "PassReport",
+    "PassResult",
+    "ROOT_NAME",
+    "Severity",
+    "ShouldReplaceModuleError",
+    "SourceLocation",
+    "UnsupportedError",
+    "UnsupportedModuleError",
+    "error_from_finding",
+    "expect_module",
+    "location_from_stack_trace",
+    "location_from_traceback",
+    "op_name",
+    "relative_path",
+    "render_findings",
+]

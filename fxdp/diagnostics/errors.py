@@ -1,0 +1,232 @@
+"""Every error fxdp raises on purpose, in one hierarchy.
+
+``FxdpError`` is the root. ``NotPrivateError`` is "this model cannot be trained privately as it is",
+whatever the engine and whether ``strict`` is on, so ``except fxdp.NotPrivateError`` catches all of them:
+
+- :class:`BatchMixingError` — an op lets samples influence each other;
+- :class:`UnsupportedError` and its validators' taxonomy, each mapping to one :class:`Kind` so that
+  validation errors and the validate pass's findings speak the same language:
+  :class:`UnsupportedModuleError` (the module cannot be made private, e.g. BatchNorm in training; also
+  what ``strict`` validation raises, carrying every error in ``errors``), :class:`ShouldReplaceModuleError`
+  (works once replaced by a drop-in), :class:`IllegalModuleConfigurationError` (its configuration breaks
+  DP-SGD), :class:`NotYetSupportedModuleError` (could be supported, is not yet).
+
+The others say fxdp could not finish its own work: :class:`PassError` (a pass failed unexpectedly; the
+original exception is ``__cause__``) and :class:`BatchDimAnalysisError` (the batch-dimension analysis
+could not run; :class:`MissingBatchRuleError` under ``strict`` for an op without a batch rule).
+
+:class:`ModuleFixWarning` lists what ``ModuleValidator.fix`` replaced; :func:`expect_module` is the
+TypeError for an entry point given something that is not a module.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Iterable, Optional, Sequence, Tuple
+
+from fxdp.diagnostics.findings import Finding, Kind, Severity, render_findings
+from fxdp.diagnostics.naming import op_name
+from fxdp.diagnostics.source import SourceLocation
+
+
+class FxdpError(Exception):
+    """The root of every error fxdp raises on purpose."""
+
+
+class PassError(FxdpError, RuntimeError):
+    """A pass failed; ``__cause__`` holds the original exception."""
+
+    def __init__(self, pass_name: str, cause: BaseException):
+        self.pass_name = pass_name
+        super().__init__(f"fxdp pass '{pass_name}' failed: {type(cause).__name__}: {cause}")
+
+
+class BatchDimAnalysisError(FxdpError, RuntimeError):
+    """The batch-dimension analysis could not run (untraceable model, inputs that do not fit, ...)."""
+
+
+class MissingBatchRuleError(BatchDimAnalysisError):
+    """Strict mode: a per-sample tensor reached an op that has no batch rule."""
+
+
+class NotPrivateError(FxdpError, ValueError):
+    """The model cannot be trained with DP-SGD as it is; ``findings`` says why and where."""
+
+    def __init__(self, findings, header: str):
+        self.findings = tuple(findings)
+        super().__init__(header + "\n" + render_findings(self.findings))
+
+
+class BatchMixingError(NotPrivateError):
+    """The model lets samples influence each other; no DP guarantee survives that."""
+
+
+ROOT_NAME = "<model>"  # how the root module is named in errors and findings
+
+
+def expect_module(obj, call: str) -> None:
+    """Raise a TypeError naming what ``call`` (e.g. ``"fxdp.inspect(model, ...)"``) was given instead of
+    an ``nn.Module``, and what to pass."""
+    from torch import nn
+
+    if isinstance(obj, nn.Module):
+        return
+    if isinstance(obj, type) and issubclass(obj, nn.Module):
+        given = f"the class {op_name(obj)} itself, not an instance; pass one, e.g. {obj.__name__}(...)"
+    elif inspect.isroutine(obj):
+        given = (f"the function {getattr(obj, '__qualname__', obj)!r}; wrap it in an nn.Module whose "
+                 "forward calls it, with its parameters registered on the module")
+    elif obj is None:
+        given = "None"
+    else:
+        cls = type(obj)
+        name = cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+        given = f"{'an' if name[0] in 'aeiouAEIOU' else 'a'} {name}"
+    raise TypeError(f"{call} expects a torch.nn.Module, got {given}")
+
+
+class ModuleFixWarning(UserWarning):
+    """What ``ModuleValidator.fix`` replaced or changed: ``changes`` holds (module, before, after)."""
+
+    def __init__(self, changes: Sequence[Tuple[str, str, str]], example_inputs_given: bool = True):
+        self.changes = tuple(changes)
+        lines = [f"  `{name}`: {before} -> {after}" for name, before, after in self.changes]
+        hint = "" if example_inputs_given else (
+            " (without example_inputs; pass them to choose each replacement by the shape its layer sees)")
+        super().__init__(f"ModuleValidator.fix changed {len(self.changes)} module(s){hint}:\n" + "\n".join(lines))
+
+
+class UnsupportedError(NotPrivateError):
+    """Base of the validators' taxonomy: a module DP-SGD cannot train as it is.
+
+    ``module_name`` and ``module_type`` may be left out by a validator: the caller (``ModuleValidator``
+    or the validate pass) fills them in, since it knows where the module sits in the model.
+    """
+
+    kind: Kind = Kind.CANNOT_BE_PRIVATE
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        module_name: Optional[str] = None,
+        module_type: Optional[type] = None,
+        fix: str = "",
+        location: Optional[SourceLocation] = None,
+        op: Optional[str] = None,
+    ):
+        ValueError.__init__(self, message)  # str() is describe(), not a findings table
+        self.message = message
+        self.module_name = module_name
+        self.module_type = module_type
+        self.fix = fix
+        self.location = location
+        self._op = op  # what the graph node runs, when the error comes from a node, not a module
+
+    @property
+    def errors(self) -> Tuple["UnsupportedError", ...]:
+        return (self,)
+
+    @property
+    def findings(self) -> Tuple[Finding, ...]:  # as NotPrivateError's, so one handler reads both
+        return tuple(e.to_finding() for e in self.errors)
+
+    def locate(self, module_name: str, module_type: Optional[type]) -> "UnsupportedError":
+        """Fill in the module's name and type where the validator left them out."""
+        if self.module_name is None:
+            self.module_name = module_name
+        if self.module_type is None:
+            self.module_type = module_type
+        return self
+
+    @property
+    def type_name(self) -> str:
+        return self._op or op_name(self.module_type)
+
+    def describe(self) -> str:
+        """One line: which module, where, what is wrong, how to fix it."""
+        head = f"`{self.module_name}` ({self.type_name})" if self.module_name else self.type_name
+        if self.location is not None:
+            head += f" at {self.location}"
+        text = f"{head}: {self.message}"
+        if self.fix:
+            text += f" How to fix: {self.fix}"
+        return text
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def to_finding(self, pass_name: str = "validate", *, node: Optional[str] = None,
+                   op: Optional[str] = None) -> Finding:
+        return Finding(
+            pass_name=pass_name,
+            node=node if node is not None else (self.module_name or ROOT_NAME),
+            op=op if op is not None else self.type_name,
+            kind=self.kind,
+            severity=Severity.ERROR,
+            message=self.message,
+            fix=self.fix,
+            location=self.location,
+        )
+
+
+class UnsupportedModuleError(UnsupportedError):
+    """The module cannot be made private; also the error strict validation raises for all errors."""
+
+    kind = Kind.CANNOT_BE_PRIVATE
+
+    def __init__(self, message: str = "", *, errors: Sequence[UnsupportedError] = (), **kwargs):
+        super().__init__(message, **kwargs)
+        self._errors = tuple(errors)
+
+    @property
+    def errors(self) -> Tuple[UnsupportedError, ...]:
+        return self._errors or (self,)
+
+    @classmethod
+    def aggregate(cls, errors: Iterable[UnsupportedError], header: str = "") -> "UnsupportedModuleError":
+        """One error that lists all of ``errors`` (raised by ``strict`` validation)."""
+        errors = tuple(errors)
+        header = header or (
+            f"{len(errors)} problem(s) prevent training this model with DP-SGD "
+            f"(fxdp.validators.ModuleValidator.fix fixes the common ones):"
+        )
+        return cls(header, errors=errors)
+
+    def describe(self) -> str:
+        if not self._errors:
+            return super().describe()
+        return "\n".join([self.message] + [f"  - {e.describe()}" for e in self._errors])
+
+
+class ShouldReplaceModuleError(UnsupportedError):
+    """The module works with DP-SGD only once replaced by an equivalent."""
+
+    kind = Kind.SHOULD_BE_REPLACED
+
+
+class IllegalModuleConfigurationError(UnsupportedError):
+    """The module (or model) is configured in a way DP-SGD cannot train."""
+
+    kind = Kind.ILLEGAL_CONFIGURATION
+
+
+class NotYetSupportedModuleError(UnsupportedError):
+    """The module could be trained privately, but fxdp does not support it yet."""
+
+    kind = Kind.NOT_YET_SUPPORTED
+
+
+_ERROR_FOR_KIND = {
+    Kind.CANNOT_BE_PRIVATE: UnsupportedModuleError,
+    Kind.SHOULD_BE_REPLACED: ShouldReplaceModuleError,
+    Kind.ILLEGAL_CONFIGURATION: IllegalModuleConfigurationError,
+    Kind.NOT_YET_SUPPORTED: NotYetSupportedModuleError,
+}
+
+
+def error_from_finding(finding: Finding) -> UnsupportedError:
+    """The taxonomy's error for a finding (``UnsupportedModuleError`` for kinds outside it)."""
+    cls = _ERROR_FOR_KIND.get(finding.kind, UnsupportedModuleError)
+    return cls(finding.message, module_name=finding.node, fix=finding.fix, location=finding.location,
+               op=finding.op)

@@ -1,0 +1,81 @@
+"""The compile report: what ``compile_for_dp`` / ``inspect`` learned about a model, and which engine
+computes its per-sample gradients, and why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+from tabulate import tabulate
+
+from fxdp.diagnostics.findings import Finding, PassReport, Severity, render_findings
+from fxdp.diagnostics.source import SourceLocation
+
+#: The engines a report can name:
+#: ``fx`` — the compiled graph, a DP-aware op per parametrised call;
+#: ``fx+whole-model`` — traced and analysed, but the whole model runs as one DP-aware op with the
+#: generic rule (an op the per_sample pass cannot handle);
+#: ``hooks``, ``ew``, ``functorch``, ``no_op`` — the engines that do not compile (``grad_sample_mode``,
+#: or ``hooks`` for a model torch.fx cannot trace).
+ENGINES = ("fx", "fx+whole-model", "hooks", "ew", "functorch", "no_op")
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """Everything ``compile_for_dp`` / ``inspect`` learned about a model."""
+
+    model: str  # class name of the user's model
+    traced: bool
+    passes: Tuple[PassReport, ...] = ()
+    fallback_reason: Optional[str] = None  # why the engine is not the compiled graph ("fx")
+    fallback_location: Optional[SourceLocation] = None
+    engine: str = "fx"  # one of ENGINES
+    notes: Tuple[str, ...] = field(default=())
+
+    @property
+    def mode(self) -> str:
+        """The engine's name (the field was called ``mode`` before engines had precise names)."""
+        return self.engine
+
+    @property
+    def findings(self) -> Tuple[Finding, ...]:
+        return tuple(f for p in self.passes for f in p.findings)
+
+    @property
+    def changes(self) -> Tuple[Finding, ...]:
+        return tuple(c for p in self.passes for c in p.changes)
+
+    @property
+    def errors(self) -> Tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.severity is Severity.ERROR)
+
+    def pass_report(self, name: str) -> PassReport:
+        for p in self.passes:
+            if p.name == name:
+                return p
+        raise KeyError(f"no pass named {name!r} in this report; passes: {[p.name for p in self.passes]}")
+
+    def __str__(self) -> str:
+        lines = [f"fxdp compile report for {self.model}"]
+        if self.traced:
+            lines.append(f"traced: yes (torch.fx); engine: {self.engine}")
+        else:
+            lines.append("traced: no, falling back to the hooks engine (GradSampleModule)")
+        if self.fallback_reason:
+            where = f" at {self.fallback_location}" if self.fallback_location else ""
+            lines.append(f"fallback reason{where}: {self.fallback_reason}")
+        lines.extend(self.notes)
+        if self.passes:
+            summary = [
+                [p.name, len(p.changes), len(p.findings),
+                 sum(f.severity is Severity.ERROR for f in p.findings)]
+                for p in self.passes
+            ]
+            lines += ["", tabulate(summary, headers=["pass", "changes", "findings", "errors"], tablefmt="simple")]
+        if self.changes:
+            lines += ["", "Changes:", render_findings(self.changes)]
+        if self.findings:
+            lines += ["", "Findings:", render_findings(self.findings)]
+        elif self.passes:
+            lines += ["", "Findings: none"]
+        return "\n".join(lines)

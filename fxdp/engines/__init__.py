@@ -1,0 +1,47 @@
+"""The engines: what computes per-sample gradients for a model, one file each.
+
+- ``fx`` — the compiled graph (:func:`fxdp.compile_for_dp`): a DP-aware op per parametrised call
+  (:mod:`fxdp.runtime`);
+- ``fx+whole-model`` (:mod:`~fxdp.engines.whole_model`) — a traced model with an op the per_sample
+  pass cannot handle runs as one DP-aware op, with the layouts the batch_dim pass found;
+- ``hooks`` (:mod:`~fxdp.engines.hooks`) — :class:`GradSampleModule`, per-layer rules on module hooks
+  (also the fallback for a model torch.fx cannot trace);
+- ``ew`` (:mod:`~fxdp.engines.ew`) — PyTorch's ExpandedWeights, batch first, for the layers it knows;
+- ``functorch`` (:mod:`~fxdp.engines.functorch`) — the whole model under the generic rule, one tensor out;
+- ``no_op`` (:mod:`~fxdp.engines.no_op`) — computes nothing; the user fills ``p.grad_sample``.
+
+Every engine's wrapper (:class:`~fxdp.engines.base.GradSampleModuleBase`) holds a gradient sink
+(``fxdp_sink``) and follows the conventions of :mod:`fxdp.grad_sample.accumulate`. Which engine a
+model gets is decided in one place, :mod:`fxdp.compiler` (``compile_for_dp``, ``wrap_model``); the
+engines never import the compiler.
+"""
+
+from fxdp.engines.base import GradSampleModuleBase
+from fxdp.engines.ew import ExpandedWeightsGradSampleModule
+from fxdp.engines.functorch import FunctorchGradSampleModule
+from fxdp.engines.hooks import GradSampleModule
+from fxdp.engines.no_op import NoOpGradSampleModule
+from fxdp.engines.whole_model import PerSampleModel
+
+#: The values of ``grad_sample_mode``.
+GRAD_SAMPLE_MODES = ("fx", "hooks", "ew", "functorch", "no_op")
+
+
+def check_grad_sample_mode(grad_sample_mode: str) -> None:
+    if grad_sample_mode not in GRAD_SAMPLE_MODES:
+        raise ValueError(
+            f"fxdp: unknown grad_sample_mode {grad_sample_mode!r}; valid modes are "
+            + ", ".join(repr(m) for m in GRAD_SAMPLE_MODES)
+        )
+
+
+__all__ = [
+    "GRAD_SAMPLE_MODES",
+    "ExpandedWeightsGradSampleModule",
+    "FunctorchGradSampleModule",
+    "GradSampleModule",
+    "GradSampleModuleBase",
+    "NoOpGradSampleModule",
+    "PerSampleModel",
+    "check_grad_sample_mode",
+]

@@ -1,0 +1,117 @@
+"""What every engine's wrapper shares: the wrapped model, its gradient sink, ``zero_grad`` that also
+clears ``p.grad_sample``, attribute access that falls through to the wrapped model, and the one
+backward step of the generic rule on a module's output."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+from torch import nn
+
+from fxdp.grad_sample.accumulate import layer_capture, zero_grad_sample
+from fxdp.grad_sample.generic import check_loss_reduction, summed_loss_backprops
+from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink, LayerCapture
+from fxdp.layout import BatchLayout
+
+
+def trainable_own_params(module: nn.Module) -> List[nn.Parameter]:
+    return [p for p in module.parameters(recurse=False) if p.requires_grad]
+
+
+def has_trainable_params(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+class GradSampleModuleBase(nn.Module):
+    """The base of every engine's wrapper. ``sink`` receives the per-sample gradients (a fresh
+    :class:`~fxdp.grad_sample.sink.GradSampleSink`, which writes ``p.grad_sample``, by default);
+    :func:`fxdp.grad_sample.sink.sink_of` finds it as attribute ``fxdp_sink``."""
+
+    def __init__(self, model: nn.Module, *, batch_first: bool = True, loss_reduction: str = "mean",
+                 sink: Optional[GradientSink] = None):
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"fxdp: expected an nn.Module to wrap, got {type(model).__name__}")
+        check_loss_reduction(loss_reduction)
+        self._module = model
+        self.batch_first = batch_first
+        self.loss_reduction = loss_reduction
+        setattr(self, SINK_ATTR, sink if sink is not None else GradSampleSink())
+        self._recomputing = False  # the generic rule re-runs modules: forward hooks stand aside meanwhile
+
+    @property
+    def module(self) -> nn.Module:
+        return self._module
+
+    @property
+    def batch_dim(self) -> int:
+        return 0 if self.batch_first else 1
+
+    def forward(self, *args, **kwargs):
+        return self._module(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        zero_grad_sample(self)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError as outer:
+            if name == "_module":
+                raise
+            try:
+                return getattr(self._module, name)
+            except AttributeError:
+                raise outer from None
+
+    def extra_repr(self) -> str:
+        return f"batch_first={self.batch_first}, loss_reduction={self.loss_reduction!r}"
+
+    # -- the backward step ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _recompute(self):
+        previous, self._recomputing = self._recomputing, True
+        try:
+            yield
+        finally:
+            self._recomputing = previous
+
+    def _to_batch_first(self, activations: List[Any], backprops: torch.Tensor):
+        if self.batch_first:
+            return activations, backprops, backprops.shape[0]
+        n = backprops.shape[1]
+        layout = BatchLayout.at(1)
+        moved = [
+            layout.to_batch_first(a, n) if isinstance(a, torch.Tensor) and a.dim() >= 2 else a
+            for a in activations
+        ]
+        return moved, layout.to_batch_first(backprops, n), n
+
+    def _output_hook(self, module: nn.Module, activations: List[Any], kwargs: Optional[Mapping[str, Any]] = None,
+                     *, generic: bool = False):
+        """A hook for ``module``'s output: its gradient, with the module's saved inputs, becomes one
+        capture for the sink: the module's hand-written rule's, or the generic rule's (``generic``, or
+        no rule), which runs each sample as a batch of one in the module's own layout."""
+
+        def hook(grad: torch.Tensor) -> None:
+            acts, backprops, n = self._to_batch_first(activations, grad)
+            backprops = summed_loss_backprops(backprops, self.loss_reduction, n)
+            self._deliver(layer_capture(module, acts, backprops, batch_size=n, batch_dim=self.batch_dim,
+                                        kwargs=kwargs, generic=generic))
+
+        return hook
+
+    def _deliver(self, capture: LayerCapture) -> None:
+        compute = capture.grad_samples
+
+        def grad_samples() -> Dict[nn.Parameter, torch.Tensor]:
+            with self._recompute():
+                return compute()
+
+        capture.grad_samples = grad_samples
+        getattr(self, SINK_ATTR).add(capture)
+

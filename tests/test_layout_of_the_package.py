@@ -1,0 +1,113 @@
+"""The package's shape: every module imports, the import graph has no cycle, no module is too long,
+and the one-way import rules hold (diagnostics and layout import nothing from fxdp, the runtime no
+pass, the engines not the compiler, the validators no pass)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import pkgutil
+from typing import Dict, Set
+
+import networkx as nx
+import pytest
+
+import fxdp
+
+MAX_LINES = 700
+
+
+def _modules() -> Dict[str, str]:
+    """{module name: source file} for fxdp and every module under it."""
+    found = {"fxdp": fxdp.__file__}
+    for info in pkgutil.walk_packages(fxdp.__path__, prefix="fxdp."):
+        found[info.name] = info.module_finder.find_spec(info.name).origin
+        if not info.name.endswith("__main__"):  # that one runs the command line when imported
+            importlib.import_module(info.name)  # every module imports
+    return found
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str:
+    """The fxdp module an import names (``fxdp.a.b.func`` -> ``fxdp.a.b``)."""
+    while name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _imports(module: str, path: str) -> Set[str]:
+    """The fxdp modules ``module`` imports anywhere in its source (lazy imports in functions count)."""
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    targets: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            names = [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        targets |= {_resolve(n) for n in names if n == "fxdp" or n.startswith("fxdp.")}
+    targets.discard(module)
+    return targets
+
+
+GRAPH = nx.DiGraph()
+for _name, _path in MODULES.items():
+    GRAPH.add_node(_name)
+    for _target in _imports(_name, _path):
+        GRAPH.add_edge(_name, _target)
+
+
+def test_the_walk_finds_the_packages_modules():
+    for name in ("fxdp.compiler", "fxdp.engines.hooks", "fxdp.engines.whole_model", "fxdp.runtime.ops",
+                 "fxdp.diagnostics.errors", "fxdp.grad_sample.generic", "fxdp.grad_sample.sink"):
+        assert name in MODULES
+    assert GRAPH.has_edge("fxdp.compiler", "fxdp.engines")  # the graph is built from real imports
+    assert GRAPH.has_edge("fxdp.validators.module_validator", "fxdp.rewrite_inplace")  # lazy ones too
+
+
+def test_the_import_graph_has_no_cycle():
+    cycles = [sorted(c) for c in nx.strongly_connected_components(GRAPH) if len(c) > 1]
+    assert not cycles, f"modules that import each other (directly or transitively): {cycles}"
+
+
+def _reachable(module: str) -> Set[str]:
+    return nx.descendants(GRAPH, module)
+
+
+@pytest.mark.parametrize("prefix", ["fxdp.diagnostics", "fxdp.layout"])
+def test_diagnostics_and_layout_import_nothing_else_from_fxdp(prefix):
+    for module in [m for m in MODULES if m == prefix or m.startswith(prefix + ".")]:
+        outside = {m for m in _reachable(module) if not (m == prefix or m.startswith(prefix + "."))}
+        assert not outside, f"{module} imports {sorted(outside)}"
+
+
+@pytest.mark.parametrize("importer, forbidden", [
+    ("fxdp.runtime", "fxdp.passes"),
+    ("fxdp.engines", "fxdp.compiler"),
+    ("fxdp.validators", "fxdp.passes"),
+])
+def test_one_way_imports(importer, forbidden):
+    for module in [m for m in MODULES if m == importer or m.startswith(importer + ".")]:
+        reached = {m for m in GRAPH.successors(module) if m == forbidden or m.startswith(forbidden + ".")}
+        assert not reached, f"{module} imports {sorted(reached)}"
+
+
+def test_no_module_is_over_700_lines():
+    root = os.path.dirname(os.path.dirname(fxdp.__file__))
+    too_long = {}
+    for path in MODULES.values():
+        relative = os.path.relpath(path, root)
+        with open(path, encoding="utf-8") as f:
+            lines = sum(1 for _ in f)
+        if lines > MAX_LINES:
+            too_long[relative] = lines
+    assert not too_long, f"modules over {MAX_LINES} lines: {too_long}"
