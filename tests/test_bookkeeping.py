@@ -15,9 +15,12 @@ import pytest
 import torch
 from torch import nn
 
+import fxdp
 from fxdp.grad_sample import compute_grad_samples, register_grad_sampler
-from fxdp.grad_sample.bookkeeping import BookkeepingSink, call_without_param_grads, plan_layer
-from fxdp.grad_sample.sink import GradSampleSink, LayerCapture
+from fxdp.grad_sample.bookkeeping import (
+    BookkeepingSink, call_without_param_grads, describe_plans, plan_graph, plan_layer,
+)
+from fxdp.grad_sample.sink import GradSampleSink, LayerCapture, sink_of
 from per_sample_reference import batch_loss, expected_grad_samples
 
 def attach(model, sinks, loss_reduction):
@@ -404,9 +407,6 @@ def test_the_sink_survives_deepcopy_with_its_method_and_nothing_recorded():
 
 
 def test_plans_of_a_compiled_graph_come_from_the_shapes_the_batch_dim_pass_found():
-    import fxdp
-    from fxdp.grad_sample.bookkeeping import describe_plans, plan_graph
-
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
@@ -427,3 +427,74 @@ def test_plans_of_a_compiled_graph_come_from_the_shapes_the_batch_dim_pass_found
     assert describe_plans([("head", plans["head"])]) == ["book-keeping: 'head' (Linear): outer (input (N, d): "
                                                          "||a_i|| * ||g_i||)"]
     assert plan_graph(fxdp.compile_for_dp(Net())) == []  # without example inputs: decided on the first batch
+
+
+# -- as the sink of a compiled model ----------------------------------------------------------------------
+
+class TimeMajor(nn.Module):
+    """A model that moves the batch: (N, T, d) -> (T, N, d) before its layers, and back."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6, padding_idx=0)
+        self.fc = nn.Linear(6, 5)
+        self.ln = nn.LayerNorm(5)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, idx):
+        h = self.emb(idx).transpose(0, 1)  # (T, N, d)
+        h = self.ln(torch.tanh(self.fc(h)))
+        return self.out(h.transpose(0, 1).sum(1))
+
+
+COMPILED = [
+    ("mlp", lambda: nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)), lambda: torch.randn(5, 6)),
+    ("cnn", lambda: nn.Sequential(nn.Conv2d(2, 4, 3, stride=2, padding=1), nn.GroupNorm(2, 4), nn.ReLU(),
+                                  nn.Conv2d(4, 4, 2, groups=2), nn.Flatten(), nn.Linear(4 * 2 * 2, 3)),
+     lambda: torch.randn(4, 2, 6, 6)),
+    ("time-major", TimeMajor, lambda: torch.tensor([[1, 2, 2, 0], [3, 0, 0, 4], [5, 6, 7, 5]])),
+    ("tied", lambda: TiedLM(True), lambda: torch.tensor([[2, 3, 2, 1], [1, 1, 4, 8], [5, 6, 7, 5]])),
+]
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name,make,make_x", COMPILED, ids=[c[0] for c in COMPILED])
+def test_compiled_model_with_the_bookkeeping_sink(name, make, make_x, loss_reduction):
+    torch.manual_seed(0)
+    model, x = make().double(), make_x()
+    x = x.double() if x.is_floating_point() else x
+    if name == "time-major":
+        model.fc.weight.requires_grad_(False)  # a frozen parameter
+    expected, R = expected_grad_samples(model, x)
+    sink = BookkeepingSink()
+    dp = fxdp.compile_for_dp(model, example_inputs=x, loss_reduction=loss_reduction, sink=sink)
+    assert sink_of(dp) is sink and fxdp.report(dp).engine == "fx"
+    batch_loss(dp(x), R, loss_reduction).backward()
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    norms = sink.squared_norms(params.values())
+    factors = {p: torch.rand(len(x), dtype=torch.float64) for p in params.values()}
+    sums = sink.clipped_sums(params.values(), factors)
+    assert set(norms) == set(params.values())
+    for k, p in params.items():
+        torch.testing.assert_close(norms[p], expected[k].flatten(1).pow(2).sum(1), msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(sums[p], torch.tensordot(factors[p], expected[k], dims=1), msg=lambda m: f"{k}: {m}")
+        assert getattr(p, "grad_sample", None) is None
+    skipped = [k for k, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d, nn.Embedding))]
+    for k in skipped:  # only input gradients flowed through the book-kept layers
+        assert all(p.grad is None for p in model.get_submodule(k).parameters()), k
+
+
+def test_hooks_engine_delivers_to_the_bookkeeping_sink():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double(), torch.randn(6, 4).double()
+    expected, R = expected_grad_samples(model, x)
+    sink = BookkeepingSink()
+    dp = fxdp.compile_for_dp(model, grad_sample_mode="hooks", sink=sink)
+    batch_loss(dp(x), R, "mean").backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(sink.squared_norms([p])[p], expected[k].flatten(1).pow(2).sum(1))
+
+
+def test_engines_that_write_grad_sample_themselves_take_no_sink():
+    with pytest.raises(ValueError, match="delivers nothing to a sink"):
+        fxdp.compile_for_dp(nn.Linear(2, 2), grad_sample_mode="ew", sink=BookkeepingSink())
