@@ -34,6 +34,7 @@ from fxdp.engines import (
 )
 from fxdp.engines.whole_model import whole_model_op
 from fxdp.grad_sample.generic import check_loss_reduction
+from fxdp.grad_sample.bookkeeping import BookkeepingSink, describe_plans, plan_graph
 from fxdp.grad_sample.sink import GradientSink, GradSampleSink
 from fxdp.passes.batch_dim import propagate_batch_dim
 from fxdp.passes.inplace import remove_inplace_ops
@@ -160,7 +161,8 @@ def compile_for_dp(
         engine = "hooks" if gm is None else grad_sample_mode
         wrapped = _wrap(model, engine, batch_first=(batch_dim == 0), loss_reduction=loss_reduction, sink=sink)
         reason = None if gm is None else f"grad_sample_mode={grad_sample_mode!r} was asked for"
-        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, engine, reason))
+        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, engine, reason,
+                                                    notes=_bookkeeping_notes(sink, engine)))
         return wrapped
 
     analysed = None if example_inputs is not None else torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
@@ -174,14 +176,27 @@ def compile_for_dp(
         wrapped = whole_model_op(model, gm, loss_reduction=loss_reduction, batch_dim=batch_dim, sink=sink)
         reason = (f"{len(unsupported)} parametrised op(s) the graph engine cannot handle (see per_sample findings); "
                   "the whole model runs as one op with the generic per-sample rule")
-        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, "fx+whole-model", reason))
+        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, "fx+whole-model", reason,
+                                                    notes=_bookkeeping_notes(sink, "fx+whole-model")))
         return wrapped
 
-    notes = [_NO_INPUTS_NOTE] if analysed is not None else []
+    notes = ([_NO_INPUTS_NOTE] if analysed is not None else []) + _bookkeeping_notes(sink, "fx", gm)
     setattr(gm, _REPORT_ATTR, _make_report(model, traced, reports, notes=notes))
     if analysed is not None:
         _analyse_on_first_batch(gm, analysed, batch_dim, strict)
     return gm
+
+
+def _bookkeeping_notes(sink: Optional[GradientSink], engine: str, gm: Optional[torch.fx.GraphModule] = None):
+    """With a book-keeping sink, the report says how each layer's norms are computed, or why not."""
+    if not isinstance(sink, BookkeepingSink):
+        return []
+    if engine == "fx+whole-model":
+        return ["book-keeping: the whole model runs as one op with the generic rule, so every per-sample "
+                "gradient is materialised"]
+    plans = describe_plans(plan_graph(gm, sink.method)) if gm is not None else []
+    return plans or [f"book-keeping on the {engine} engine: each layer's method is chosen from its shapes on the "
+                     "first backward (model.fxdp_sink.plans)"]
 
 
 def _analyse_on_first_batch(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule, batch_dim: int, strict: bool):

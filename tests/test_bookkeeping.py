@@ -498,3 +498,14 @@ def test_hooks_engine_delivers_to_the_bookkeeping_sink():
 def test_engines_that_write_grad_sample_themselves_take_no_sink():
     with pytest.raises(ValueError, match="delivers nothing to a sink"):
         fxdp.compile_for_dp(nn.Linear(2, 2), grad_sample_mode="ew", sink=BookkeepingSink())
+
+
+def test_the_compile_report_says_how_each_layer_is_bookkept():
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
+    notes = fxdp.report(fxdp.compile_for_dp(model, example_inputs=torch.randn(3, 1, 6, 6), sink=BookkeepingSink())).notes
+    assert [n.split(":")[1].strip() for n in notes] == ["'0' (Conv2d)", "'2' (Linear)"]
+    assert "outer (input (N, d)" in notes[1]
+    assert fxdp.report(fxdp.compile_for_dp(model, example_inputs=torch.randn(3, 1, 6, 6))).notes == ()
+    hooked = fxdp.report(fxdp.compile_for_dp(model, grad_sample_mode="hooks", sink=BookkeepingSink())).notes
+    assert hooked == ("book-keeping on the hooks engine: each layer's method is chosen from its shapes on the first "
+                      "backward (model.fxdp_sink.plans)",)
