@@ -16,7 +16,8 @@ plan of every layer it saw in :attr:`BookkeepingSink.plans` so a report can say 
 ``ghost``      Linear on ``(N, T, d)``, Conv through its unfolded ``(N, L, C*k)`` form:
                ``<A_i A_i^T, G_i G_i^T>``, cost ``~ T^2 (d + p)`` per sample.
 ``per_sample`` the same layers when materialising the weight's per-sample gradient (``~ T d p``) is
-               cheaper; it is formed for the norm only and dropped at once.
+               cheaper. Where it is also smaller than A and G it is kept (formed during backward, so A
+               and G are freed) and the clipped sum is ``sum_i c_i g_i``; else it is dropped at once.
 ``index``      Embedding: rows of equal index summed per sample, ``sum_v ||sum_{t: idx_t = v} g_t||^2``
                (the index-equality form of ``sum_{t,s} [idx_t = idx_s] <g_t, g_s>``), no ``(V, D)`` tensor.
 ``materialise`` norm layers, the generic rule, anything else: ``capture.grad_samples()`` (their parameters

@@ -93,6 +93,10 @@ class BookkeepingSink(GradientSink):
                 out[p] = _ConvWeight(module, a, g, plan.method)
             else:
                 out[p] = _EmbeddingWeight(module, a, g)
+            if plan.method == "per_sample" and p.numel() <= a[0].numel() + g[0].numel():
+                # its per-sample gradient is formed for the norm anyway and is smaller than A and G: keep it
+                # now (A and G are freed as backward goes on) and clip by a weighted sum, not a product
+                out[p] = _Materialised(out[p].grad_samples())
         return out
 
     def _publish(self, task: int) -> None:
