@@ -12,6 +12,7 @@ the torch profiler's CPU memory events (``profile_memory=True``; each op's own a
 summed in start order), one profiled step per engine after the timed ones. Python objects are not counted.
 
 Usage: python benchmarks/dp_step_speed.py [--repeats 20] [--threads 2] [--models mlp,cnn,resnet,transformer]
+       [--engines fxdp,opacus-ghost]
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def peak_memory_mb(step: Callable[[], None]) -> float:
     return peak / 2**20
 
 
-def run(names, repeats):
+def run(names, repeats, engines=None):
     try:
         import opacus  # noqa: F401
 
@@ -138,6 +139,8 @@ def run(names, repeats):
         opacus_modes = ()
         print("opacus is not installed: only fxdp is timed (pip install opacus to compare)")
     makers = {"plain": plain_step, "fxdp": fxdp_step, **{f"opacus-{m}": opacus_step(m) for m in opacus_modes}}
+    if engines:
+        makers = {k: v for k, v in makers.items() if k == "plain" or k in engines}
     rows = []
     for name in names:
         factory, make_x, n, classes = CASES[name]
@@ -169,6 +172,7 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--models", default=",".join(CASES))
+    parser.add_argument("--engines", default="", help="comma-separated subset (plain always runs), default all")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    run(args.models.split(","), args.repeats)
+    run(args.models.split(","), args.repeats, [e for e in args.engines.split(",") if e])
