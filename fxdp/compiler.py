@@ -7,7 +7,7 @@ report names it (``fx``, ``fx+whole-model``, ``hooks``, ``ew``, ``functorch``, `
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.fx
@@ -34,7 +34,8 @@ from fxdp.engines import (
 )
 from fxdp.engines.whole_model import whole_model_op
 from fxdp.grad_sample.generic import check_loss_reduction
-from fxdp.grad_sample.sink import GradSampleSink
+from fxdp.grad_sample.bookkeeping import BookkeepingSink, describe_plans, plan_graph
+from fxdp.grad_sample.sink import GradientSink, GradSampleSink
 from fxdp.passes.batch_dim import propagate_batch_dim
 from fxdp.passes.inplace import remove_inplace_ops
 from fxdp.passes.per_sample import insert_per_sample_ops, update_site_layouts
@@ -130,9 +131,15 @@ def compile_for_dp(
     loss_reduction: str = "mean",
     strict: bool = False,
     grad_sample_mode: str = "fx",
+    sink: Optional[GradientSink] = None,
 ) -> nn.Module:
     """Make ``model`` compute per-sample gradients: after ``loss.backward()`` every trainable parameter
     ``p`` has ``p.grad_sample`` of shape ``(N, *p.shape)``, row i being sample i's own gradient.
+
+    ``sink``: where the model's DP-aware ops deliver in backward (``model.fxdp_sink``). By default a
+    :class:`~fxdp.grad_sample.sink.GradSampleSink`, which writes ``p.grad_sample``; a
+    :class:`~fxdp.grad_sample.bookkeeping.BookkeepingSink` keeps per-sample norms and clipped sums
+    instead (no ``p.grad_sample``, no ``p.grad`` for the layers it book-keeps: the DP optimizer writes it).
 
     Returns a ``torch.fx.GraphModule`` sharing the model's parameters, or — when the model cannot be
     traced — the hooks engine around it; ``fxdp.report(result)`` says which and why. Raises
@@ -145,17 +152,21 @@ def compile_for_dp(
     if batch_dim not in (0, 1):
         raise ValueError(f"batch_dim must be 0 (batch first) or 1 (time major), got {batch_dim!r}")
 
+    if sink is not None and grad_sample_mode in ("ew", "no_op"):
+        raise ValueError(f"fxdp: grad_sample_mode={grad_sample_mode!r} writes p.grad_sample itself and delivers "
+                         "nothing to a sink; leave sink=None, or use grad_sample_mode='fx' or 'hooks'")
     gm, traced, reports = _analyse(model, example_inputs, batch_dim, strict)
     _refuse_if_not_private(reports)
     if gm is None or grad_sample_mode != "fx":
         engine = "hooks" if gm is None else grad_sample_mode
-        wrapped = _wrap(model, engine, batch_first=(batch_dim == 0), loss_reduction=loss_reduction)
+        wrapped = _wrap(model, engine, batch_first=(batch_dim == 0), loss_reduction=loss_reduction, sink=sink)
         reason = None if gm is None else f"grad_sample_mode={grad_sample_mode!r} was asked for"
-        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, engine, reason))
+        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, engine, reason,
+                                                    notes=_bookkeeping_notes(sink, engine)))
         return wrapped
 
     analysed = None if example_inputs is not None else torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    sink = GradSampleSink()  # one per compiled model: its DP-aware ops deliver here
+    sink = sink if sink is not None else GradSampleSink()  # one per compiled model: its DP-aware ops deliver here
     gm = _run("per_sample", insert_per_sample_ops, gm, reports, loss_reduction=loss_reduction, batch_dim=batch_dim,
               sink=sink)
     unsupported = [f for f in reports[-1].findings if f.severity is not Severity.INFO]
@@ -165,14 +176,27 @@ def compile_for_dp(
         wrapped = whole_model_op(model, gm, loss_reduction=loss_reduction, batch_dim=batch_dim, sink=sink)
         reason = (f"{len(unsupported)} parametrised op(s) the graph engine cannot handle (see per_sample findings); "
                   "the whole model runs as one op with the generic per-sample rule")
-        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, "fx+whole-model", reason))
+        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, "fx+whole-model", reason,
+                                                    notes=_bookkeeping_notes(sink, "fx+whole-model")))
         return wrapped
 
-    notes = [_NO_INPUTS_NOTE] if analysed is not None else []
+    notes = ([_NO_INPUTS_NOTE] if analysed is not None else []) + _bookkeeping_notes(sink, "fx", gm)
     setattr(gm, _REPORT_ATTR, _make_report(model, traced, reports, notes=notes))
     if analysed is not None:
         _analyse_on_first_batch(gm, analysed, batch_dim, strict)
     return gm
+
+
+def _bookkeeping_notes(sink: Optional[GradientSink], engine: str, gm: Optional[torch.fx.GraphModule] = None):
+    """With a book-keeping sink, the report says how each layer's norms are computed, or why not."""
+    if not isinstance(sink, BookkeepingSink):
+        return []
+    if engine == "fx+whole-model":
+        return ["book-keeping: the whole model runs as one op with the generic rule, so every per-sample "
+                "gradient is materialised"]
+    plans = describe_plans(plan_graph(gm, sink.method)) if gm is not None else []
+    return plans or [f"book-keeping on the {engine} engine: each layer's method is chosen from its shapes on the "
+                     "first backward (model.fxdp_sink.plans)"]
 
 
 def _analyse_on_first_batch(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule, batch_dim: int, strict: bool):
@@ -225,7 +249,8 @@ _WRAPPERS = {
 }
 
 
-def _wrap(model: nn.Module, engine: str, *, batch_first: bool, loss_reduction: str, strict: bool = False) -> nn.Module:
+def _wrap(model: nn.Module, engine: str, *, batch_first: bool, loss_reduction: str, strict: bool = False,
+          sink: Optional[GradientSink] = None) -> nn.Module:
     if engine == "hooks":
-        return GradSampleModule(model, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
-    return _WRAPPERS[engine](model, batch_first=batch_first, loss_reduction=loss_reduction)
+        return GradSampleModule(model, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict, sink=sink)
+    return _WRAPPERS[engine](model, batch_first=batch_first, loss_reduction=loss_reduction, sink=sink)

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxdp.grad_sample.accumulate import layer_capture
+from fxdp.grad_sample.bookkeeping import call_without_param_grads
 from fxdp.grad_sample.generic import layout_grad_samples, summed_loss_backprops
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.grad_sample.sink import GradientSink, LayerCapture
@@ -178,9 +179,14 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
     layouts = _tensor_layouts(site, leaves)
     leaves, layouts = _expand_broadcast(leaves, layouts, n)
     args, kwargs = pytree.tree_unflatten(leaves, spec)
-    out = module(*args, **kwargs)
-    trainable = {name: p for name, p in module.named_parameters() if p.requires_grad}
     arg_params = [i for i, leaf in enumerate(leaves) if isinstance(leaf, nn.Parameter) and leaf.requires_grad]
+    out = None
+    if getattr(site.sink, "skips_param_grads", False) and not arg_params:
+        # the sink forms each parameter's gradient itself (book-keeping): only input gradients flow
+        out = call_without_param_grads(module, args, kwargs)
+    if out is None:
+        out = module(*args, **kwargs)
+    trainable = {name: p for name, p in module.named_parameters() if p.requires_grad}
     outputs = _output_tensors(out)
     if not (trainable or arg_params) or not outputs:
         return out

@@ -1,0 +1,178 @@
+"""Time one full DP-SGD training step (forward, backward, clip, noise, optimizer step), side by side in one
+run, engines taking turns, as a ratio to a non-private step (forward, backward, optimizer step):
+
+- ``plain``: plain PyTorch, the floor (ratio 1.00);
+- ``fxdp``: the compiled model with the book-keeping sink and fxdp's DP optimizer;
+- ``opacus-hooks`` / ``opacus-ghost`` / ``opacus-functorch`` / ``opacus-ew``: every Opacus mode that runs
+  the model (``pip install opacus``; not a dependency of fxdp). A mode that fails on a model is listed
+  with its error instead of a time.
+
+Peak memory: the largest amount of memory torch allocated above its level at the start of a step, from
+the torch profiler's CPU memory events (``profile_memory=True``; each op's own allocations minus frees,
+summed in start order), one profiled step per engine after the timed ones. Python objects are not counted.
+
+Usage: python benchmarks/dp_step_speed.py [--repeats 20] [--threads 2] [--models mlp,cnn,resnet,transformer]
+       [--engines fxdp,opacus-ghost]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Callable, Dict
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import models  # noqa: E402
+
+import fxdp  # noqa: E402
+from fxdp.grad_sample.bookkeeping import BookkeepingSink  # noqa: E402
+
+# name -> (model factory, batch of inputs, batch size, classes); the sizes the issue names
+CASES = {
+    "mlp": (models.mlp, lambda n: torch.randn(n, 1, 28, 28), 256, 10),
+    "cnn": (models.mnist_cnn, lambda n: torch.randn(n, 1, 28, 28), 256, 10),
+    "resnet": (models.ResNetGN, lambda n: torch.randn(n, 3, 32, 32), 64, 10),
+    "transformer": (models.Transformer, lambda n: torch.randint(0, 1000, (n, 64)), 32, 2),
+}
+NOISE, CLIP, LR = 1.0, 1.0, 0.05
+OPACUS_MODES = ("hooks", "ghost", "functorch", "ew")
+
+
+def plain_step(model, x, y) -> Callable[[], None]:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def step():
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def fxdp_step(model, x, y) -> Callable[[], None]:
+    """The compiled model delivering to a book-keeping sink, and fxdp's DP optimizer reading it."""
+    from fxdp.optim import DPOptimizer  # noqa: E402  (fails, and is reported, where fxdp.optim is missing)
+
+    sink = BookkeepingSink()
+    dp_model = fxdp.compile_for_dp(model, example_inputs=x, sink=sink)
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=LR), noise_multiplier=NOISE, max_grad_norm=CLIP,
+                      expected_batch_size=len(x), sink=sink)
+
+    def step():
+        opt.zero_grad()
+        F.cross_entropy(dp_model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def opacus_step(mode: str):
+    def make(model, x, y) -> Callable[[], None]:
+        from opacus import PrivacyEngine
+
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=len(x))
+        kwargs = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=loader,
+                      noise_multiplier=NOISE, max_grad_norm=CLIP, grad_sample_mode=mode, poisson_sampling=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if mode == "ghost":  # ghost clipping runs its second backward from the loss it wraps
+                dp_model, opt, criterion, _ = PrivacyEngine().make_private(criterion=nn.CrossEntropyLoss(), **kwargs)
+            else:
+                dp_model, opt, _ = PrivacyEngine().make_private(**kwargs)
+                criterion = nn.CrossEntropyLoss()
+
+        def step():
+            with warnings.catch_warnings():  # Opacus's hooks warn at every step
+                warnings.simplefilter("ignore")
+                criterion(dp_model(x), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+        step()  # a mode that cannot run the model fails here, not in the timed loop
+        return step
+
+    return make
+
+
+def median_ms(steps: Dict[str, Callable[[], None]], repeats: int) -> Dict[str, float]:
+    """Median milliseconds per step; the engines take turns, so drift in machine load hits all alike."""
+    for step in steps.values():  # warm-up
+        step()
+    times = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
+def peak_memory_mb(step: Callable[[], None]) -> float:
+    """Peak of torch's CPU allocations during one step, above the level at its start (profiler events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    current = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        current += event.self_cpu_memory_usage
+        peak = max(peak, current)
+    return peak / 2**20
+
+
+def run(names, repeats, engines=None):
+    try:
+        import opacus  # noqa: F401
+
+        opacus_modes = OPACUS_MODES
+    except ImportError:
+        opacus_modes = ()
+        print("opacus is not installed: only fxdp is timed (pip install opacus to compare)")
+    makers = {"plain": plain_step, "fxdp": fxdp_step, **{f"opacus-{m}": opacus_step(m) for m in opacus_modes}}
+    if engines:
+        makers = {k: v for k, v in makers.items() if k == "plain" or k in engines}
+    rows = []
+    for name in names:
+        factory, make_x, n, classes = CASES[name]
+        torch.manual_seed(0)
+        model = factory()
+        x, y = make_x(n), torch.randint(0, classes, (n,))
+        steps, failed = {}, {}
+        for engine, make in makers.items():
+            try:
+                steps[engine] = make(copy.deepcopy(model), x, y)
+            except Exception as exc:  # reported in the table, never hidden
+                failed[engine] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}"
+        ms = median_ms(steps, repeats)
+        memory = {engine: peak_memory_mb(step) for engine, step in steps.items()}
+        for engine in makers:
+            if engine in failed:
+                rows.append([name, n, engine, "fails", "", "", failed[engine]])
+                continue
+            rows.append([name, n, engine, f"{ms[engine]:.1f}", f"{ms[engine] / ms['plain']:.2f}",
+                         f"{memory[engine]:.0f}", f"{memory[engine] / max(memory['plain'], 1e-9):.2f}"])
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {repeats} steps per engine; "
+          "engines take turns; peak memory from torch profiler CPU memory events")
+    print(tabulate(rows, headers=["model", "batch", "engine", "ms/step", "vs plain", "peak MiB", "mem vs plain"],
+                   tablefmt="github"))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--models", default=",".join(CASES))
+    parser.add_argument("--engines", default="", help="comma-separated subset (plain always runs), default all")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    run(args.models.split(","), args.repeats, [e for e in args.engines.split(",") if e])

@@ -1,0 +1,40 @@
+"""Book-keeping clipping: per-sample gradient norms and clipped sums from each layer's input ``A`` and
+output gradient ``G``, without a per-sample gradient per parameter where a cheaper form exists
+(Bu et al., "Differentially Private Optimization on Large Model at Small Cost", 2023).
+
+During backward every DP-aware op hands the sink a :class:`~fxdp.grad_sample.sink.LayerCapture`. The sink
+keeps ``A`` and ``G`` (not per-sample gradients) and, when the backward pass ends, computes each
+parameter's per-sample squared norms. After backward the optimizer asks for the norms and, with one clip
+factor ``c_i`` per sample, for each parameter's clipped sum ``sum_i c_i g_i``: that is the layer's ordinary
+weight-gradient product with ``G`` scaled by ``c_i`` row by row, so no ``(N, *p.shape)`` tensor is needed.
+
+How each layer's norms are computed is chosen from static shapes (:func:`plan_layer`; the sink keeps the
+plan of every layer it saw in :attr:`BookkeepingSink.plans` so a report can say which and why):
+
+=============  ====================================================================================
+``outer``      Linear on ``(N, d)``: ``||g_i||^2 = ||a_i||^2 ||g_i||^2`` (weight), ``||g_i||^2`` (bias).
+``ghost``      Linear on ``(N, T, d)``, Conv through its unfolded ``(N, L, C*k)`` form:
+               ``<A_i A_i^T, G_i G_i^T>``, cost ``~ T^2 (d + p)`` per sample.
+``per_sample`` the same layers when materialising the weight's per-sample gradient (``~ T d p``) is
+               cheaper. Where it is also smaller than A and G it is kept (formed during backward, so A
+               and G are freed) and the clipped sum is ``sum_i c_i g_i``; else it is dropped at once.
+``index``      Embedding: rows of equal index summed per sample, ``sum_v ||sum_{t: idx_t = v} g_t||^2``
+               (the index-equality form of ``sum_{t,s} [idx_t = idx_s] <g_t, g_s>``), no ``(V, D)`` tensor.
+``materialise`` norm layers, the generic rule, anything else: ``capture.grad_samples()`` (their parameters
+               are small); norms and clipped sums read from the per-sample tensor.
+=============  ====================================================================================
+
+A parameter that receives several captures in one backward pass (tied weights, a layer called twice)
+gets the norm of the *sum* of its contributions, ``||sum_k g_i^(k)||``: from cross terms
+``sum_{k,l} <A^k_i A^l_i^T, G^k_i G^l_i^T>`` when all its uses are Linear, from the concatenated
+indices when all are Embedding, else by materialising that parameter alone. Its clipped sum is the sum of
+each use's re-weighted product. Successive backward passes before a step append rows in call order, as
+``p.grad_sample`` does.
+"""
+
+from fxdp.grad_sample.bookkeeping.calls import call_without_param_grads
+from fxdp.grad_sample.bookkeeping.plans import METHODS, LayerPlan, describe_plans, plan_graph, plan_layer
+from fxdp.grad_sample.bookkeeping.sink import BookkeepingSink
+
+__all__ = ["BookkeepingSink", "LayerPlan", "plan_layer", "plan_graph", "describe_plans", "METHODS",
+           "call_without_param_grads"]

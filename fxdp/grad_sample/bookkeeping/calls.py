@@ -1,0 +1,91 @@
+"""Layers called so that backward computes their input gradients only: for a book-kept layer the sink's
+clipped sum replaces the weight gradient, so computing it in backward too would be wasted."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fxdp.grad_sample.bookkeeping.plans import _CONVS, _own_rule
+from fxdp.grad_sample.conv import _pad_activations, conv_grad_sample
+from fxdp.grad_sample.embedding import embedding_grad_sample
+from fxdp.grad_sample.linear import linear_grad_sample
+
+
+class _LinearInputGradOnly(torch.autograd.Function):
+    """``F.linear`` whose backward computes the input gradient only: the weight gradient, the product
+    the sink forms later with re-weighted rows, is not computed twice."""
+
+    @staticmethod
+    def forward(x, weight, bias):
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return (grad.matmul(weight.to(grad.dtype)) if ctx.needs_input_grad[0] else None), None, None
+
+
+class _ConvInputGradOnly(torch.autograd.Function):
+    """A convolution (input already padded as the layer pads it) whose backward computes the input
+    gradient only."""
+
+    @staticmethod
+    def forward(x, weight, bias, stride, padding, dilation, groups):
+        return torch.convolution(x, weight, bias, stride, padding, dilation, False, [0] * len(padding), groups)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, _, ctx.stride, ctx.padding, ctx.dilation, ctx.groups = inputs
+        ctx.save_for_backward(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 7
+        x, weight = ctx.saved_tensors
+        grad_x, _, _ = torch.ops.aten.convolution_backward(
+            grad, x, weight, None, ctx.stride, ctx.padding, ctx.dilation, False, [0] * len(ctx.padding),
+            ctx.groups, [True, False, False],
+        )
+        return (grad_x,) + (None,) * 6
+
+
+class _EmbeddingNoGrad(torch.autograd.Function):
+    """A lookup whose backward computes nothing (indices have no gradient; the weight's is the sink's)."""
+
+    @staticmethod
+    def forward(indices, weight, padding_idx):
+        return torch.nn.functional.embedding(indices, weight, padding_idx)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None
+
+
+def call_without_param_grads(module: nn.Module, args: tuple, kwargs: dict):
+    """``module(*args, **kwargs)`` with the same output, whose backward gives input gradients but no
+    parameter gradients — for a layer the sink book-keeps (its clipped sum replaces the weight
+    gradient). Returns ``None`` where that does not apply: the caller then calls the layer as usual."""
+    if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or not torch.is_grad_enabled():
+        return None
+    x = args[0]
+    if _own_rule(module, nn.Linear, linear_grad_sample):
+        return _LinearInputGradOnly.apply(x, module.weight, module.bias)
+    if _own_rule(module, _CONVS, conv_grad_sample) and x.dim() == len(module.kernel_size) + 2:
+        x, padding = _pad_activations(module, x)
+        return _ConvInputGradOnly.apply(x, module.weight, module.bias, list(module.stride), list(padding),
+                                        list(module.dilation), module.groups)
+    if (_own_rule(module, nn.Embedding, embedding_grad_sample) and module.max_norm is None
+            and not module.scale_grad_by_freq and not module.sparse):
+        return _EmbeddingNoGrad.apply(x, module.weight, module.padding_idx)
+    return None
+

@@ -1,0 +1,135 @@
+"""Which way each layer's per-sample norms are computed, chosen from static shapes (see the package)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxdp import meta
+from fxdp.grad_sample.conv import conv_grad_sample
+from fxdp.grad_sample.embedding import embedding_grad_sample
+from fxdp.grad_sample.linear import linear_grad_sample
+from fxdp.grad_sample.registry import find_grad_sampler
+from fxdp.layout import parse_layout
+
+METHODS = ("outer", "ghost", "per_sample", "index", "materialise")
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How one layer's per-sample norms are computed, and why (costs are multiply-adds per sample)."""
+
+    layer: str  # "Linear", "Conv2d", "Embedding", "LayerNorm", "generic", ...
+    method: str  # one of METHODS
+    reason: str
+    ghost_cost: Optional[int] = None
+    per_sample_cost: Optional[int] = None
+
+
+def _own_rule(module: nn.Module, bases, rule) -> bool:
+    """The built-in rule applies: the module is one of ``bases`` and keeps its forward, and nobody
+    registered another rule for its type (then the book-keeping formulas may not describe it)."""
+    bases = bases if isinstance(bases, tuple) else (bases,)
+    return (
+        isinstance(module, bases)
+        and any(type(module).forward is b.forward for b in bases)
+        and find_grad_sampler(module) is rule
+    )
+
+
+def _pick(layer: str, ghost: int, per_sample: int, prefer: Optional[str], what: str) -> LayerPlan:
+    if prefer in ("ghost", "per_sample"):
+        method, reason = prefer, f"{prefer} forced by the sink's method argument"
+    elif ghost <= per_sample:
+        method, reason = "ghost", f"{what}: ghost norm {ghost:,} <= per-sample gradient {per_sample:,} mult-adds/sample"
+    else:
+        method, reason = "per_sample", f"{what}: per-sample gradient {per_sample:,} < ghost norm {ghost:,} mult-adds/sample"
+    return LayerPlan(layer, method, reason, ghost, per_sample)
+
+
+def plan_layer(
+    module: Optional[nn.Module],
+    activation_shapes: Sequence[Sequence[int]],
+    backprop_shape: Optional[Sequence[int]],
+    prefer: Optional[str] = None,
+) -> LayerPlan:
+    """The norm method for ``module`` seeing batch-first inputs and output gradient of these shapes.
+
+    Only shapes are read, so the compiler can call it with the shapes its batch_dim pass found.
+    ``prefer`` ("ghost" / "per_sample") overrides the cost comparison for Linear and Conv layers.
+    """
+    if module is None:
+        return LayerPlan("generic", "materialise", "functional use of parameters: the generic rule materialises")
+    name = type(module).__name__
+    if backprop_shape is None or not activation_shapes:
+        return LayerPlan(name, "materialise", "no (A, G) pair delivered: the layer's rule materialises")
+    a, g = list(activation_shapes[0]), list(backprop_shape)
+    if _own_rule(module, nn.Linear, linear_grad_sample):
+        if len(a) < 2 or a[:-1] != g[:-1] or a[-1] != module.in_features or g[-1] != module.out_features:
+            return LayerPlan(name, "materialise", f"input {tuple(a)} / output gradient {tuple(g)} not (N, *, d) -> (N, *, p)")
+        t = math.prod(a[1:-1])
+        if t == 1:
+            return LayerPlan(name, "outer", "input (N, d): ||a_i|| * ||g_i||")
+        d, p = a[-1], g[-1]
+        return _pick(name, t * t * (d + p), t * d * p, prefer, f"sequence T={t}, d={d}, p={p}")
+    if _own_rule(module, _CONVS, conv_grad_sample):
+        nd = len(module.kernel_size)
+        if len(a) != nd + 2 or len(g) != nd + 2 or a[0] != g[0]:
+            return LayerPlan(name, "materialise", f"input {tuple(a)} is not batched (N, C, *spatial)")
+        length, k = math.prod(g[2:]), math.prod(module.kernel_size)
+        groups = module.groups
+        cin_g, cout_g = module.in_channels // groups, module.out_channels // groups
+        ghost = length * cin_g * groups * k + groups * length * length * (cin_g * k + cout_g)  # unfold + grams
+        per_sample = length * groups * cin_g * k * cout_g
+        return _pick(name, ghost, per_sample, prefer, f"L={length}, C_in*k={cin_g * k}, C_out={cout_g}, groups={groups}")
+    if _own_rule(module, nn.Embedding, embedding_grad_sample):
+        if module.max_norm is not None:
+            return LayerPlan(name, "materialise", "max_norm is set: the per-sample rule decides")
+        if module.scale_grad_by_freq:
+            return LayerPlan(name, "materialise", "scale_grad_by_freq: per-sample frequencies")
+        if a + [module.embedding_dim] != g:
+            return LayerPlan(name, "materialise", f"output gradient {tuple(g)} is not indices {tuple(a)} + (D,)")
+        return LayerPlan(name, "index", "rows of equal index summed per sample (no dense per-sample gradient)")
+    return LayerPlan(name, "materialise", "no book-keeping form: per-sample gradients from its rule (norm layers "
+                                          "and the generic rule; their parameters are small)")
+
+
+def plan_graph(gm: torch.fx.GraphModule, prefer: Optional[str] = None) -> List[Tuple[str, LayerPlan]]:
+    """``(layer name, plan)`` for every layer call the per_sample pass made a DP-aware op, from the shapes
+    the batch_dim pass recorded (compiled with example_inputs; ``[]`` without them). A layer called twice
+    is listed twice."""
+    source = getattr(gm, "fxdp_batch", None)
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    if source is None or source.input_index >= len(placeholders):
+        return []
+    batch = placeholders[source.input_index].meta.get(meta.FAKE_VALUE)
+    if not isinstance(batch, torch.Tensor):
+        return []
+    n = batch.shape[source.dim]
+    plans = []
+    for node in gm.graph.nodes:
+        if meta.PER_SAMPLE_RULE not in node.meta or len(node.args) < 3 or node.args[0].op != "get_attr":
+            continue  # functional uses of parameters: the generic rule, which always materialises
+        module = gm.get_submodule(node.args[0].target)
+        site = getattr(gm, node.args[1].target)
+        fakes = [a.meta.get(meta.FAKE_VALUE) if isinstance(a, torch.fx.Node) else None for a in node.args[3:]]
+        out = node.meta.get(meta.FAKE_VALUE)
+        try:
+            ins = [site.in_layout(i).to_batch_first(torch.empty(t.shape, device="meta"), n).shape
+                   for i, t in enumerate(t for t in fakes if isinstance(t, torch.Tensor))]
+            g = parse_layout(site.out_layouts[0]).to_batch_first(torch.empty(out.shape, device="meta"), n).shape
+        except Exception:  # shapes not recorded: the sink decides on the first batch (BookkeepingSink.plans)
+            continue
+        plans.append((node.args[0].target, plan_layer(module, ins, g, prefer)))
+    return plans
+
+
+def describe_plans(plans: Iterable[Tuple[str, LayerPlan]]) -> List[str]:
+    """One line per layer for a report: ``"book-keeping: 'fc1' (Linear): outer (input (N, d): ...)"``."""
+    return [f"book-keeping: '{name}' ({plan.layer}): {plan.method} ({plan.reason})" for name, plan in plans]

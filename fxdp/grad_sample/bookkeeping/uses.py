@@ -1,0 +1,223 @@
+"""What one capture contributed to one parameter (one *use*), and how its norms and clipped sum are formed
+from A and G: ``outer`` / ``ghost`` / ``per_sample`` for Linear and Conv weights, ``index`` for Embedding,
+and materialised per-sample gradients for everything else; the norms of a parameter used several times."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from fxdp.grad_sample.conv import _pad_activations, conv_grad_sample
+
+
+class _Use:
+    """What one capture contributed to one parameter: enough for its norm, its clipped sum and, if asked,
+    its per-sample gradient."""
+
+    batch_size: int
+
+    def squared_norms(self) -> torch.Tensor:  # (N,), this use alone
+        return self.grad_samples().flatten(1).pow(2).sum(1)
+
+    def clipped_sum(self, c: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def grad_samples(self) -> torch.Tensor:  # (N, *p.shape)
+        raise NotImplementedError
+
+
+class _Materialised(_Use):
+    def __init__(self, grad_samples: torch.Tensor):
+        self.gs = grad_samples
+        self.batch_size = grad_samples.shape[0]
+
+    def grad_samples(self):
+        return self.gs
+
+    def clipped_sum(self, c):
+        return torch.tensordot(c.to(self.gs.dtype), self.gs, dims=1)
+
+
+class _LinearWeight(_Use):
+    """Weight of a Linear layer: per-sample gradient ``G_i^T A_i`` with A (N, T, d), G (N, T, p)."""
+
+    def __init__(self, a: torch.Tensor, g: torch.Tensor, method: str):
+        n = g.shape[0]
+        self.a = a.reshape(n, -1, a.shape[-1]).to(g.dtype)
+        self.g = g.reshape(n, -1, g.shape[-1])
+        self.method = method
+        self.batch_size = n
+
+    def squared_norms(self):
+        if self.method == "outer":
+            return self.a.pow(2).sum((1, 2)) * self.g.pow(2).sum((1, 2))
+        if self.method == "ghost":
+            return _gram_dot(self.a, self.a, self.g, self.g)
+        return self.grad_samples().pow(2).sum((1, 2))
+
+    def grad_samples(self):
+        return torch.bmm(self.g.transpose(1, 2), self.a)
+
+    def clipped_sum(self, c):
+        g = self.g * c.to(self.g.dtype).view(-1, 1, 1)
+        return g.flatten(0, 1).t().mm(self.a.flatten(0, 1))
+
+
+def _gram_dot(a_k, a_l, g_k, g_l) -> torch.Tensor:
+    """``<A^k_i A^l_i^T, G^k_i G^l_i^T>`` for every sample i: the inner product of the two uses' per-sample
+    gradients ``G^k_i^T A^k_i`` and ``G^l_i^T A^l_i`` without forming either."""
+    return (torch.bmm(a_k, a_l.transpose(1, 2)) * torch.bmm(g_k, g_l.transpose(1, 2))).sum((1, 2))
+
+
+class _Summed(_Use):
+    """A bias: its per-sample gradient is G summed over every non-batch, non-channel position."""
+
+    def __init__(self, per_sample: torch.Tensor):
+        self.gs = per_sample  # (N, p), already materialised: as small as the bias
+        self.batch_size = per_sample.shape[0]
+
+    def grad_samples(self):
+        return self.gs
+
+    def clipped_sum(self, c):
+        return c.to(self.gs.dtype) @ self.gs
+
+
+class _ConvWeight(_Use):
+    """Weight of a Conv layer, from its input A (N, C_in, *S) and output gradient G (N, C_out, *L)."""
+
+    def __init__(self, module: nn.Module, a: torch.Tensor, g: torch.Tensor, method: str):
+        self.module, self.a, self.g, self.method = module, a.to(g.dtype), g, method
+        self.batch_size = g.shape[0]
+
+    def grad_samples(self):
+        return conv_grad_sample(self.module, [self.a], self.g)[self.module.weight]
+
+    def squared_norms(self):
+        if self.method != "ghost":
+            return super().squared_norms()
+        n, groups = self.batch_size, self.module.groups
+        u = _patches(self.module, self.a)  # (N * groups, L, k * C_in / groups)
+        g = self.g.reshape(n * groups, -1, u.shape[1]).transpose(1, 2)  # (N * groups, L, C_out / groups)
+        return _gram_dot(u, u, g, g).view(n, groups).sum(1)
+
+    def clipped_sum(self, c):
+        m = self.module
+        x, padding = _pad_activations(m, self.a)
+        g = self.g * c.to(self.g.dtype).view(-1, *[1] * (self.g.dim() - 1))
+        _, weight_grad, _ = torch.ops.aten.convolution_backward(
+            g, x, m.weight.detach(), None, list(m.stride), list(padding), list(m.dilation),
+            False, [0] * len(padding), m.groups, [False, True, False],
+        )
+        return weight_grad
+
+
+def _patches(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The convolution's input patches per sample and group, ``(N * groups, L, prod(k) * C_in / groups)``,
+    for any number of spatial dims, stride, padding and dilation. Channels are innermost (one copy of a
+    channels-last view: faster than unfolding channels-first); the columns are then not in the weight's
+    order, which the Gram matrix ``U U^T`` does not see."""
+    x, padding = _pad_activations(module, x)
+    if any(padding):
+        x = torch.nn.functional.pad(x, [p for p in reversed(padding) for _ in (0, 1)])
+    x = x.movedim(1, -1).contiguous()  # (N, *S, C)
+    n, spatial, c, groups = x.shape[0], x.shape[1:-1], x.shape[-1], module.groups
+    out = [(size - d * (k - 1) - 1) // s + 1
+           for size, k, s, d in zip(spatial, module.kernel_size, module.stride, module.dilation)]
+    steps = [x.stride(1 + j) for j in range(len(spatial))]
+    windows = x.as_strided(
+        (n, *out, *module.kernel_size, groups, c // groups),
+        (x.stride(0), *[st * s for st, s in zip(steps, module.stride)],
+         *[st * d for st, d in zip(steps, module.dilation)], c // groups, 1),
+    )
+    return windows.movedim(1 + 2 * len(spatial), 1).reshape(n * groups, math.prod(out), -1)
+
+
+class _EmbeddingWeight(_Use):
+    """Weight of an Embedding: sample i's gradient has row v = sum of g_t where idx_t = v (padding_idx
+    rows excluded)."""
+
+    def __init__(self, module: nn.Embedding, idx: torch.Tensor, g: torch.Tensor):
+        n = g.shape[0]
+        self.num_rows, self.padding_idx = module.num_embeddings, module.padding_idx
+        self.idx = idx.reshape(n, -1)
+        self.g = g.reshape(n, -1, g.shape[-1])
+        self.batch_size = n
+
+    def _kept(self):
+        """(sample id, index, g) of every looked-up position that is not padding."""
+        n, t = self.idx.shape
+        samples = torch.arange(n, device=self.idx.device).repeat_interleave(t)
+        idx, g = self.idx.reshape(-1), self.g.reshape(n * t, -1)
+        if self.padding_idx is not None:
+            keep = idx != self.padding_idx
+            samples, idx, g = samples[keep], idx[keep], g[keep]
+        return samples, idx, g
+
+    def squared_norms(self):
+        return _grouped_squared_norms([self], self.batch_size)
+
+    def grad_samples(self):
+        samples, idx, g = self._kept()
+        out = g.new_zeros(self.batch_size * self.num_rows, g.shape[-1])
+        out.index_add_(0, samples * self.num_rows + idx, g)
+        return out.view(self.batch_size, self.num_rows, -1)
+
+    def clipped_sum(self, c):
+        samples, idx, g = self._kept()
+        out = g.new_zeros(self.num_rows, g.shape[-1])
+        return out.index_add_(0, idx, g * c.to(g.dtype)[samples].unsqueeze(1))
+
+
+def _grouped_squared_norms(uses: Sequence[_EmbeddingWeight], n: int) -> torch.Tensor:
+    """``sum_v ||sum_{t: idx_t = v} g_t||^2`` per sample, over the positions of all ``uses`` together:
+    positions with the same (sample, index) are summed, then squared."""
+    parts = [u._kept() for u in uses]
+    samples = torch.cat([s for s, _, _ in parts])
+    keys = samples * uses[0].num_rows + torch.cat([i for _, i, _ in parts])
+    g = torch.cat([gg for _, _, gg in parts])
+    unique, inverse = torch.unique(keys, return_inverse=True)
+    rows = g.new_zeros(unique.shape[0], g.shape[-1]).index_add_(0, inverse, g)
+    return g.new_zeros(n).index_add_(0, unique // uses[0].num_rows, rows.pow(2).sum(1))
+
+
+# -- a parameter's uses in one backward pass ------------------------------------------------------------
+
+
+def _tied_squared_norms(uses: List[_Use], prefer: Optional[str]) -> torch.Tensor:
+    """Norms of the per-sample *sum* of several uses of one parameter."""
+    if all(isinstance(u, _LinearWeight) for u in uses):
+        t = [u.a.shape[1] for u in uses]
+        d, p = uses[0].a.shape[-1], uses[0].g.shape[-1]
+        ghost, per_sample = sum(t) ** 2 * (d + p), (sum(t) + 1) * d * p
+        if prefer == "ghost" or (prefer != "per_sample" and ghost <= per_sample):
+            return sum(_gram_dot(k.a, l.a, k.g, l.g) for k in uses for l in uses)
+    if all(isinstance(u, _EmbeddingWeight) for u in uses):
+        return _grouped_squared_norms(uses, uses[0].batch_size)
+    total = uses[0].grad_samples()
+    for u in uses[1:]:
+        total = total + u.grad_samples()
+    return total.flatten(1).pow(2).sum(1)
+
+
+@dataclass
+class _Segment:
+    """One backward pass's record of one parameter: its per-sample squared norms and the uses that
+    produce its clipped sum."""
+
+    norms: torch.Tensor
+    uses: List[_Use]
+
+
+def _same_batch(param: nn.Parameter, uses: List[_Use]) -> int:
+    sizes = {u.batch_size for u in uses}
+    if len(sizes) != 1:
+        raise RuntimeError(
+            f"fxdp: parameter of shape {tuple(param.shape)} was used with batches of {sorted(sizes)} samples in "
+            "one backward pass; per-sample norms need one batch per backward. Call backward once per batch"
+        )
+    return sizes.pop()
