@@ -37,6 +37,7 @@ from fxdp.compiler import compile_for_dp
 from fxdp.data import DPDataLoader
 from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer, bucket_bytes_of, check_poisson_group,
                               global_batch_size, split_data_parallel, wrap_like)
+from fxdp.grad_sample.bookkeeping import BookkeepingSink
 from fxdp.grad_sample.sink import sink_of
 from fxdp.optim import DPOptimizer
 from fxdp.optim.noise import secure_seed
@@ -83,6 +84,7 @@ class PrivacyEngine:
         batch_first: bool = True,
         example_inputs: Any = None,
         noise_generator: Optional[torch.Generator] = None,
+        materialise_grad_sample: bool = False,
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
         """Returns ``(compiled model, DPOptimizer, data loader)``.
 
@@ -93,12 +95,19 @@ class PrivacyEngine:
         batch size; without it the loader is kept (and the accounting is only an approximation).
         ``example_inputs``: a batch to compile with (without it, the analysis runs on the first
         batch). ``noise_generator``: a ``torch.Generator`` for reproducible noise (not in secure mode).
+
+        With ``grad_sample_mode="fx"`` the step is book-kept (:class:`~fxdp.grad_sample.bookkeeping.BookkeepingSink`):
+        one backward gives each layer's per-sample norms and clipped sum without materialising per-sample
+        gradients, and ``fxdp.report(module)`` says per layer how. ``materialise_grad_sample=True`` keeps
+        ``p.grad_sample`` instead (the other engines always materialise it).
         """
         _check_types(module, optimizer, data_loader)
         _check_optimizer_params_in_module(module, optimizer)
         module, ddp = split_data_parallel(module)  # DDP: compile its model; the optimizer communicates instead
+        bookkept = grad_sample_mode == "fx" and not materialise_grad_sample
         compiled = compile_for_dp(module, example_inputs, batch_dim=0 if batch_first else 1,
-                                  loss_reduction=loss_reduction, grad_sample_mode=grad_sample_mode)
+                                  loss_reduction=loss_reduction, grad_sample_mode=grad_sample_mode,
+                                  sink=BookkeepingSink() if bookkept else None)
         self._originals[compiled] = module
         data_loader, sample_rate, expected_batch_size = self._prepare_data(data_loader, poisson_sampling, ddp)
         optimizer_class, across_ranks = DPOptimizer, {}
