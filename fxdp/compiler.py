@@ -7,6 +7,7 @@ report names it (``fx``, ``fx+whole-model``, ``hooks``, ``ew``, ``functorch``, `
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -39,7 +40,7 @@ from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.sink import GradSampleSink
 from fxdp.passes.batch_dim import batched_input_names, bind_inputs, propagate_batch_dim
 from fxdp.passes.inplace import remove_inplace_ops
-from fxdp.passes.per_sample import insert_per_sample_ops, update_site_layouts
+from fxdp.passes.per_sample import insert_per_sample_ops, one_sample_layouts, update_site_layouts
 from fxdp.passes.validate import validate_graph
 from fxdp.tracing import trace
 from fxdp.diagnostics.errors import expect_module
@@ -239,14 +240,19 @@ def _reanalyse(guard: runtime.BatchSource, inputs) -> None:
                              "seen: fxdp re-ran it for them)")
     _refuse_if_not_private([result.report], when)
     problems, changes = update_site_layouts(ctx.analysed, guard, ctx.batch_dim)
-    if problems and guard.remembers_any() and guard.size_of(inputs) == 1:
-        # a batch of one leaves layouts ambiguous ((N*T, d) with N = 1 is also (T, d)); the layouts of an
-        # analysed batch hold for it as positions: each tensor then is the one sample's (rows are checked)
+    if problems and guard.size_of(inputs) == 1:
+        # a batch of one leaves layouts ambiguous ((N*T, d) with N = 1 is also (T, d)), but every tensor
+        # then is the one sample's: each site reads its tensors whole
+        one_sample_layouts(guard)
         return
     if problems:
-        raise NotPrivateError(problems, "fxdp cannot compute per-sample gradients on the graph for these ops at "
-                              f"input shapes {shapes}; compile with example_inputs shaped like the real inputs so "
-                              "fxdp can choose another engine up front:")
+        fix = ("train with the input shapes the model was analysed for, or compile again with example_inputs of "
+               "these shapes so that fxdp can choose another engine up front")
+        causes = [f for f in result.report.findings if f.severity is not Severity.INFO]
+        raise NotPrivateError([*causes, *(dataclasses.replace(f, fix=fix) for f in problems)],
+                              f"fxdp cannot follow the batch through the model for inputs of shapes {shapes}"
+                              + ("" if first else ", which the analysis had not seen (fxdp re-ran it for them)")
+                              + "; per-sample gradients would be wrong, so this forward is refused:")
     if first:
         previous = report(ctx.compiled)
         reports = [*[p for p in previous.passes if p.name not in ("batch_dim", "per_sample")], result.report,

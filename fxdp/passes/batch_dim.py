@@ -52,7 +52,7 @@ from fxdp.passes.batch_inputs import (
     choose_batch_inputs,
     input_name,
     named_batch_inputs,
-    output_at_home,
+    output_verdict,
 )
 from fxdp.passes.batch_rules import (
     Facts,
@@ -444,13 +444,14 @@ def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: 
                 f"fxdp batch_dim: the first tensor input has shape {tuple(first.shape)}, which has no dimension "
                 f"{batch_dim} to hold the batch; pass batch_dim=<where the batch is> (0 for batch-first).")
 
-        def consistent(hypothesis) -> bool:
+        def verdict(hypothesis) -> str:
             interpreter, _ = _interpret(gm, placeholders, values, *hypothesis, batch_dim, False)
+            if any(r.kind is Kind.MIXES_SAMPLES for r in interpreter.raw):
+                return "no"
             output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
-            return (not any(r.kind is Kind.MIXES_SAMPLES for r in interpreter.raw)
-                    and output_at_home(interpreter.layouts.get(output), batch_dim))
+            return output_verdict(interpreter.layouts.get(output), batch_dim)
 
-        chosen = choose_batch_inputs(placeholders, values, batch_dim, consistent)
+        chosen = choose_batch_inputs(placeholders, values, batch_dim, verdict)
     n, batched = chosen
     interpreter, input_layouts = _interpret(gm, placeholders, values, n, batched, batch_dim, strict)
 

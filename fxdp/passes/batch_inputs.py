@@ -7,15 +7,17 @@ is broadcast). Shared data is never "the batch" and never a reason to report mix
 
 Without ``batch_inputs=`` fxdp decides from all inputs (positional and keyword) and the graph:
 
-1. each distinct size at ``batch_dim`` among the tensor inputs (1 excepted) is a candidate batch
-   size N; the hypothesis for N makes every input with that size batched;
+1. each distinct size at ``batch_dim`` among the tensor inputs is a candidate batch size N (1 only
+   when no larger size fits: against a larger size, a size of 1 is broadcasting); the hypothesis
+   for N makes every input with that size batched;
 2. a hypothesis is *consistent* when the analysis finds no op mixing samples and the model's
    output carries the batch where its inputs do (dimension ``batch_dim``) — the loss is then a sum
-   over samples;
+   over samples; it is *not* when an op mixes samples or the output has no batch or has it elsewhere;
 3. one consistent hypothesis: taken. None: the inputs of size N are tried in smaller groups (a
    ``(T, T)`` mask with T == N is then seen to be shared). Still none: N is the first tensor
-   input's size, and the analysis reports what is wrong. Several: an error asks the user to name
-   the batched inputs with ``batch_inputs=``.
+   input's size (or the first reading where the analysis lost the batch rather than contradicted
+   it), and the analysis reports what is wrong. Several: an error asks the user to name the
+   batched inputs with ``batch_inputs=``.
 
 A model with a single batched-looking input costs one analysis, as before.
 """
@@ -29,7 +31,7 @@ import torch
 import torch.fx
 
 from fxdp.diagnostics import BatchDimAnalysisError
-from fxdp.layout import UNBATCHED_LAYOUT, BatchLayout
+from fxdp.layout import UNBATCHED_LAYOUT, UNKNOWN, BatchLayout
 from fxdp.passes.batch_rules import tensor_pairs
 
 Hypothesis = Tuple[int, FrozenSet[int]]  # (batch size N, positions of the batched inputs)
@@ -150,31 +152,36 @@ def named_batch_inputs(placeholders, values, batch_inputs: Sequence[Union[str, i
     return distinct[0], frozenset(chosen)
 
 
-def choose_batch_inputs(placeholders, values, batch_dim: int,
-                        consistent: Callable[[Hypothesis], bool]) -> Hypothesis:
-    """Decide which inputs carry the batch (see the module docstring); ``consistent(hypothesis)``
-    runs the analysis under a hypothesis and says whether it holds together."""
+YES, MAYBE, NO = "yes", "maybe", "no"  # is a hypothesis consistent? (maybe: the analysis lost the batch)
+
+
+def choose_batch_inputs(placeholders, values, batch_dim: int, verdict: Callable[[Hypothesis], str]) -> Hypothesis:
+    """Decide which inputs carry the batch (see the module docstring); ``verdict(hypothesis)`` runs the
+    analysis under a hypothesis and says whether it holds together (YES, MAYBE or NO)."""
     first = _first_tensor(values)
     default = (first.shape[batch_dim], _holders(values, first.shape[batch_dim], batch_dim))
-    candidates = list(dict.fromkeys(s for v in values for s in _sizes(v, batch_dim) if s != 1))
-    if not candidates or (len(candidates) == 1 and len(_holders(values, candidates[0], batch_dim)) == 1):
+    sizes = list(dict.fromkeys(s for v in values for s in _sizes(v, batch_dim)))
+    if len(sizes) == 1 and len(default[1]) == 1:
         return default  # one way to read the inputs: the analysis itself reports what is wrong
-    full = [(n, _holders(values, n, batch_dim)) for n in candidates]
-    found = [h for h in full if consistent(h)]
-    if not found:  # a shared input may have the batch size by coincidence (a (T, T) mask, T == N)
-        for n, group in full:
-            if not 2 <= len(group) <= _MAX_GROUP:
-                continue
-            for k in range(len(group) - 1, 0, -1):
-                smaller = [(n, frozenset(c)) for c in combinations(sorted(group), k)]
-                hits = [h for h in smaller if consistent(h)]
-                if hits:
-                    found += hits
-                    break
+    verdicts = {}
+
+    def consistent(h: Hypothesis) -> bool:
+        verdicts[h] = verdict(h)
+        return verdicts[h] == YES
+
+    found: List[Hypothesis] = []
+    # a size of 1 against a larger one is broadcasting: a batch of one is tried only when no larger fits
+    for candidates in ([s for s in sizes if s != 1], [1] if 1 in sizes else []):
+        full = [(n, _holders(values, n, batch_dim)) for n in candidates]
+        found = [h for h in full if consistent(h)]
+        if not found:  # a shared input may have the batch size by coincidence (a (T, T) mask, T == N)
+            found = [h for n, group in full for h in _smaller_groups(n, group, consistent)]
+        if found:
+            break
     if len(found) == 1:
         return found[0]
-    if not found:
-        return default
+    if not found:  # no reading holds together: the first one that does not contradict itself, if any
+        return next((h for h, v in verdicts.items() if v == MAYBE), default)
     names = [input_name(p) for p in placeholders]
     readings = "; ".join(f"{', '.join(repr(names[i]) for i in sorted(group))} as the batch (N={n})"
                          for n, group in found)
@@ -184,12 +191,26 @@ def choose_batch_inputs(placeholders, values, batch_dim: int,
         f"batch_inputs=({names[sorted(found[0][1])[0]]!r},)); the other inputs are then shared by all samples.")
 
 
-def output_at_home(layout, batch_dim: int) -> bool:
-    """Whether the first per-sample tensor of the model's output has the batch at ``batch_dim``."""
+def _smaller_groups(n: int, group: FrozenSet[int], consistent) -> List[Hypothesis]:
+    """The largest proper subsets of ``group`` that are consistent as the batched inputs."""
+    if not 2 <= len(group) <= _MAX_GROUP:
+        return []
+    for k in range(len(group) - 1, 0, -1):
+        hits = [(n, frozenset(c)) for c in combinations(sorted(group), k) if consistent((n, frozenset(c)))]
+        if hits:
+            return hits
+    return []
+
+
+def output_verdict(layout, batch_dim: int) -> str:
+    """YES when the first per-sample tensor of the model's output has the batch at ``batch_dim``, MAYBE
+    when the analysis lost track of it (unknown), NO otherwise (elsewhere, or no per-sample output)."""
     for lay in _leaves(layout):
+        if isinstance(lay, BatchLayout) and lay.kind == UNKNOWN:
+            return MAYBE
         if isinstance(lay, BatchLayout) and lay.is_batched:
-            return lay == BatchLayout.at(batch_dim)
-    return False
+            return YES if lay == BatchLayout.at(batch_dim) else NO
+    return NO
 
 
 def _leaves(layout) -> List[Any]:

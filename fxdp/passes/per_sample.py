@@ -30,7 +30,7 @@ from fxdp import meta, runtime
 from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity, op_name
 from fxdp.grad_sample.registry import rule_name
 from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
-from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED, UNKNOWN, BatchLayout
+from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED, UNKNOWN, BatchLayout, parse_layout
 from fxdp.tracing import source_location
 
 PASS_NAME = "per_sample"
@@ -276,3 +276,17 @@ def update_site_layouts(analysed: torch.fx.GraphModule, guard: runtime.BatchSour
             f"{', '.join(site.layouts) or '-'}, output {', '.join(site.out_layouts)}", "",
             source_location(by_name[site.node])))
     return problems, changes
+
+
+_WHOLE = str(BatchLayout.merged(0, 1))  # with N = 1: the whole tensor is the one sample's row
+
+
+def one_sample_layouts(guard: runtime.BatchSource) -> None:
+    """Layouts for a batch of one sample when the analysis cannot place the batch: every tensor that
+    is (or may be) per-sample is read whole as that sample's (shared inputs stay shared)."""
+    def whole(text: str) -> str:
+        return text if parse_layout(text).kind in (BROADCAST, UNBATCHED) else _WHOLE
+
+    for site in guard.sites:
+        site.layouts = [whole(text) for text in site.layouts]
+        site.out_layouts = [_WHOLE for _ in site.out_layouts]

@@ -92,9 +92,6 @@ class BatchSource:
             self._seen.popitem(last=False)
         self.current = signature
 
-    def remembers_any(self) -> bool:
-        return bool(self._seen)
-
     def _restore(self, signature) -> None:
         self.input_index, self.dim, layouts = self._seen[signature]
         for site, (ins, outs) in zip(self.sites, layouts):
