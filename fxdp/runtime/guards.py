@@ -143,9 +143,13 @@ def batch_size(source: BatchSource, *inputs) -> int:
 
 
 def forward_call(site) -> int:
-    """The number of the forward call a site is running in (0 for a site without a guard)."""
+    """The number of the forward call a site is running in (called once per call of the site). A site
+    without a guard (the whole-model op) is called once per forward: it counts its own calls."""
     guard = getattr(site, "guard", None)
-    return guard.calls if guard is not None else 0
+    if guard is not None:
+        return guard.calls
+    site.calls += 1
+    return site.calls
 
 
 __all__ = ["BatchSource", "FrozenUse", "TrainabilityChangedError", "batch_size", "forward_call", "input_signature"]

@@ -50,6 +50,7 @@ class PerSampleSite:
     description: str = ""  # for the report: "layer 'fc' (Linear)", "'mul' using 'scale'"
     sink: Optional[GradientSink] = field(default=None, repr=False, compare=False)  # the model's sink
     guard: Optional[BatchSource] = field(default=None, repr=False, compare=False)  # the model's fxdp_batch
+    calls: int = field(default=0, repr=False, compare=False)  # without a guard: calls so far (see forward_call)
 
     def in_layout(self, i: int) -> BatchLayout:
         if i >= len(self.layouts):  # a guess here could read another sample's data as this one's
