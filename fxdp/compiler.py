@@ -227,14 +227,15 @@ def _pin_batch_inputs(guard: runtime.BatchSource, values) -> None:
 def _reanalyse(guard: runtime.BatchSource, inputs) -> None:
     """The guard's callback for input shapes not analysed yet (the first batch without example_inputs)."""
     ctx = guard.context
+    first = ctx.compiled is not None and all(p.name != "batch_dim" for p in report(ctx.compiled).passes)
     try:
         result = propagate_batch_dim(ctx.analysed, tuple(inputs), batch_dim=ctx.batch_dim, strict=ctx.strict,
                                      batch_inputs=ctx.batch_inputs)
     except BatchDimAnalysisError as exc:
-        if exc.__cause__ is not None and not isinstance(exc.__cause__, FxdpError):
-            raise exc.__cause__  # an op of the model fails on these inputs: the error its forward would raise
-        raise
-    first = ctx.compiled is not None and all(p.name != "batch_dim" for p in report(ctx.compiled).passes)
+        if not first and exc.__cause__ is not None and not isinstance(exc.__cause__, FxdpError):
+            # an op of an analysed model fails on these inputs: the error its own forward raises
+            raise exc.__cause__
+        raise  # on the first batch, the analysis's error (the one example_inputs of that shape would give)
     shapes = ", ".join(str(tuple(x.shape)) for x in inputs if isinstance(x, torch.Tensor))
     when = "" if first else (f" (found when the model ran on inputs of shapes {shapes}, which the analysis had not "
                              "seen: fxdp re-ran it for them)")

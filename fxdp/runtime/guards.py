@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
+import torch.fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -100,6 +101,10 @@ class BatchSource:
         self.current = signature
 
     def check(self, inputs: Tuple[Any, ...]) -> None:
+        if any(isinstance(x, torch.fx.Proxy) for x in inputs):
+            # re-tracing would inline this call as shape arithmetic: the compiled model would lose its guards
+            raise FxdpError("fxdp: a compiled model cannot be traced again by torch.fx (its guards would be lost); "
+                            "trace or pickle the original model and compile the copy with fxdp.compile_for_dp")
         for use in self.frozen:
             if use.param.requires_grad:
                 raise TrainabilityChangedError(

@@ -27,7 +27,7 @@ from fxdp.grad_sample.generic import layout_grad_samples, summed_loss_backprops
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.grad_sample.sink import GradientSink, LayerCapture
 from fxdp.layout import BROADCAST, BatchLayout, parse_layout
-from fxdp.runtime.guards import BatchSource, batch_size, forward_call  # noqa: F401  (batch_size: re-exported)
+from fxdp.runtime.guards import BatchSource, forward_call
 
 
 @dataclass
