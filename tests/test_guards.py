@@ -119,6 +119,8 @@ def test_a_shape_for_which_the_analysis_no_longer_holds_is_refused_before_backwa
     assert model.fc.weight.grad_sample is None
     with pytest.raises(fxdp.NotPrivateError):  # and it stays refused for that shape
         compiled(torch.randn(8, 3))
+    with torch.no_grad():  # evaluation records nothing: nothing to refuse
+        torch.testing.assert_close(compiled(torch.randn(8, 3)).shape, torch.Size([4, 2]))
 
 
 # -- situation 2: the batch is not in the first input ----------------------------------------------

@@ -436,6 +436,7 @@ def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: 
     if first is None:
         raise BatchDimAnalysisError("fxdp batch_dim: example_inputs contain no tensor; give at least the "
                                     "batched input (a tensor with the batch at batch_dim).")
+    last: list = []  # the hypothesis analysed last, and its run: not repeated if it is chosen
     if batch_inputs is not None:
         chosen = named_batch_inputs(placeholders, values, batch_inputs, batch_dim)
     else:
@@ -445,7 +446,8 @@ def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: 
                 f"{batch_dim} to hold the batch; pass batch_dim=<where the batch is> (0 for batch-first).")
 
         def verdict(hypothesis) -> str:
-            interpreter, _ = _interpret(gm, placeholders, values, *hypothesis, batch_dim, False)
+            interpreter, layouts = _interpret(gm, placeholders, values, *hypothesis, batch_dim, False)
+            last[:] = [hypothesis, (interpreter, layouts)]
             if any(r.kind is Kind.MIXES_SAMPLES for r in interpreter.raw):
                 return "no"
             output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
@@ -453,7 +455,10 @@ def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: 
 
         chosen = choose_batch_inputs(placeholders, values, batch_dim, verdict)
     n, batched = chosen
-    interpreter, input_layouts = _interpret(gm, placeholders, values, n, batched, batch_dim, strict)
+    if not strict and last and last[0] == chosen:
+        interpreter, input_layouts = last[1]
+    else:
+        interpreter, input_layouts = _interpret(gm, placeholders, values, n, batched, batch_dim, strict)
 
     findings: Tuple[Finding, ...] = ()
     order = {node: i for i, node in enumerate(gm.graph.nodes)}

@@ -141,8 +141,10 @@ def input_signature(inputs: Tuple[Any, ...]) -> tuple:
 
 
 def batch_size(source: BatchSource, *inputs) -> int:
-    """The guard, then the number of samples in this forward call (see the module docstring)."""
-    source.check(inputs)
+    """The guard, then the number of samples in this forward call (see the module docstring). Without
+    grad mode no DP-aware op records anything (evaluation), so nothing needs guarding."""
+    if torch.is_grad_enabled():
+        source.check(inputs)
     source.calls += 1
     return source.size_of(inputs)
 

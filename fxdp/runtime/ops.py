@@ -156,6 +156,8 @@ def _generic_recorder(call, leaves, layouts, positions, out_layouts, n, site):
 def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwargs):
     """Call a layer; in backward, add the per-sample gradients of its parameters (and of parameters
     passed to it as arguments, as in ``self.act(self.raw)``)."""
+    if not torch.is_grad_enabled():  # evaluation: nothing to record, and layouts are not guarded then
+        return module(*args, **kwargs)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     layouts = _tensor_layouts(site, leaves)
     leaves, layouts = _expand_broadcast(leaves, layouts, n)
@@ -209,7 +211,7 @@ def per_sample_function(site: PerSampleSite, n: int, *args, **kwargs):
         i for i, leaf in enumerate(leaves) if isinstance(leaf, nn.Parameter) and leaf.requires_grad
     ]
     outputs = _output_tensors(out)
-    if not param_positions or not outputs:
+    if not param_positions or not outputs or not torch.is_grad_enabled():
         return out
     layouts = _tensor_layouts(site, leaves)
     out_layouts = _out_layouts(site, len(outputs))
