@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx
@@ -67,6 +67,7 @@ class BatchSource:
     sites: List[Any] = field(default_factory=list, repr=False)
     frozen: List[FrozenUse] = field(default_factory=list, repr=False)
     calls: int = 0  # forward calls so far: which call a capture belongs to
+    folded: Dict[str, List[str]] = field(default_factory=dict, repr=False)  # a site's inputs after folding
     current: Any = field(default=None, repr=False)  # the signature the sites' layouts hold for
     _seen: "OrderedDict[Any, tuple]" = field(default_factory=OrderedDict, repr=False)
 
