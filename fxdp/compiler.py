@@ -40,7 +40,7 @@ from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.sink import GradSampleSink
 from fxdp.passes.batch_dim import batched_input_names, bind_inputs, propagate_batch_dim
 from fxdp.passes.inplace import remove_inplace_ops
-from fxdp.passes.per_sample import insert_per_sample_ops, one_sample_layouts, update_site_layouts
+from fxdp.passes.per_sample import batch_source, insert_per_sample_ops, one_sample_layouts, update_site_layouts
 from fxdp.passes.validate import validate_graph
 from fxdp.tracing import trace
 from fxdp.diagnostics.errors import expect_module
@@ -241,9 +241,11 @@ def _reanalyse(guard: runtime.BatchSource, inputs) -> None:
                              "seen: fxdp re-ran it for them)")
     _refuse_if_not_private([result.report], when)
     problems, changes = update_site_layouts(ctx.analysed, guard, ctx.batch_dim)
-    if problems and guard.size_of(inputs) == 1:
+    index, dim = batch_source([n for n in ctx.analysed.graph.nodes if n.op == "placeholder"], ctx.batch_dim)
+    if problems and isinstance(inputs[index], torch.Tensor) and inputs[index].shape[dim] == 1:
         # a batch of one leaves layouts ambiguous ((N*T, d) with N = 1 is also (T, d)), but every tensor
         # then is the one sample's: each site reads its tensors whole
+        guard.input_index, guard.dim = index, dim
         one_sample_layouts(guard)
         return
     if problems:

@@ -337,10 +337,10 @@ def _inputs(model, n, t, gen):
                     max_size=3),
     mask=st.booleans(), pos=st.booleans(), mask_first=st.booleans(), with_example=st.booleans(),
     shapes=st.lists(st.tuples(st.integers(1, 4), st.integers(1, T_MAX)), min_size=3, max_size=3),
-    together=st.booleans(),
+    together=st.booleans(), by_keyword=st.booleans(),
 )
 def test_random_models_give_batches_of_one_or_an_error(blocks, mask, pos, mask_first, with_example, shapes,
-                                                       together):
+                                                       together, by_keyword):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     model = RandomModel(blocks, mask, pos, mask_first)
@@ -356,7 +356,9 @@ def test_random_models_give_batches_of_one_or_an_error(blocks, mask, pos, mask_f
         clear(model)
         refs = [reference(model, inputs, [k], seed=j) for j, (inputs, k) in enumerate(group)]
         try:
-            loss = sum((compiled(*inputs) * R).sum() for (inputs, _), (_, R) in zip(group, refs))
+            outs = [compiled(**dict(zip("abp", inputs[:2]), pos=inputs[2])) if by_keyword else compiled(*inputs)
+                    for inputs, _ in group]
+            loss = sum((out * R).sum() for out, (_, R) in zip(outs, refs))
             loss.backward()
         except Exception as exc:  # an error fxdp raised (in forward, or in backward before publishing)
             assert isinstance(exc, FxdpError) or str(exc).startswith("fxdp"), exc
