@@ -10,6 +10,10 @@ The pipeline, in the order it runs::
 
 then an engine (fxdp.engines) chosen by fxdp.compiler: the compiled graph ("fx"), the whole model as
 one DP-aware op ("fx+whole-model"), or one that does not compile ("hooks", "ew", "functorch", "no_op").
+
+Training privately: fxdp.PrivacyEngine (fxdp.privacy_engine) combines the compiled model, the DP optimizer
+(fxdp.optim), Poisson sampling (fxdp.data) and the accountant (fxdp.accounting); fxdp.audit measures an
+empirical lower bound on epsilon from one training run; fxdp.distributed trains across processes.
 """
 
 from fxdp import grad_sample, validators  # grad_sample registers the built-in per-sample rules
@@ -37,10 +41,20 @@ from fxdp.grad_sample.accumulate import zero_grad_sample
 from fxdp.grad_sample.registry import register_grad_sampler
 from fxdp.passes.batch_dim import find_batch_dim_violations
 from fxdp.passes.batch_rules import register_batch_rule
+from fxdp.data import BatchMemoryManager, DPDataLoader
+from fxdp.optim import DPOptimizer
+from fxdp.privacy_engine import PrivacyEngine
+from fxdp import accounting, audit  # noqa: E402  (fxdp.accounting.RDPAccountant, fxdp.audit.one_run)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchMemoryManager",
+    "DPDataLoader",
+    "DPOptimizer",
+    "PrivacyEngine",
+    "accounting",
+    "audit",
     "BatchDimAnalysisError",
     "BatchMixingError",
     "CompileReport",

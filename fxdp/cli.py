@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import fxdp
+from fxdp.audit import command as audit_command
 
 EXIT_OK = 0
 EXIT_ERRORS = 1
@@ -318,6 +319,10 @@ def _cmd_inspect(args) -> int:
     return EXIT_ERRORS if report.errors else EXIT_OK
 
 
+def _cmd_audit(args) -> int:
+    return audit_command.run(args)  # fxdp/audit/command.py: train on digits while auditing
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("fxdp")
@@ -353,6 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="strict mode: passes raise on problems instead of reporting them (exit 1)")
     p.add_argument("--seed", type=int, default=0, help="random seed for the weights and inputs (default 0)")
     p.set_defaults(func=_cmd_inspect, command_parser=p)
+
+    p = commands.add_parser("audit", help="audit a private training run on digits: epsilon lower bound vs claim",
+                            description=audit_command.DESCRIPTION, epilog=f"example: {audit_command.EXAMPLE}")
+    audit_command.add_arguments(p)
+    p.set_defaults(func=_cmd_audit, command_parser=p)
     return parser
 
 

@@ -66,6 +66,8 @@ def layer_capture(
     the layer, A and G (the rule sees neither ``kwargs`` nor ``batch_dim``); otherwise only the generic
     rule's thunk, which re-runs each sample with the batch at ``batch_dim`` (the layer's own layout)."""
     params = tuple(p for p in module.parameters() if p.requires_grad)
+    if batch_size == 0:  # an empty batch (Poisson sampling): no rows; rules' reshape(n, -1) cannot take it
+        return LayerCapture(0, lambda: {p: p.new_zeros((0, *p.shape)) for p in params}, params=params)
     rule = None if generic else find_grad_sampler(module)
     if rule is not None:
         def grad_samples() -> Dict[nn.Parameter, torch.Tensor]:

@@ -118,7 +118,7 @@ class GradSampleSink(GradientSink):
 
     def squared_norms(self, params):
         return {
-            p: p.grad_sample.reshape(p.grad_sample.shape[0], -1).pow(2).sum(1)
+            p: p.grad_sample.reshape(p.grad_sample.shape[0], p.numel()).pow(2).sum(1)
             for p in params
             if getattr(p, "grad_sample", None) is not None
         }

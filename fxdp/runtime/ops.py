@@ -138,6 +138,8 @@ def _generic_recorder(call, leaves, layouts, positions, out_layouts, n, site):
         grads = summed_loss_backprops(grads, site.loss_reduction, n)
 
         def grad_samples():
+            if n == 0:  # an empty batch: no sample to re-run
+                return {leaves[i]: leaves[i].new_zeros((0, *leaves[i].shape)) for i in positions}
             try:
                 samples = layout_grad_samples(call, leaves, layouts, positions, out_layouts, grads, n)
             except Exception as exc:  # re-raised naming the node; the cause is kept

@@ -1,0 +1,145 @@
+"""``one_run``: train a model privately with fxdp's own PrivacyEngine while auditing the run.
+
+The run is the ordinary private run — Poisson sampling, per-sample clipping at ``max_grad_norm``,
+Gaussian noise ``noise_multiplier * max_grad_norm``, the accountant — with ``canaries`` extra records,
+each in the training set with probability 1/2. Afterwards the auditor guesses which canaries were in
+(:func:`fxdp.audit.bound.best_guesses`) and turns its success into a lower bound on epsilon
+(:func:`fxdp.audit.bound.epsilon_lower_bound`), reported next to the accountant's epsilon.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
+
+from fxdp.audit.bound import AuditResult, best_guesses
+from fxdp.audit.canaries import CanaryInputs, CanarySink, StepScores, draw_membership, loss_scores
+
+CANARY_KINDS = ("gradient", "input")
+CANARY_NORM_FACTOR = 1000.0  # a gradient canary's raw norm, in units of max_grad_norm
+
+
+def one_run(
+    model: nn.Module,
+    train_set: Dataset,
+    *,
+    noise_multiplier: float,
+    max_grad_norm: float,
+    batch_size: int,
+    epochs: int,
+    canaries: int = 1000,
+    canary: str = "gradient",
+    delta: float = 1e-5,
+    confidence: float = 0.95,
+    seed: int = 0,
+    lr: float = 0.5,
+    loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+    accountant: str = "rdp",
+    grad_sample_mode: str = "fx",
+    grid: Optional[List[Tuple[int, int]]] = None,
+) -> AuditResult:
+    """Train ``model`` (in place) on ``train_set`` with DP-SGD and audit the run.
+
+    Args:
+        model: the model to train; its parameters are trained in place.
+        train_set: a dataset of ``(input, label)`` pairs.
+        noise_multiplier, max_grad_norm: sigma and C of DP-SGD.
+        batch_size: the expected (Poisson) batch size: the sample rate is one over the number of batches
+            of that size, about ``batch_size / len(train_set)`` (with input canaries, the training set
+            includes the canaries that are in).
+        epochs: passes over the data (``epochs * len(train_set) / batch_size`` steps).
+        canaries: how many canaries; each is in with probability 1/2.
+        canary: ``"gradient"`` (white box: a gradient of its own direction in a parameter block the model
+            never reads, through the same clipping and noise as the data; close to the truth for DP-SGD)
+            or ``"input"`` (black box: random inputs with random labels, scored by their loss; what can
+            be run on any model, and much weaker). See docs/audit.md.
+        delta, confidence: the bound's delta (the accountant is asked at the same delta) and confidence.
+        seed: seeds the canaries, their membership, the sampling and the noise (the global RNG is
+            restored afterwards).
+        lr: the learning rate of plain SGD (no momentum, so the gradient canaries' scores are sums of
+            their private gradients).
+        loss_fn: ``loss_fn(outputs, labels)`` reduced by mean; default cross-entropy.
+        accountant, grad_sample_mode: passed to the PrivacyEngine.
+        grid: (positive, negative) guess counts to try, default :func:`fxdp.audit.bound.guess_grid`.
+
+    Returns an :class:`AuditResult`: ``epsilon_lower`` at ``confidence``, and the accountant's
+    ``epsilon_claimed`` for this run at ``delta``. ``epsilon_lower > epsilon_claimed`` means the run
+    leaked more than the accountant allows — a bug in clipping, noise, sampling or accounting.
+    """
+    if canary not in CANARY_KINDS:
+        raise ValueError(f"fxdp.audit: canary must be one of {CANARY_KINDS}, got {canary!r}")
+    if not isinstance(canaries, int) or canaries < 1:
+        raise ValueError(f"fxdp.audit: canaries must be a positive int, got {canaries!r}")
+    if not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"fxdp.audit: epochs must be a positive int, got {epochs!r}")
+    from fxdp.privacy_engine import PrivacyEngine  # the audit sits on top of the whole training stack
+
+    loss_fn = loss_fn or nn.functional.cross_entropy
+    g = torch.Generator().manual_seed(seed)
+    members = draw_membership(canaries, g)
+
+    data, canary_set = train_set, None
+    if canary == "input":
+        with torch.no_grad():
+            first = torch.as_tensor(train_set[0][0]).unsqueeze(0).to(next(model.parameters()).device)
+            num_classes = model(first).shape[-1]
+        canary_set = CanaryInputs.like(train_set, canaries, num_classes=num_classes, generator=g)
+        data = ConcatDataset([train_set, Subset(canary_set, members.nonzero().flatten().tolist())])
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # the sampler's and the noise's draws, without touching the caller's RNG
+        engine = PrivacyEngine(accountant=accountant)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+        loader = DataLoader(data, batch_size=batch_size)
+        dp_model, dp_optimizer, dp_loader = engine.make_private(
+            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm, grad_sample_mode=grad_sample_mode, poisson_sampling=True,
+            noise_generator=torch.Generator().manual_seed(seed))
+
+        sink = None
+        device = next(model.parameters()).device
+        if canary == "gradient":
+            block = nn.Parameter(torch.zeros(canaries, device=device))
+            dp_optimizer.add_param_group({"params": [block], "lr": lr, "momentum": 0.0, "weight_decay": 0.0})
+            sink = CanarySink(dp_optimizer.sink, block, members, norm=CANARY_NORM_FACTOR * max_grad_norm,
+                              sample_rate=dp_loader.sample_rate, generator=g)
+            dp_optimizer.sink = sink
+            per_sample_scale = dp_optimizer.expected_batch_size if dp_optimizer.loss_reduction == "mean" else 1
+            step_scores = StepScores(block, unit=lr * max_grad_norm / per_sample_scale,
+                                     noise_multiplier=noise_multiplier, sample_rate=dp_loader.sample_rate)
+            dp_optimizer.attach_step_hook(step_scores)
+
+        dp_model.train()
+        for _ in range(epochs):
+            for inputs, labels in dp_loader:
+                if sink is not None:
+                    sink.draw()
+                dp_optimizer.zero_grad()
+                if len(inputs):  # an empty Poisson batch still takes a step: noise (and canaries) only
+                    loss_fn(dp_model(inputs.to(device)), labels.to(device)).backward()
+                dp_optimizer.step()
+
+    if sink is not None:
+        scores = step_scores.scores()
+    else:
+        per_sample = None if loss_fn is nn.functional.cross_entropy else (
+            lambda out, y: torch.stack([loss_fn(out[i:i + 1], y[i:i + 1]) for i in range(len(y))]))
+        scores = loss_scores(model, canary_set, loss_fn=per_sample)
+    guesses = best_guesses(scores.tolist(), members.tolist(), delta=delta, confidence=confidence, grid=grid)
+    return AuditResult(
+        epsilon_lower=guesses.epsilon_lower,
+        epsilon_claimed=engine.get_epsilon(delta),
+        guesses=guesses.guesses,
+        correct=guesses.correct,
+        canaries=canaries,
+        delta=delta,
+        confidence=confidence,
+        positives=guesses.positives,
+        canary=canary,
+    )
+
+
+__all__ = ["CANARY_KINDS", "one_run"]

@@ -1,0 +1,12 @@
+"""Data for DP-SGD: Poisson sampling (also across processes) and the memory manager.
+
+``DPDataLoader``       each sample joins each batch independently with rate q (what the accounting assumes)
+``PoissonBatchSampler`` the sampler behind it, usable alone
+``BatchMemoryManager`` logical batches cut into physical batches that fit, accounting unchanged
+"""
+
+from fxdp.data.loader import DPDataLoader, EmptyBatchCollate
+from fxdp.data.memory_manager import BatchMemoryManager
+from fxdp.data.sampler import PoissonBatchSampler
+
+__all__ = ["BatchMemoryManager", "DPDataLoader", "EmptyBatchCollate", "PoissonBatchSampler"]

@@ -1,0 +1,180 @@
+"""``DPDataLoader``: a DataLoader whose batches are Poisson samples of its dataset."""
+
+from __future__ import annotations
+
+import collections.abc
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data.dataloader import default_collate
+
+from fxdp.data.sampler import PoissonBatchSampler
+
+# DataLoader options that a Poisson loader decides itself: the batches come from its sampler.
+_SAMPLING_OPTIONS = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
+
+
+class EmptyBatchCollate:
+    """Wraps a collate function so that an empty list of samples gives an empty batch.
+
+    The empty batch has the structure, trailing shapes and dtypes a batch of one would have (a
+    tuple of tensors stays a tuple of tensors, each of shape ``(0, *sample_shape)``): the model runs
+    on it, backward gives no per-sample gradient, and the optimizer still adds its noise. The
+    template is computed once, from the first sample, when the loader is built (so the wrapper
+    pickles small for worker processes).
+    """
+
+    def __init__(self, collate_fn: Callable[[list], Any], dataset: Dataset):
+        self.collate_fn = collate_fn
+        self.empty_batch = _empty_like_batch(collate_fn([dataset[0]]))
+
+    def __call__(self, samples: list) -> Any:
+        if len(samples) == 0:
+            return self.empty_batch
+        return self.collate_fn(samples)
+
+
+def _is_structure(x: Any) -> bool:
+    return isinstance(x, (torch.Tensor, collections.abc.Mapping)) or (
+        isinstance(x, collections.abc.Sequence) and not isinstance(x, (str, bytes))
+    )
+
+
+def _empty_like_batch(batch: Any) -> Any:
+    """The batch of one ``batch`` with every batch dimension cut to length zero."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0].clone()
+    if isinstance(batch, collections.abc.Mapping):
+        return type(batch)({key: _empty_like_batch(value) for key, value in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_empty_like_batch(value) for value in batch))
+    if isinstance(batch, collections.abc.Sequence) and not isinstance(batch, (str, bytes)):
+        if any(_is_structure(item) for item in batch):  # a structure of batched fields
+            return type(batch)(_empty_like_batch(item) for item in batch)
+        return type(batch)()  # a batched field of plain values (strings): one per sample
+    return batch
+
+
+class DPDataLoader(DataLoader):
+    """A DataLoader for DP-SGD: each of its ``steps`` batches contains every sample of ``dataset``
+    independently with probability ``sample_rate`` (Poisson sampling), as the privacy accounting
+    assumes. Batch sizes vary around ``sample_rate * len(dataset)``; an empty batch is yielded as
+    empty tensors of the right trailing shape and dtype, so the optimizer still steps with noise.
+
+    Build one from an ordinary loader with :meth:`from_data_loader`. Other keyword arguments
+    (``num_workers``, ``pin_memory``, ...) are passed to :class:`torch.utils.data.DataLoader`.
+
+    ``distributed=True`` (under an initialised ``torch.distributed``): rank 0 draws a seed and
+    broadcasts it, every rank draws the same inclusion masks from it and keeps its share of each
+    batch (indices ``i`` with ``i % world_size == rank``). The logical batch is the union over ranks;
+    each rank's share has expected size ``sample_rate * len(dataset) / world_size``.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        sample_rate: float,
+        steps: Optional[int] = None,
+        collate_fn: Optional[Callable[[list], Any]] = None,
+        generator: Optional[torch.Generator] = None,
+        distributed: bool = False,
+        **loader_kwargs: Any,
+    ):
+        if isinstance(dataset, IterableDataset):
+            raise TypeError(
+                "DPDataLoader needs a map-style dataset (with __getitem__ and __len__) to sample each "
+                f"item independently; got the IterableDataset {type(dataset).__name__}"
+            )
+        given = [name for name in _SAMPLING_OPTIONS if name in loader_kwargs]
+        if given:
+            raise TypeError(
+                f"DPDataLoader chooses its batches by Poisson sampling; do not pass {', '.join(given)} "
+                "(set sample_rate instead)"
+            )
+        num_samples = len(dataset)
+        if num_samples == 0:
+            raise ValueError("DPDataLoader needs a non-empty dataset")
+        if steps is None:
+            steps = round(1.0 / sample_rate)
+        rank, world_size = 0, 1
+        if distributed:
+            rank, world_size, generator = _distributed_setup(generator)
+        self.sample_rate = float(sample_rate)
+        self.distributed = distributed
+        self.rank = rank
+        self.world_size = world_size
+        batch_sampler = PoissonBatchSampler(
+            num_samples, sample_rate, steps, generator=generator, rank=rank, world_size=world_size
+        )
+        super().__init__(
+            dataset,
+            batch_sampler=batch_sampler,
+            collate_fn=EmptyBatchCollate(collate_fn or default_collate, dataset),
+            **loader_kwargs,
+        )
+
+    @classmethod
+    def from_data_loader(
+        cls, data_loader: DataLoader, generator: Optional[torch.Generator] = None, distributed: bool = False
+    ) -> "DPDataLoader":
+        """A Poisson loader over ``data_loader``'s dataset with ``sample_rate = 1 / len(data_loader)``
+        and as many batches per epoch as ``data_loader`` has; its collate function, workers, pinning
+        and timeouts are kept. (So the expected batch size is ``len(dataset) / len(data_loader)``,
+        about the original batch size.)"""
+        if isinstance(data_loader.dataset, IterableDataset):
+            raise TypeError(
+                "DPDataLoader.from_data_loader needs a loader over a map-style dataset; "
+                f"{type(data_loader.dataset).__name__} is an IterableDataset"
+            )
+        steps = len(data_loader)
+        if steps == 0:
+            raise ValueError("DPDataLoader.from_data_loader: the loader has no batches (empty dataset?)")
+        return cls(
+            data_loader.dataset,
+            sample_rate=1.0 / steps,
+            steps=steps,
+            collate_fn=_unwrapped_collate(data_loader.collate_fn),
+            generator=generator,
+            distributed=distributed,
+            **loader_options(data_loader),
+        )
+
+
+def _unwrapped_collate(collate_fn: Callable) -> Callable:
+    return collate_fn.collate_fn if isinstance(collate_fn, EmptyBatchCollate) else collate_fn
+
+
+def loader_options(data_loader: DataLoader) -> dict:
+    """The options of ``data_loader`` that do not decide which samples form a batch."""
+    options = dict(
+        num_workers=data_loader.num_workers,
+        pin_memory=data_loader.pin_memory,
+        timeout=data_loader.timeout,
+        worker_init_fn=data_loader.worker_init_fn,
+        multiprocessing_context=data_loader.multiprocessing_context,
+        prefetch_factor=data_loader.prefetch_factor,
+        persistent_workers=data_loader.persistent_workers,
+        pin_memory_device=data_loader.pin_memory_device,
+    )
+    return options
+
+
+def _distributed_setup(generator: Optional[torch.Generator]):
+    """(rank, world_size, a generator seeded identically on every rank)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        warnings.warn(
+            "DPDataLoader(distributed=True) but torch.distributed is not initialised: sampling for a "
+            "single process. Call torch.distributed.init_process_group first.",
+            stacklevel=3,
+        )
+        return 0, 1, generator
+    # Rank 0's draw decides the seed, so the ranks agree even if their generators differ.
+    seed = [int(torch.randint(0, 2**62, (1,), generator=generator).item())]
+    dist.broadcast_object_list(seed, src=0)
+    shared = torch.Generator().manual_seed(seed[0])
+    return dist.get_rank(), dist.get_world_size(), shared

@@ -1,0 +1,19 @@
+"""Private training across processes with torch.distributed (see docs/distributed.md).
+
+The usual PyTorch pattern works: ``init_process_group``, the model wrapped in
+``DistributedDataParallel``, each rank's loader over the global dataset, then
+``PrivacyEngine.make_private``. Each rank clips its own samples; the clipped sums are all-reduced
+once per logical step, with the noise added once (by rank 0) for the global batch.
+
+``DistributedDPOptimizer``   the DP optimizer whose clipped sums are summed over the ranks
+``DPDistributedDataParallel`` what make_private returns for a DDP model: its surface, no reducer
+``split_data_parallel``       (model to compile, DDP wrapper or None); refuses FSDP and DataParallel
+``global_batch_size``         the global batch of a non-Poisson loader with a DistributedSampler
+"""
+
+from fxdp.distributed.data import check_poisson_group, global_batch_size
+from fxdp.distributed.model import DPDistributedDataParallel, bucket_bytes_of, split_data_parallel, wrap_like
+from fxdp.distributed.optimizer import DistributedDPOptimizer
+
+__all__ = ["DPDistributedDataParallel", "DistributedDPOptimizer", "bucket_bytes_of", "check_poisson_group",
+           "global_batch_size", "split_data_parallel", "wrap_like"]

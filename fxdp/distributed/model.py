@@ -1,0 +1,123 @@
+"""The model side of distributed DP-SGD: what ``make_private`` does with a
+``torch.nn.parallel.DistributedDataParallel`` (DDP) model.
+
+DDP averages the *raw* gradients of the ranks during backward (its reducer's hooks on the
+parameters). DP-SGD needs the opposite order: clip each sample's gradient on its rank first, then sum
+over ranks. So ``make_private`` takes the model out of its DDP wrapper (``ddp.module``), compiles that
+model, and returns a :class:`DPDistributedDataParallel`: the same surface (``.module``, ``forward``,
+``no_sync()``, ``.process_group``, ``state_dict`` keys under ``module.``) around the compiled model,
+with no reducer: nothing is communicated during backward, and the
+:class:`~fxdp.distributed.DistributedDPOptimizer` all-reduces the clipped sums once per logical step.
+
+Why not keep DDP and run every step under ``ddp.no_sync()``? Its reducer would stay attached and
+average raw gradients the first time a user forgets the context manager; its forward would run the
+uncompiled model; and it would broadcast buffers every step although a private model has none that
+change in training. The user's DDP object is only read (its module, process group and bucket size):
+its construction already broadcast rank 0's weights, so every rank starts from the same parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from typing import Any, Iterator, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from fxdp.distributed.optimizer import DEFAULT_BUCKET_BYTES
+from fxdp.grad_sample.sink import sink_of
+
+
+class DPDistributedDataParallel(nn.Module):
+    """A compiled model trained across processes, with DistributedDataParallel's surface and no
+    gradient communication in backward (the DP optimizer sums clipped gradients instead).
+
+    ``module`` is the model ``fxdp.compile_for_dp`` returned; ``fxdp.report(this)`` is its report.
+    Inputs must already be on the model's device (DDP's ``device_ids`` input scattering is not done).
+    """
+
+    def __init__(self, module: nn.Module, *, process_group: Optional[Any] = None,
+                 device_ids: Optional[list] = None, output_device: Any = None):
+        super().__init__()
+        self.module = module
+        self.process_group = process_group
+        self.device_ids = device_ids
+        self.output_device = output_device
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Does nothing: backward never communicates here. (A logical batch made of several physical
+        batches is accumulated with ``optimizer.signal_skip_step()``, as BatchMemoryManager does.)"""
+        yield
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.module.zero_grad(set_to_none=set_to_none)  # the compiled model's: also per-sample gradients
+
+    @property
+    def fxdp_sink(self):
+        """The compiled model's gradient sink (what ``fxdp.grad_sample.sink.sink_of`` looks for)."""
+        return sink_of(self.module)
+
+    @property
+    def fxdp_report(self):
+        """The compiled model's report (what ``fxdp.report`` looks for)."""
+        return getattr(self.module, "fxdp_report", None)
+
+
+def split_data_parallel(module: nn.Module) -> Tuple[nn.Module, Optional[DistributedDataParallel]]:
+    """``(model to compile, the DDP wrapper or None)``. Refuses what fxdp cannot train privately
+    across processes yet, rather than letting it average unclipped gradients."""
+    if isinstance(module, DPDistributedDataParallel):
+        raise TypeError("fxdp: this model was already made private (it is what make_private returned); pass "
+                        "the original DistributedDataParallel model and a fresh optimizer")
+    if _is_fsdp(module):
+        raise NotImplementedError(
+            f"fxdp: {type(module).__name__} (FSDP) is not supported yet: its parameters are sharded across "
+            "ranks, so per-sample clipping needs a norm reduced over shards. Wrap the model in "
+            "torch.nn.parallel.DistributedDataParallel instead (see docs/distributed.md)"
+        )
+    if isinstance(module, nn.DataParallel):
+        raise NotImplementedError(
+            "fxdp: torch.nn.DataParallel (one process, several GPUs) is not supported; use "
+            "DistributedDataParallel with one process per device (torchrun), or the plain model"
+        )
+    if isinstance(module, DistributedDataParallel):
+        return module.module, module
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        warnings.warn(
+            f"fxdp: torch.distributed runs {dist.get_world_size()} processes but the model is not wrapped in "
+            "DistributedDataParallel: each process trains its own copy on its own batches, nothing is "
+            "communicated, and each accountant counts only its process's steps. Wrap the model in "
+            "DistributedDataParallel before make_private to train one model on the global batch",
+            stacklevel=3,
+        )
+    return module, None
+
+
+def wrap_like(compiled: nn.Module, ddp: DistributedDataParallel) -> DPDistributedDataParallel:
+    """The compiled inner model, with ``ddp``'s surface."""
+    return DPDistributedDataParallel(compiled, process_group=ddp.process_group,
+                                     device_ids=ddp.device_ids, output_device=ddp.output_device)
+
+
+def bucket_bytes_of(ddp: DistributedDataParallel) -> int:
+    """The all-reduce bucket size the user chose for DDP (``bucket_cap_mb``)."""
+    return int(getattr(ddp, "bucket_bytes_cap", DEFAULT_BUCKET_BYTES))
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    # a model wrapped in FSDP means torch.distributed.fsdp was imported: no need to import it (seconds)
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return False
+    fsdp_types = tuple(t for t in (getattr(fsdp, "FullyShardedDataParallel", None),
+                                   getattr(fsdp, "FSDPModule", None))  # FSDP1 and fully_shard (FSDP2)
+                       if isinstance(t, type))
+    return isinstance(module, fsdp_types)

@@ -1,0 +1,443 @@
+"""``DPOptimizer``: the DP-SGD step (clip each sample, add up, add noise once) around any torch optimizer.
+
+One optimizer step of DP-SGD, as this class runs it::
+
+    for each physical batch (one step() call):
+        n_i  = per-sample gradient norms                      sink.squared_norms(params)
+        c_i  = min(1, C / (n_i + 1e-6))                       clip factors, one per sample
+        S   += sum_i c_i g_i                                  sink.clipped_sums(params, factors)
+    once per logical batch (a step() without signal_skip_step):
+        p.grad = (S + N(0, sigma^2 C^2)) / expected_batch_size    ("mean"; no division for "sum")
+        inner_optimizer.step()
+
+The per-sample gradients come from the model's gradient sink (:mod:`fxdp.grad_sample.sink`): the
+optimizer never reads ``p.grad_sample`` itself, so a sink that computes norms and clipped sums without
+materialising per-sample gradients (book-keeping) serves it unchanged. Without a sink, a fresh
+:class:`~fxdp.grad_sample.sink.GradSampleSink` reads ``p.grad_sample`` as any engine writes it.
+
+Clipping:
+
+- ``"flat"``: one bound ``C`` on each sample's gradient over all trainable parameters together.
+  Noise std: ``sigma * C``.
+- ``"per_layer"``: a list with one bound ``C_k`` per trainable parameter (in the optimizer's order);
+  each parameter's per-sample gradient is clipped to its own bound. A sample's whole clipped gradient
+  then has norm at most ``sqrt(sum_k C_k^2)``, so that is the sensitivity, and every parameter gets
+  noise of std ``sigma * sqrt(sum_k C_k^2)``: the same privacy as flat clipping with that bound.
+
+Conventions: a frozen parameter (``requires_grad=False``) is ignored; a trainable parameter unused in
+a step contributes a zero clipped sum and still gets noise (noise must not depend on the data); a tied
+parameter is one object whose per-sample gradients arrive summed over its uses (the sink's convention).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from fxdp.grad_sample.sink import GradientSink, GradSampleSink
+from fxdp.optim.noise import gaussian_noise
+
+CLIPPING_MODES = ("flat", "per_layer")
+LOSS_REDUCTIONS = ("mean", "sum")
+_EPS = 1e-6  # in the clip factor C / (norm + eps): a zero gradient gets factor 1, never a division by 0
+
+
+class DPOptimizer(Optimizer):
+    """Wraps ``optimizer`` (any ``torch.optim.Optimizer``) so that its step is a DP-SGD step.
+
+    Args:
+        optimizer: the optimizer to wrap; it keeps its own state (momentum, Adam moments) and runs on
+            the private gradient this class writes into ``p.grad``.
+        noise_multiplier: sigma; the noise std is ``sigma`` times the sensitivity (``max_grad_norm``
+            for flat clipping, ``sqrt(sum C_k^2)`` for per-layer clipping). 0 turns noise off.
+        max_grad_norm: ``C``, a float; for ``clipping="per_layer"`` a list with one bound per trainable
+            parameter of ``optimizer``, in ``param_groups`` order.
+        expected_batch_size: the expected number of samples in a logical batch (for Poisson sampling,
+            ``sample_rate * len(dataset)``). Required for ``loss_reduction="mean"``: the gradient is
+            divided by it, not by the batch's actual size, which would leak that size.
+        loss_reduction: ``"mean"`` or ``"sum"``, as the training loss reduces over the batch.
+        clipping: ``"flat"`` or ``"per_layer"``.
+        sink: the model's gradient sink (``fxdp.grad_sample.sink.sink_of(model)``); ``None`` reads
+            ``p.grad_sample``.
+        secure_mode: draw noise from the OS's cryptographic source, guarded against the floating-point
+            attack (see :mod:`fxdp.optim.noise`); no ``generator`` then.
+        generator: a ``torch.Generator`` for reproducible noise (its state is saved by ``state_dict``).
+        param_names: ``{parameter: name}`` used in error messages (the privacy engine passes the model's
+            ``named_parameters``).
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        noise_multiplier: float,
+        max_grad_norm: Union[float, Sequence[float]],
+        expected_batch_size: Optional[int],
+        loss_reduction: str = "mean",
+        clipping: str = "flat",
+        sink: Optional[GradientSink] = None,
+        secure_mode: bool = False,
+        generator: Optional[torch.Generator] = None,
+        param_names: Optional[Dict[nn.Parameter, str]] = None,
+    ):
+        if isinstance(optimizer, DPOptimizer):
+            raise TypeError("fxdp: the optimizer is already a DPOptimizer; wrap the original optimizer once")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"fxdp: DPOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"fxdp: loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+        if clipping not in CLIPPING_MODES:
+            raise ValueError(f"fxdp: clipping must be one of {CLIPPING_MODES}, got {clipping!r}")
+        if secure_mode and generator is not None:
+            raise ValueError("fxdp: secure_mode draws noise from the OS's cryptographic source; a seeded "
+                             "generator would make the noise predictable. Pass generator=None")
+        # the hook lists torch.optim.Optimizer.__init__ would create (we do not call it: the param
+        # groups and state are the wrapped optimizer's)
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                     "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, collections.OrderedDict())
+        self.original_optimizer = optimizer
+        self.loss_reduction = loss_reduction
+        self.clipping = clipping
+        self.sink: GradientSink = sink if sink is not None else GradSampleSink()
+        self.secure_mode = secure_mode
+        self.generator = generator
+        self.param_names: Dict[nn.Parameter, str] = dict(param_names or {})
+        self.noise_multiplier = noise_multiplier
+        self.expected_batch_size = expected_batch_size
+        self.max_grad_norm = max_grad_norm  # validated by the setter below
+        self._check_settings()
+        self._step_hooks: List[Callable[["DPOptimizer"], None]] = []
+        self._summed: Dict[nn.Parameter, torch.Tensor] = {}  # clipped sums of this logical batch so far
+        self._skip_next = False
+        self._needs_zero_grad = False  # a logical step ran and zero_grad() has not been called since
+        self.steps = 0  # logical steps taken
+
+    # -- settings ------------------------------------------------------------------------------------
+
+    @property
+    def max_grad_norm(self) -> Union[float, List[float]]:
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: Union[float, Sequence[float]]) -> None:
+        params = self._trainable_params()
+        if self.clipping == "flat":
+            if isinstance(value, (list, tuple)):
+                raise ValueError("fxdp: max_grad_norm is a list of bounds, which needs clipping='per_layer'; "
+                                 "flat clipping takes one float")
+            self._bounds = None
+            self._max_grad_norm = _positive_bound(value, "max_grad_norm")
+            return
+        if not isinstance(value, (list, tuple)):
+            raise ValueError("fxdp: clipping='per_layer' needs max_grad_norm as a list with one bound per "
+                             f"trainable parameter ({len(params)} here: {self._names_of(params)})")
+        if len(value) != len(params):
+            raise ValueError(f"fxdp: clipping='per_layer' got {len(value)} bounds in max_grad_norm for "
+                             f"{len(params)} trainable parameters ({self._names_of(params)}); give one bound "
+                             "per trainable parameter, in the optimizer's order")
+        bounds = [_positive_bound(c, f"max_grad_norm[{k}]") for k, c in enumerate(value)]
+        self._bounds = dict(zip(params, bounds))
+        self._max_grad_norm = bounds
+
+    @property
+    def sensitivity(self) -> float:
+        """The bound on one sample's clipped gradient over all parameters: C, or sqrt(sum C_k^2)."""
+        if self.clipping == "flat":
+            return self._max_grad_norm
+        return math.sqrt(sum(c * c for c in self._max_grad_norm))
+
+    @property
+    def noise_std(self) -> float:
+        """The std of the noise added to each coordinate of the summed clipped gradient."""
+        return self.noise_multiplier * self.sensitivity
+
+    def _check_settings(self) -> None:
+        sigma = self.noise_multiplier
+        if not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0:
+            raise ValueError(f"fxdp: noise_multiplier must be a finite number >= 0, got {sigma!r}")
+        n = self.expected_batch_size
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n <= 0):
+            raise ValueError(f"fxdp: expected_batch_size must be a positive int or None, got {n!r}")
+        if self.loss_reduction == "mean" and n is None:
+            raise ValueError("fxdp: loss_reduction='mean' needs expected_batch_size (the expected number of "
+                             "samples per logical batch: sample_rate * len(dataset) under Poisson sampling); "
+                             "the gradient is divided by it, not by the actual batch size")
+
+    # -- what torch.optim.Optimizer users reach for -------------------------------------------------
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:
+        self.original_optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.original_optimizer.state = value
+
+    @property
+    def defaults(self) -> Dict[str, Any]:
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value) -> None:
+        self.original_optimizer.defaults = value
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if self.clipping == "per_layer":
+            raise ValueError("fxdp: cannot add parameters to a per_layer DPOptimizer: each parameter needs "
+                             "its bound; build a new DPOptimizer with the full list of bounds")
+        self.original_optimizer.add_param_group(param_group)
+
+    def attach_step_hook(self, fn: Callable[["DPOptimizer"], None]) -> None:
+        """Call ``fn(optimizer)`` after every logical step (the privacy engine's accountant uses it)."""
+        self._step_hooks.append(fn)
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """The next :meth:`step` only clips and accumulates its physical batch (no noise, no update)."""
+        self._skip_next = do_skip
+
+    def __repr__(self) -> str:
+        return (f"DPOptimizer(noise_multiplier={self.noise_multiplier}, max_grad_norm={self.max_grad_norm}, "
+                f"clipping={self.clipping!r}, loss_reduction={self.loss_reduction!r}, "
+                f"expected_batch_size={self.expected_batch_size}, secure_mode={self.secure_mode},\n"
+                f"  {self.original_optimizer!r})")
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the per-sample gradients and ``p.grad``. The clipped sum of a logical batch in progress
+        (after a skipped step) is kept: it belongs to the next real step."""
+        self.sink.clear(self._all_params())
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        self._needs_zero_grad = False
+
+    def step(self, closure: Optional[Callable[[], Any]] = None):
+        """Clip and accumulate this physical batch; unless a skip was signalled, add noise once, scale,
+        write ``p.grad`` and run the wrapped optimizer's step. Returns its result (the closure's loss
+        when a closure is given; ``None`` for a skipped step)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._needs_zero_grad:
+            raise RuntimeError(
+                "fxdp: DPOptimizer.step() was called again without optimizer.zero_grad() since the last "
+                "step. Call optimizer.zero_grad() (the DP optimizer's: model.zero_grad() does not reset it) "
+                "once per logical batch, before its backward pass; otherwise gradients of the last step "
+                "would be mixed into the next one"
+            )
+        params = self._trainable_params()
+        skip, self._skip_next = self._skip_next, False
+        self._accumulate(params, skip)
+        if skip:
+            return None
+        self._write_private_grads(params)
+        result = self.original_optimizer.step()
+        self._needs_zero_grad = True
+        self.steps += 1
+        for hook in self._step_hooks:
+            hook(self)
+        return loss if closure is not None else result
+
+    def _accumulate(self, params: List[nn.Parameter], skip: bool) -> None:
+        """Add this physical batch's clipped per-sample gradients to the logical batch's sum."""
+        norms = self.sink.squared_norms(params)
+        rows = self._check_rows(norms)
+        self._check_finite(norms)
+        self._check_every_gradient_is_per_sample(params, norms, rows)
+        if norms:
+            sums = self.sink.clipped_sums(list(norms), self._clip_factors(norms))
+            for p, s in sums.items():
+                self._summed[p] = self._summed[p] + s if p in self._summed else s
+        self.sink.clear(params)
+        if skip:
+            # the plain (unclipped) gradient of this physical batch is not private: nothing reads it
+            for p in params:
+                p.grad = None
+
+    def _clip_factors(self, norms: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
+        if self.clipping == "per_layer":
+            return {p: (self._bound(p) / (sq.sqrt() + _EPS)).clamp(max=1.0) for p, sq in norms.items()}
+        device = next(iter(norms.values())).device
+        total = sum(_wide(sq).to(device) for sq in norms.values())
+        factor = (self._max_grad_norm / (total.sqrt() + _EPS)).clamp(max=1.0)
+        return {p: factor.to(sq.device) for p, sq in norms.items()}
+
+    def _write_private_grads(self, params: List[nn.Parameter]) -> None:
+        std = self.noise_std if self._adds_noise() else 0.0
+        scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
+        grads = []
+        for p in params:
+            summed = self._summed.get(p)
+            grad = torch.zeros_like(p) if summed is None else summed.to(p.dtype).view_as(p)
+            if std > 0:
+                grad = grad + gaussian_noise(p, std, secure_mode=self.secure_mode, generator=self.generator)
+            grads.append(grad)
+        for p, grad in zip(params, self._reduce(grads)):
+            p.grad = grad * scale if scale != 1.0 else grad
+        self._summed.clear()
+
+    # hooks for training across processes (fxdp.distributed.DistributedDPOptimizer overrides them)
+
+    def _adds_noise(self) -> bool:
+        """Whether this process adds the noise of the logical step (across processes: exactly one)."""
+        return True
+
+    def _reduce(self, noised_sums: List[torch.Tensor]) -> List[torch.Tensor]:
+        """This process's noised clipped sums (one per trainable parameter, in order) combined with
+        those of the other processes training together. A single process has nothing to combine."""
+        return noised_sums
+
+    # -- checks: an error before any silently wrong step -------------------------------------------
+
+    def _check_rows(self, norms: Dict[nn.Parameter, torch.Tensor]) -> int:
+        """Every parameter must have one row per sample seen since the last step."""
+        rows = {p: sq.shape[0] for p, sq in norms.items()}
+        if len(set(rows.values())) > 1:
+            (p1, n1), *others = rows.items()
+            p2, n2 = next((p, n) for p, n in others if n != n1)
+            raise RuntimeError(
+                f"fxdp: parameter '{self._name(p1)}' has per-sample gradients for {n1} samples but "
+                f"'{self._name(p2)}' for {n2}: one of them received none in some backward pass since the last "
+                "step, so samples cannot be matched up for clipping. Call optimizer.step() after each "
+                "backward pass (optimizer.signal_skip_step() before it to accumulate a logical batch)"
+            )
+        return next(iter(rows.values()), 0)
+
+    def _check_finite(self, norms: Dict[nn.Parameter, torch.Tensor]) -> None:
+        if not norms or bool(torch.isfinite(torch.stack([_wide(sq).sum() for sq in norms.values()])).all()):
+            return  # one check for the common case; the loop below only runs to name the culprits
+        for p, sq in norms.items():
+            bad = ~torch.isfinite(sq)
+            if bool(bad.any()):
+                raise RuntimeError(
+                    f"fxdp: the per-sample gradient of parameter '{self._name(p)}' is not finite (inf or nan, or "
+                    f"too large to square) for {int(bad.sum())} of {sq.shape[0]} samples (first: sample "
+                    f"{int(bad.nonzero()[0])}); "
+                    "clipping cannot bound it, so the optimizer refuses to step. Look for inf/nan in the inputs "
+                    "and the loss (log of 0, division by 0), or lower the learning rate if training diverged"
+                )
+
+    def _check_every_gradient_is_per_sample(self, params, norms, rows: int) -> None:
+        """A parameter that got a gradient in backward but no per-sample gradient would silently lose
+        its update: the engine did not see how the parameter was used."""
+        if rows == 0:
+            return  # an empty batch (or no backward): nothing to compare with
+        for p in params:
+            if p not in norms and p.grad is not None and bool(p.grad.ne(0).any()):
+                raise RuntimeError(
+                    f"fxdp: parameter '{self._name(p)}' received a gradient in backward but no per-sample "
+                    "gradient, so DP-SGD cannot clip it. Is it used outside the model that was compiled or "
+                    "wrapped (fxdp.compile_for_dp / make_private), or is the optimizer's parameter list from "
+                    "another model? Check fxdp.report(model) for ops fxdp does not cover"
+                )
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The wrapped optimizer's state dict and fxdp's own fields (settings, logical steps, the noise
+        generator's state, the clipped sum of a logical batch in progress)."""
+        params = self._trainable_params()
+        return {
+            "optimizer": self.original_optimizer.state_dict(),
+            "fxdp": {
+                "noise_multiplier": self.noise_multiplier,
+                "max_grad_norm": self.max_grad_norm,
+                "expected_batch_size": self.expected_batch_size,
+                "loss_reduction": self.loss_reduction,
+                "clipping": self.clipping,
+                "steps": self.steps,
+                "skip_next": self._skip_next,
+                "generator_state": None if self.generator is None else self.generator.get_state(),
+                "accumulated": [self._summed.get(p) for p in params],
+            },
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (a plain optimizer's state dict goes to the wrapped optimizer).
+        The checkpoint's noise multiplier, bounds and expected batch size replace the current ones (with
+        a warning when they differ), so a resumed run is the run that was accounted for."""
+        if set(state_dict) != {"optimizer", "fxdp"}:
+            self.original_optimizer.load_state_dict(state_dict)
+            return
+        own = state_dict["fxdp"]
+        for key in ("clipping", "loss_reduction"):
+            if own[key] != getattr(self, key):
+                raise ValueError(f"fxdp: the checkpoint was saved with {key}={own[key]!r}, this optimizer uses "
+                                 f"{getattr(self, key)!r}; build the DPOptimizer with the checkpoint's setting")
+        params = self._trainable_params()
+        if len(own["accumulated"]) != len(params):
+            raise ValueError(f"fxdp: the checkpoint's optimizer had {len(own['accumulated'])} trainable "
+                             f"parameters, this one has {len(params)}")
+        self.original_optimizer.load_state_dict(state_dict["optimizer"])
+        changed = [k for k in ("noise_multiplier", "max_grad_norm", "expected_batch_size")
+                   if own[k] != getattr(self, k)]
+        if changed:
+            warnings.warn("fxdp: the checkpoint's " + ", ".join(f"{k}={own[k]!r}" for k in changed)
+                          + " replace this optimizer's, so the resumed run matches the one accounted for",
+                          stacklevel=2)
+        self.noise_multiplier = own["noise_multiplier"]
+        self.max_grad_norm = own["max_grad_norm"]
+        self.expected_batch_size = own["expected_batch_size"]
+        self._check_settings()
+        self.steps = own["steps"]
+        self._skip_next = own["skip_next"]
+        if own["generator_state"] is not None:
+            if self.generator is None:
+                warnings.warn("fxdp: the checkpoint holds a noise generator's state but this optimizer has no "
+                              "generator; the noise will not continue the saved sequence", stacklevel=2)
+            else:
+                self.generator.set_state(own["generator_state"])
+        self._summed = {p: s.to(p.device) for p, s in zip(params, own["accumulated"]) if s is not None}
+
+    # -- helpers -------------------------------------------------------------------------------------
+
+    def _all_params(self) -> List[nn.Parameter]:
+        return [p for group in self.original_optimizer.param_groups for p in group["params"]]
+
+    def _trainable_params(self) -> List[nn.Parameter]:
+        return [p for p in self._all_params() if p.requires_grad]
+
+    def _bound(self, p: nn.Parameter) -> float:
+        if p not in self._bounds:
+            raise RuntimeError(f"fxdp: parameter '{self._name(p)}' has no per_layer bound: it was frozen when "
+                               "the DPOptimizer was built. Build it again with a bound for every trainable parameter")
+        return self._bounds[p]
+
+    def _name(self, p: nn.Parameter) -> str:
+        if p in self.param_names:
+            return self.param_names[p]
+        for g, group in enumerate(self.original_optimizer.param_groups):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    return f"param_groups[{g}]['params'][{i}] of shape {tuple(p.shape)}"
+        return f"of shape {tuple(p.shape)}"
+
+    def _names_of(self, params: List[nn.Parameter]) -> str:
+        return ", ".join(self._name(p) for p in params)
+
+
+def _positive_bound(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"fxdp: {what} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """At least float32: squared norms of half-precision gradients overflow."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()

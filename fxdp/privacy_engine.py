@@ -1,0 +1,260 @@
+"""``PrivacyEngine``: the one place that puts compile, DP optimizer, Poisson sampling and accounting
+together, with the surface Opacus users know::
+
+    engine = PrivacyEngine()                          # accountant="rdp", secure_mode=False
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.1, max_grad_norm=1.0)
+    for x, y in loader:
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
+        optimizer.step()                              # clip, noise, update; the accountant records the step
+    engine.get_epsilon(delta=1e-5)
+
+``make_private`` compiles the model (:func:`fxdp.compile_for_dp`, whose report ``fxdp.report(model)``
+shows; a model DP-SGD cannot train is refused with the findings), wraps the optimizer in
+:class:`fxdp.optim.DPOptimizer` reading the compiled model's gradient sink, replaces the loader by a
+Poisson-sampling one, and has every optimizer step recorded by the accountant.
+
+Checkpoints (:meth:`PrivacyEngine.save_checkpoint` / :meth:`PrivacyEngine.load_checkpoint`) keep the
+model's weights, the optimizer's state (with the noise generator's state, when one is used) and the
+accountant's history, so a resumed run never forgets the privacy it already spent.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from fxdp.accounting import create_accountant, get_noise_multiplier
+from fxdp.compiler import compile_for_dp
+from fxdp.data import DPDataLoader
+from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer, bucket_bytes_of, check_poisson_group,
+                              global_batch_size, split_data_parallel, wrap_like)
+from fxdp.grad_sample.sink import sink_of
+from fxdp.optim import DPOptimizer
+from fxdp.optim.noise import secure_seed
+
+# checkpoint keys
+MODULE_KEY = "module_state_dict"
+OPTIMIZER_KEY = "optimizer_state_dict"
+ACCOUNTANT_KEY = "privacy_accountant_state_dict"
+
+
+class PrivacyEngine:
+    """Makes a model, its optimizer and its data loader private, and accounts for the privacy spent.
+
+    Args:
+        accountant: the accountant's name for :func:`fxdp.accounting.create_accountant` (``"rdp"``, built
+            in; ``"pld"`` with the optional ``dp-accounting`` package).
+        secure_mode: noise from the OS's cryptographic source, guarded against the floating-point
+            attack (:mod:`fxdp.optim.noise`). The Poisson sampler takes a ``torch.Generator`` (Mersenne
+            Twister, not a cryptographic generator); in secure mode it is seeded with 63 bits from the
+            OS, so its draws cannot be replayed from a known seed.
+    """
+
+    def __init__(self, accountant: str = "rdp", secure_mode: bool = False):
+        self.accountant_name = accountant
+        self.accountant = create_accountant(accountant)
+        self.secure_mode = secure_mode
+        # compiled model -> the model it was compiled from, so checkpoints hold the plain model's names
+        self._originals: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
+
+    # -- making things private -----------------------------------------------------------------------
+
+    def make_private(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: Optimizer,
+        data_loader: DataLoader,
+        noise_multiplier: float,
+        max_grad_norm: Union[float, Sequence[float]],
+        grad_sample_mode: str = "fx",
+        clipping: str = "flat",
+        poisson_sampling: bool = True,
+        loss_reduction: str = "mean",
+        batch_first: bool = True,
+        example_inputs: Any = None,
+        noise_generator: Optional[torch.Generator] = None,
+    ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
+        """Returns ``(compiled model, DPOptimizer, data loader)``.
+
+        ``max_grad_norm`` is the clipping bound C (for ``clipping="per_layer"``, a list with one bound
+        per trainable parameter of the optimizer). With ``poisson_sampling`` (what the accounting
+        assumes) the loader draws each sample into each batch independently with rate
+        ``1 / len(data_loader)``, and the gradient of a ``"mean"`` loss is divided by the *expected*
+        batch size; without it the loader is kept (and the accounting is only an approximation).
+        ``example_inputs``: a batch to compile with (without it, the analysis runs on the first
+        batch). ``noise_generator``: a ``torch.Generator`` for reproducible noise (not in secure mode).
+        """
+        _check_types(module, optimizer, data_loader)
+        _check_optimizer_params_in_module(module, optimizer)
+        module, ddp = split_data_parallel(module)  # DDP: compile its model; the optimizer communicates instead
+        compiled = compile_for_dp(module, example_inputs, batch_dim=0 if batch_first else 1,
+                                  loss_reduction=loss_reduction, grad_sample_mode=grad_sample_mode)
+        self._originals[compiled] = module
+        data_loader, sample_rate, expected_batch_size = self._prepare_data(data_loader, poisson_sampling, ddp)
+        optimizer_class, across_ranks = DPOptimizer, {}
+        if ddp is not None:
+            optimizer_class = DistributedDPOptimizer
+            across_ranks = dict(process_group=ddp.process_group, bucket_bytes=bucket_bytes_of(ddp))
+        dp_optimizer = optimizer_class(
+            optimizer,
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected_batch_size,
+            loss_reduction=loss_reduction,
+            clipping=clipping,
+            sink=sink_of(compiled),
+            secure_mode=self.secure_mode,
+            generator=noise_generator,
+            param_names={p: name for name, p in module.named_parameters()},
+            **across_ranks,
+        )
+        dp_optimizer.attach_step_hook(self._accountant_hook(sample_rate))
+        if ddp is not None:
+            compiled = wrap_like(compiled, ddp)
+        return compiled, dp_optimizer, data_loader
+
+    def make_private_with_epsilon(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: Optimizer,
+        data_loader: DataLoader,
+        target_epsilon: float,
+        target_delta: float,
+        epochs: int,
+        max_grad_norm: Union[float, Sequence[float]],
+        epsilon_tolerance: float = 0.01,
+        **kwargs: Any,
+    ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
+        """:meth:`make_private` with the smallest noise multiplier (within ``epsilon_tolerance``) for
+        which ``epochs`` epochs of training spend at most ``target_epsilon`` at ``target_delta``: ε after
+        the last step lies in ``[(1 - epsilon_tolerance) * target_epsilon, target_epsilon]``.
+
+        The target covers the steps of this training; an accountant that already holds steps (a
+        resumed run) reports their privacy on top.
+        """
+        sample_rate = 1.0 / len(data_loader)  # the rate make_private's Poisson loader uses, and the step count
+        noise_multiplier = get_noise_multiplier(
+            target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=sample_rate, epochs=epochs,
+            accountant=self.accountant_name, epsilon_tolerance=epsilon_tolerance,
+        )
+        return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
+                                 noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, **kwargs)
+
+    def get_epsilon(self, delta: float) -> float:
+        """The ε spent so far at ``delta``, by the accountant (every logical step made private by this
+        engine, and those restored from a checkpoint)."""
+        return self.accountant.get_epsilon(delta)
+
+    def _prepare_data(self, data_loader: DataLoader, poisson_sampling: bool,
+                      ddp=None) -> Tuple[DataLoader, float, Optional[int]]:
+        if poisson_sampling:
+            # secure mode: the sampler is a torch generator, seeded from the OS's cryptographic source
+            generator = torch.Generator().manual_seed(secure_seed()) if self.secure_mode else None
+            if ddp is not None:  # one shared mask over the global dataset, each rank its share
+                check_poisson_group(ddp.process_group)
+            dp_loader = DPDataLoader.from_data_loader(data_loader, generator=generator, distributed=ddp is not None)
+            sample_rate = dp_loader.sample_rate
+            return dp_loader, sample_rate, int(len(data_loader.dataset) * sample_rate)
+        if ddp is not None:  # a DistributedSampler's share per rank: the global batch is world_size of them
+            return data_loader, 1.0 / len(data_loader), global_batch_size(data_loader, ddp.process_group)
+        return data_loader, 1.0 / len(data_loader), data_loader.batch_size
+
+    def _accountant_hook(self, sample_rate: float):
+        def step_accountant(optimizer: DPOptimizer) -> None:
+            # the optimizer's current multiplier: a checkpoint or a user may have changed it
+            self.accountant.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=sample_rate)
+
+        return step_accountant
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        *,
+        path,
+        module: nn.Module,
+        optimizer: Optional[DPOptimizer] = None,
+        checkpoint_dict: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        """Save the model's weights, the optimizer's state (and its noise generator's) and the
+        accountant's history to ``path`` with ``torch.save``; ``checkpoint_dict`` adds entries of
+        your own (the epoch, say). The weights are saved under the plain model's parameter names,
+        so ``model.load_state_dict(torch.load(path)["module_state_dict"])`` works without fxdp."""
+        checkpoint = dict(checkpoint_dict or {})
+        checkpoint[MODULE_KEY] = self._plain(module).state_dict()
+        checkpoint[ACCOUNTANT_KEY] = self.accountant.state_dict()
+        if optimizer is not None:
+            checkpoint[OPTIMIZER_KEY] = optimizer.state_dict()
+        torch.save(checkpoint, path)
+
+    def load_checkpoint(
+        self,
+        *,
+        path,
+        module: nn.Module,
+        optimizer: Optional[DPOptimizer] = None,
+        map_location: Any = None,
+    ) -> Dict[str, Any]:
+        """Restore a :meth:`save_checkpoint` into ``module``, ``optimizer`` and this engine's accountant
+        (whose history the checkpoint's replaces). Returns the entries of ``checkpoint_dict``."""
+        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
+        missing = [k for k in (MODULE_KEY, ACCOUNTANT_KEY) if k not in checkpoint]
+        if missing:
+            raise ValueError(f"fxdp: {path} is not a PrivacyEngine checkpoint (no {', '.join(missing)}); "
+                             "save it with PrivacyEngine.save_checkpoint")
+        if optimizer is not None and OPTIMIZER_KEY not in checkpoint:
+            raise ValueError(f"fxdp: {path} holds no optimizer state (it was saved without optimizer=); "
+                             "call load_checkpoint without optimizer, or save the optimizer too")
+        self._plain(module).load_state_dict(checkpoint.pop(MODULE_KEY))
+        self.accountant.load_state_dict(checkpoint.pop(ACCOUNTANT_KEY))
+        optimizer_state = checkpoint.pop(OPTIMIZER_KEY, None)
+        if optimizer is not None:
+            optimizer.load_state_dict(optimizer_state)
+        return checkpoint
+
+    def _plain(self, module: nn.Module) -> nn.Module:
+        """The model a compiled one was made from (same parameters, the user's names)."""
+        if module not in self._originals and isinstance(module, (DistributedDataParallel, DPDistributedDataParallel)):
+            module = module.module  # the names of the model inside, as a single process saves them
+        return self._originals.get(module, module)
+
+
+def _check_types(module, optimizer, data_loader) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fxdp: module must be an nn.Module, got {type(module).__name__}")
+    if isinstance(optimizer, DPOptimizer):
+        raise TypeError("fxdp: the optimizer is already a DPOptimizer; pass the original optimizer to make_private")
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"fxdp: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(data_loader, DataLoader):
+        raise TypeError(f"fxdp: data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
+
+
+def _check_optimizer_params_in_module(module: nn.Module, optimizer: Optimizer) -> None:
+    """The optimizer must train this model: a parameter from elsewhere would get no per-sample gradient."""
+    own = {id(p) for p in module.parameters()}
+    foreign: List[str] = [
+        f"param_groups[{g}]['params'][{i}] of shape {tuple(p.shape)}"
+        for g, group in enumerate(optimizer.param_groups)
+        for i, p in enumerate(group["params"])
+        if id(p) not in own
+    ]
+    if foreign:
+        raise ValueError(f"fxdp: the optimizer holds parameters that are not the module's ({', '.join(foreign)}); "
+                         "build the optimizer from module.parameters()")
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    idle = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in in_optimizer]
+    if idle:
+        warnings.warn(f"fxdp: trainable parameters not in the optimizer ({', '.join(idle)}) get per-sample gradients "
+                      "that nothing uses or clears; freeze them with requires_grad_(False)", stacklevel=3)

@@ -1,0 +1,268 @@
+"""PrivacyEngine end to end: compile, DP optimizer, Poisson loader and accountant together, and
+checkpoints, on the compiled graph and the hooks engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+import fxdp
+from fxdp.data import DPDataLoader
+from fxdp.optim import DPOptimizer
+from fxdp.privacy_engine import PrivacyEngine
+
+ENGINES = ("fx", "hooks")
+DELTA = 1e-5
+
+
+def dataset(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def classifier(seed=0, bias=True):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8, bias=bias), nn.Tanh(), nn.Linear(8, 3, bias=bias))
+
+
+def train(model, optimizer, batches):
+    for x, y in batches:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
+def private(engine, mode, model=None, batch_size=16, data=None, **kwargs):
+    model = model or classifier()
+    kwargs.setdefault("noise_multiplier", 1.0)
+    kwargs.setdefault("max_grad_norm", 1.0)
+    data = data or dataset()
+    return engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                               data_loader=DataLoader(data, batch_size=batch_size), grad_sample_mode=mode,
+                               example_inputs=data.tensors[0][:4], **kwargs)
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_make_private_trains_and_accounts_every_logical_step(mode):
+    torch.manual_seed(0)
+    engine = PrivacyEngine()
+    model = classifier()
+    before = [p.detach().clone() for p in model.parameters()]
+    dp_model, optimizer, loader = private(engine, mode, model=model, noise_multiplier=1.3)
+    assert fxdp.report(dp_model).mode == mode
+    assert isinstance(optimizer, DPOptimizer) and isinstance(loader, DPDataLoader)
+    assert loader.sample_rate == pytest.approx(0.25) and len(loader) == 4
+    assert optimizer.expected_batch_size == 16 and optimizer.noise_multiplier == 1.3
+    assert len(engine.accountant) == 0
+    train(dp_model, optimizer, loader)
+    assert len(engine.accountant) == 4
+    assert engine.accountant.history == [(1.3, pytest.approx(0.25), 4)]
+    eps_one_epoch = engine.get_epsilon(DELTA)
+    train(dp_model, optimizer, loader)
+    assert 0 < eps_one_epoch < engine.get_epsilon(DELTA)
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_without_poisson_sampling_the_loader_is_kept():
+    engine = PrivacyEngine()
+    model = classifier()
+    loader = DataLoader(dataset(), batch_size=16, shuffle=True)
+    _, optimizer, same = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                             data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+                                             poisson_sampling=False)
+    assert same is loader and optimizer.expected_batch_size == 16
+    optimizer.zero_grad()
+    optimizer.step()
+    assert engine.accountant.history == [(1.0, 0.25, 1)]
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_a_model_dp_cannot_train_is_refused(mode):
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    with pytest.raises(fxdp.NotPrivateError, match="BatchNorm"):
+        private(PrivacyEngine(), mode, model=model)
+
+
+def test_an_optimizer_of_another_model_is_refused():
+    model, other = classifier(), classifier()
+    with pytest.raises(ValueError, match=r"not the module's \(param_groups\[0\]\['params'\]\[0\] of shape \(8, 6\)"):
+        PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(other.parameters(), lr=0.1),
+                                     data_loader=DataLoader(dataset(), batch_size=16), noise_multiplier=1.0,
+                                     max_grad_norm=1.0)
+    _, dp_optimizer, _ = private(PrivacyEngine(), "fx", model=model)
+    with pytest.raises(TypeError, match="already a DPOptimizer"):
+        PrivacyEngine().make_private(module=model, optimizer=dp_optimizer, data_loader=DataLoader(dataset()),
+                                     noise_multiplier=1.0, max_grad_norm=1.0)
+
+
+def test_trainable_parameters_left_out_of_the_optimizer_are_warned_about():
+    model = classifier()
+    with pytest.warns(UserWarning, match=r"not in the optimizer \(2.weight, 2.bias\)"):
+        PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model[0].parameters(), lr=0.1),
+                                     data_loader=DataLoader(dataset(), batch_size=16), noise_multiplier=1.0,
+                                     max_grad_norm=1.0)
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_an_empty_poisson_batch_still_steps_with_noise(mode):
+    """Batches of expected size 1 out of 4 samples: about a third are empty. Each empty one goes through
+    forward, backward and step like any other: the parameters move by noise and the step is accounted."""
+    torch.manual_seed(0)
+    engine = PrivacyEngine()
+    model = classifier(bias=False)  # see the report: per-sample rules with a bias do not take empty batches yet
+    dp_model, optimizer, loader = private(engine, mode, model=model, batch_size=1, data=dataset(n=4))
+    empty_seen = 0
+    for _ in range(5):
+        for x, y in loader:
+            before = [p.detach().clone() for p in model.parameters()]
+            steps = len(engine.accountant)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(dp_model(x), y).backward()
+            optimizer.step()
+            assert len(engine.accountant) == steps + 1
+            if len(x) == 0:
+                empty_seen += 1
+                assert x.shape == (0, 6)
+                for b, p in zip(before, model.parameters()):
+                    assert torch.isfinite(p).all() and not torch.equal(b, p)
+    assert empty_seen > 0
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_per_layer_clipping_through_make_private(mode):
+    """One sample, large enough to be clipped: each layer's share of the gradient has norm C_k."""
+    bounds = [1e-3, 2e-3, 3e-3, 4e-3]
+    model = classifier()
+    dp_model, optimizer, _ = private(PrivacyEngine(), mode, model=model, clipping="per_layer",
+                                     max_grad_norm=bounds, noise_multiplier=0.0)
+    x, y = dataset().tensors
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(dp_model(x[:1]), y[:1]).backward()
+    optimizer.step()
+    for p, C in zip(model.parameters(), bounds):
+        assert p.grad.norm() * optimizer.expected_batch_size == pytest.approx(C, rel=1e-4)
+
+
+def test_secure_mode_reaches_the_optimizer_and_refuses_a_seeded_generator():
+    _, optimizer, _ = private(PrivacyEngine(secure_mode=True), "fx")
+    assert optimizer.secure_mode
+    with pytest.raises(ValueError, match="secure_mode"):
+        private(PrivacyEngine(secure_mode=True), "fx", noise_generator=torch.Generator().manual_seed(0))
+
+
+# -- checkpoints ---------------------------------------------------------------------------------------
+
+
+def fixed_batches(n_batches=2, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(n_batches)]
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_checkpoint_round_trip_keeps_weights_optimizer_noise_and_privacy_spent(mode, tmp_path):
+    path = tmp_path / "ckpt.pt"
+    torch.manual_seed(0)
+    engine = PrivacyEngine()
+    model = classifier()
+    dp_model, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
+        data_loader=DataLoader(dataset(), batch_size=16), noise_multiplier=0.9, max_grad_norm=1.0,
+        grad_sample_mode=mode, noise_generator=torch.Generator().manual_seed(1))
+    train(dp_model, optimizer, loader)
+    engine.save_checkpoint(path=path, module=dp_model, optimizer=optimizer, checkpoint_dict={"epoch": 1})
+    eps_saved = engine.get_epsilon(DELTA)
+
+    # a new process: another engine, a model with other weights, a fresh optimizer
+    engine2 = PrivacyEngine()
+    model2 = classifier(seed=3)
+    dp_model2, optimizer2, _ = engine2.make_private(
+        module=model2, optimizer=torch.optim.Adam(model2.parameters(), lr=0.01),
+        data_loader=DataLoader(dataset(), batch_size=16), noise_multiplier=0.9, max_grad_norm=1.0,
+        grad_sample_mode=mode, noise_generator=torch.Generator().manual_seed(99))
+    assert len(engine2.accountant) == 0
+    extras = engine2.load_checkpoint(path=path, module=dp_model2, optimizer=optimizer2)
+    assert extras == {"epoch": 1}
+    assert engine2.get_epsilon(DELTA) == eps_saved and len(engine2.accountant) == len(engine.accountant)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+    # the next steps: same updates (Adam moments and noise generator restored) and same privacy spent
+    batches = fixed_batches()
+    train(dp_model, optimizer, batches)
+    train(dp_model2, optimizer2, batches)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        torch.testing.assert_close(a, b)
+    assert engine2.get_epsilon(DELTA) == engine.get_epsilon(DELTA) > eps_saved
+
+
+def test_checkpoint_holds_the_plain_models_names(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    engine = PrivacyEngine()
+    model = classifier()
+    dp_model, optimizer, _ = private(engine, "hooks", model=model)
+    engine.save_checkpoint(path=path, module=dp_model)
+    plain = classifier(seed=4)
+    plain.load_state_dict(torch.load(path, weights_only=True)["module_state_dict"])
+    for a, b in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="holds no optimizer state"):
+        engine.load_checkpoint(path=path, module=dp_model, optimizer=optimizer)
+
+
+def test_make_private_with_epsilon_lands_within_one_percent_below_the_target():
+    target, epochs = 2.0, 3
+    torch.manual_seed(0)
+    engine = PrivacyEngine()
+    model = classifier()
+    dp_model, optimizer, loader = engine.make_private_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(dataset(), batch_size=16), target_epsilon=target, target_delta=DELTA,
+        epochs=epochs, max_grad_norm=1.0)
+    for _ in range(epochs):
+        train(dp_model, optimizer, loader)
+    assert len(engine.accountant) == epochs * 4
+    eps = engine.get_epsilon(DELTA)
+    assert 0.99 * target <= eps <= target
+
+
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_memory_manager_physical_batches_give_the_same_training_and_accounting(mode):
+    """A logical Poisson batch (expected 16 samples) cut into physical batches of at most 5: the same
+    updates as whole logical batches (noise off), one accounted step per logical batch."""
+    from fxdp.data import BatchMemoryManager
+
+    results = []
+    for max_physical in (None, 5):
+        engine = PrivacyEngine()
+        model = classifier()
+        dp_model, optimizer, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+            data_loader=DataLoader(dataset(), batch_size=16), noise_multiplier=0.0, max_grad_norm=0.1,
+            grad_sample_mode=mode)
+        torch.manual_seed(5)  # the Poisson draws come from the global generator: the same logical batches
+        sizes = []
+        if max_physical is None:
+            for x, y in loader:
+                sizes.append(len(x))
+            torch.manual_seed(5)
+            train(dp_model, optimizer, loader)
+        else:
+            with BatchMemoryManager(data_loader=loader, max_physical_batch_size=max_physical,
+                                    optimizer=optimizer) as physical:
+                for x, y in physical:
+                    assert len(x) <= max_physical
+                    sizes.append(len(x))
+                    optimizer.zero_grad()
+                    nn.functional.cross_entropy(dp_model(x), y).backward()
+                    optimizer.step()
+        assert len(engine.accountant) == optimizer.steps == len(loader)
+        results.append(([p.detach().clone() for p in model.parameters()], sizes))
+    (whole, logical_sizes), (split, physical_sizes) = results
+    assert sum(logical_sizes) == sum(physical_sizes) and len(physical_sizes) > len(logical_sizes)
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(a, b)
