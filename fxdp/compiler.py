@@ -7,7 +7,9 @@ report names it (``fx``, ``fx+whole-model``, ``hooks``, ``ew``, ``functorch``, `
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, List, Optional
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.fx
@@ -15,6 +17,7 @@ from torch import nn
 
 from fxdp import runtime
 from fxdp.diagnostics import (
+    BatchDimAnalysisError,
     BatchMixingError,
     CompileReport,
     FxdpError,
@@ -36,9 +39,9 @@ from fxdp.engines.whole_model import whole_model_op
 from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.bookkeeping import BookkeepingSink, describe_plans, plan_graph
 from fxdp.grad_sample.sink import GradientSink, GradSampleSink
-from fxdp.passes.batch_dim import propagate_batch_dim
+from fxdp.passes.batch_dim import batched_input_names, bind_inputs, propagate_batch_dim
 from fxdp.passes.inplace import remove_inplace_ops
-from fxdp.passes.per_sample import insert_per_sample_ops, update_site_layouts
+from fxdp.passes.per_sample import batch_source, insert_per_sample_ops, one_sample_layouts, update_site_layouts
 from fxdp.passes.validate import validate_graph
 from fxdp.tracing import trace
 from fxdp.diagnostics.errors import expect_module
@@ -62,7 +65,7 @@ def _run(name: str, fn: Callable[..., PassResult], gm: torch.fx.GraphModule, rep
     return result.graph_module
 
 
-def _analyse(model: nn.Module, example_inputs, batch_dim: int, strict: bool):
+def _analyse(model: nn.Module, example_inputs, batch_dim: int, strict: bool, batch_inputs=None):
     """Trace and run the analysis passes. Returns (graph module or None, trace result, pass reports)."""
     traced = trace(model, example_inputs)
     if not traced.ok:
@@ -72,7 +75,7 @@ def _analyse(model: nn.Module, example_inputs, batch_dim: int, strict: bool):
     gm = _run("inplace", remove_inplace_ops, gm, reports)
     if example_inputs is not None:
         gm = _run("batch_dim", propagate_batch_dim, gm, reports, example_inputs=example_inputs,
-                  batch_dim=batch_dim, strict=strict)
+                  batch_dim=batch_dim, strict=strict, batch_inputs=batch_inputs)
     return gm, traced, reports
 
 
@@ -92,10 +95,11 @@ _NO_INPUTS_NOTE = ("batch_dim: not run (no example_inputs); compile_for_dp runs 
                    "before its backward")
 
 
-def inspect(model: nn.Module, example_inputs: Any = None, batch_dim: int = 0, strict: bool = False) -> CompileReport:
+def inspect(model: nn.Module, example_inputs: Any = None, batch_dim: int = 0, strict: bool = False,
+            batch_inputs: Optional[Tuple[str, ...]] = None) -> CompileReport:
     """The report ``compile_for_dp`` would produce, without compiling (the model is not changed)."""
     expect_module(model, "fxdp.inspect(model, ...)")
-    gm, traced, reports = _analyse(model, example_inputs, batch_dim, strict)
+    gm, traced, reports = _analyse(model, example_inputs, batch_dim, strict, batch_inputs)
     notes = [_NO_INPUTS_NOTE] if traced.ok and example_inputs is None else []
     return _make_report(model, traced, reports, notes=notes)
 
@@ -109,7 +113,7 @@ def report(compiled: nn.Module) -> CompileReport:
     return rep
 
 
-def _refuse_if_not_private(reports: List[PassReport]) -> None:
+def _refuse_if_not_private(reports: List[PassReport], when: str = "") -> None:
     errors = [f for r in reports for f in r.findings if f.severity is Severity.ERROR]
     if not errors:
         return
@@ -120,7 +124,7 @@ def _refuse_if_not_private(reports: List[PassReport]) -> None:
         if mixing else
         "The model cannot be trained with DP-SGD as it is. Fix the findings below "
         "(fxdp.validators.ModuleValidator.fix(model) replaces BatchNorm and in-place flags)."
-    )
+    ) + when
     raise (BatchMixingError if mixing else NotPrivateError)(errors, header)
 
 
@@ -132,6 +136,7 @@ def compile_for_dp(
     strict: bool = False,
     grad_sample_mode: str = "fx",
     sink: Optional[GradientSink] = None,
+    batch_inputs: Optional[Tuple[str, ...]] = None,
 ) -> nn.Module:
     """Make ``model`` compute per-sample gradients: after ``loss.backward()`` every trainable parameter
     ``p`` has ``p.grad_sample`` of shape ``(N, *p.shape)``, row i being sample i's own gradient.
@@ -145,6 +150,14 @@ def compile_for_dp(
     traced — the hooks engine around it; ``fxdp.report(result)`` says which and why. Raises
     :class:`fxdp.diagnostics.NotPrivateError` for a model DP-SGD cannot train (BatchNorm in training,
     ops that mix samples), with a table of the findings.
+
+    ``batch_inputs``: names (or positions) of the forward() inputs that hold one row per sample at
+    ``batch_dim``; the others are shared by all samples (masks, position ids). Without it fxdp finds
+    them from all inputs and the graph, and asks for it when the inputs can be read two ways.
+
+    The compiled model guards what its analysis assumed: a forward on input shapes not analysed yet
+    re-runs the analysis for them (once per shape signature) or raises an fxdp error before any
+    per-sample gradient is computed (see docs/per_sample.md, "Guards").
     """
     expect_module(model, "fxdp.compile_for_dp(model, ...)")
     check_loss_reduction(loss_reduction)
@@ -155,7 +168,7 @@ def compile_for_dp(
     if sink is not None and grad_sample_mode in ("ew", "no_op"):
         raise ValueError(f"fxdp: grad_sample_mode={grad_sample_mode!r} writes p.grad_sample itself and delivers "
                          "nothing to a sink; leave sink=None, or use grad_sample_mode='fx' or 'hooks'")
-    gm, traced, reports = _analyse(model, example_inputs, batch_dim, strict)
+    gm, traced, reports = _analyse(model, example_inputs, batch_dim, strict, batch_inputs)
     _refuse_if_not_private(reports)
     if gm is None or grad_sample_mode != "fx":
         engine = "hooks" if gm is None else grad_sample_mode
@@ -165,7 +178,7 @@ def compile_for_dp(
                                                     notes=_bookkeeping_notes(sink, engine)))
         return wrapped
 
-    analysed = None if example_inputs is not None else torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    analysed = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # re-analysed by the guards for new shapes
     sink = sink if sink is not None else GradSampleSink()  # one per compiled model: its DP-aware ops deliver here
     gm = _run("per_sample", insert_per_sample_ops, gm, reports, loss_reduction=loss_reduction, batch_dim=batch_dim,
               sink=sink)
@@ -180,10 +193,9 @@ def compile_for_dp(
                                                     notes=_bookkeeping_notes(sink, "fx+whole-model")))
         return wrapped
 
-    notes = ([_NO_INPUTS_NOTE] if analysed is not None else []) + _bookkeeping_notes(sink, "fx", gm)
+    notes = ([_NO_INPUTS_NOTE] if example_inputs is None else []) + _bookkeeping_notes(sink, "fx", gm)
     setattr(gm, _REPORT_ATTR, _make_report(model, traced, reports, notes=notes))
-    if analysed is not None:
-        _analyse_on_first_batch(gm, analysed, batch_dim, strict)
+    _install_guards(gm, analysed, example_inputs, batch_dim, strict, batch_inputs)
     return gm
 
 
@@ -199,29 +211,82 @@ def _bookkeeping_notes(sink: Optional[GradientSink], engine: str, gm: Optional[t
                      "first backward (model.fxdp_sink.plans)"]
 
 
-def _analyse_on_first_batch(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule, batch_dim: int, strict: bool):
-    """Without example inputs, run the batch_dim pass on the first batch, before its backward."""
+@dataclass
+class _GuardContext:
+    """What the guard needs to re-run the batch_dim analysis for new input shapes."""
 
-    def hook(module, args, kwargs):
-        inputs = dict(kwargs) if kwargs and not args else tuple(args)
-        result = propagate_batch_dim(analysed, inputs, batch_dim=batch_dim, strict=strict)
-        previous = report(gm)
-        analysis = [p for p in previous.passes if p.name not in ("batch_dim", "per_sample")]
-        reports = [*analysis, result.report, previous.pass_report("per_sample")]
-        _refuse_if_not_private(reports)
-        problems, changes = update_site_layouts(gm, result.graph_module, batch_dim)
-        if problems:
-            raise NotPrivateError(problems, "fxdp cannot compute per-sample gradients on the graph for these ops; "
-                                  "compile with example_inputs so fxdp can choose another engine up front:")
-        reports[-1] = PassReport(reports[-1].name, tuple(changes), reports[-1].findings)
+    analysed: torch.fx.GraphModule  # the graph before the per_sample pass
+    batch_dim: int
+    strict: bool
+    batch_inputs: Optional[Tuple[str, ...]]  # pinned once known (the user's, or found on a batch of several)
+    compiled: Optional[torch.fx.GraphModule] = None  # its report is updated on the first batch
+
+    def __getstate__(self):  # the compiled model holds this context: a pickled copy must not hold it back
+        return {**vars(self), "compiled": None}
+
+
+def _install_guards(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule, example_inputs, batch_dim: int,
+                    strict: bool, batch_inputs) -> None:
+    """Let the compiled model check at every forward that its layouts were analysed for the input
+    shapes it gets, and re-run the analysis (or refuse) for new ones (:mod:`fxdp.runtime.guards`)."""
+    guard = gm.fxdp_batch
+    pinned = None if batch_inputs is None else tuple(
+        (batch_inputs,) if isinstance(batch_inputs, (str, int)) else batch_inputs)
+    guard.context = _GuardContext(analysed, batch_dim, strict, pinned, gm)
+    guard.reanalyse = _reanalyse
+    if example_inputs is not None:  # analysed at compile time: these shapes need no second analysis
+        values = tuple(bind_inputs(analysed, example_inputs))
+        _pin_batch_inputs(guard, values)
+        guard.remember(runtime.input_signature(values))
+
+
+def _pin_batch_inputs(guard: runtime.BatchSource, values) -> None:
+    """Once found on a batch of several samples, the batched inputs stay the same for other shapes (with
+    one sample, a (1, T) input cannot be told from a batched one)."""
+    ctx = guard.context
+    if ctx.batch_inputs is None and guard.size_of(values) > 1:
+        ctx.batch_inputs = batched_input_names(ctx.analysed)
+
+
+def _reanalyse(guard: runtime.BatchSource, inputs) -> None:
+    """The guard's callback for input shapes not analysed yet (the first batch without example_inputs)."""
+    ctx = guard.context
+    first = ctx.compiled is not None and all(p.name != "batch_dim" for p in report(ctx.compiled).passes)
+    try:
+        result = propagate_batch_dim(ctx.analysed, tuple(inputs), batch_dim=ctx.batch_dim, strict=ctx.strict,
+                                     batch_inputs=ctx.batch_inputs)
+    except BatchDimAnalysisError as exc:
+        if not first and exc.__cause__ is not None and not isinstance(exc.__cause__, FxdpError):
+            # an op of an analysed model fails on these inputs: the error its own forward raises
+            raise exc.__cause__
+        raise  # on the first batch, the analysis's error (the one example_inputs of that shape would give)
+    shapes = ", ".join(str(tuple(x.shape)) for x in inputs if isinstance(x, torch.Tensor))
+    when = "" if first else (f" (found when the model ran on inputs of shapes {shapes}, which the analysis had not "
+                             "seen: fxdp re-ran it for them)")
+    _refuse_if_not_private([result.report], when)
+    problems, changes = update_site_layouts(ctx.analysed, guard, ctx.batch_dim)
+    index, dim = batch_source([n for n in ctx.analysed.graph.nodes if n.op == "placeholder"], ctx.batch_dim)
+    if problems and isinstance(inputs[index], torch.Tensor) and inputs[index].shape[dim] == 1:
+        # a batch of one leaves layouts ambiguous ((N*T, d) with N = 1 is also (T, d)), but every tensor
+        # then is the one sample's: each site reads its tensors whole
+        guard.input_index, guard.dim = index, dim
+        one_sample_layouts(guard)
+        return
+    if problems:
+        fix = ("train with the input shapes the model was analysed for, or compile again with example_inputs of "
+               "these shapes so that fxdp can choose another engine up front")
+        causes = [f for f in result.report.findings if f.severity is not Severity.INFO]
+        raise NotPrivateError([*causes, *(dataclasses.replace(f, fix=fix) for f in problems)],
+                              f"fxdp cannot follow the batch through the model for inputs of shapes {shapes}"
+                              + ("" if first else ", which the analysis had not seen (fxdp re-ran it for them)")
+                              + "; per-sample gradients would be wrong, so this forward is refused:")
+    if first:
+        previous = report(ctx.compiled)
+        reports = [*[p for p in previous.passes if p.name not in ("batch_dim", "per_sample")], result.report,
+                   PassReport("per_sample", tuple(changes), previous.pass_report("per_sample").findings)]
         notes = [n for n in previous.notes if n != _NO_INPUTS_NOTE] + ["batch_dim: run on the first batch"]
-        setattr(gm, _REPORT_ATTR, CompileReport(previous.model, True, tuple(reports), notes=tuple(notes)))
-        # settled once the analysis passed (a refused model stays refused) on a batch of several samples
-        # (with one, a (1, T) input cannot be told from a batched one)
-        if runtime.batch_size(gm.fxdp_batch, *args, *kwargs.values()) > 1:
-            handle.remove()
-
-    handle = gm.register_forward_pre_hook(hook, with_kwargs=True)
+        setattr(ctx.compiled, _REPORT_ATTR, CompileReport(previous.model, True, tuple(reports), notes=tuple(notes)))
+    _pin_batch_inputs(guard, inputs)
 
 
 def wrap_model(

@@ -39,6 +39,7 @@ class LayerCapture:
     activations: Sequence[torch.Tensor] = ()  # A: the layer's tensor inputs, batch first
     backprops: Optional[torch.Tensor] = None  # G: gradient of the summed loss w.r.t. the output, batch first
     params: Sequence[nn.Parameter] = field(default_factory=tuple)  # the trainable parameters it covers
+    call: int = 0  # the model's forward call it belongs to: two calls before one backward are different samples
 
 
 class GradientSink(abc.ABC):
@@ -71,14 +72,16 @@ class GradientSink(abc.ABC):
 class GradSampleSink(GradientSink):
     """The materialising sink: per-sample gradients become ``p.grad_sample``.
 
-    Within one backward pass the uses of a parameter add up (tied weights, a layer called twice);
-    successive backward passes append along dimension 0. The read side reads ``p.grad_sample``, so
+    Within one forward call the uses of a parameter add up (tied weights, a layer called twice); the
+    rows of several forward calls before one backward are concatenated in call order (zeros where a
+    call did not use the parameter); successive backward passes append along dimension 0. The read side reads ``p.grad_sample``, so
     it also serves engines that write it themselves (PyTorch's ExpandedWeights).
     """
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._pending: Dict[int, Dict[nn.Parameter, torch.Tensor]] = {}  # graph task -> sums of that pass
+        # graph task -> forward call -> (batch size, sums of that call's uses)
+        self._pending: Dict[int, Dict[int, tuple]] = {}
 
     # A copied or pickled model (copy.deepcopy, torch.save) gets a fresh sink: what is pending belongs
     # to a backward pass of the original, and a lock cannot be copied.
@@ -97,15 +100,19 @@ class GradSampleSink(GradientSink):
                 pending = self._pending[task] = {}
                 # runs once, when the autograd engine finishes this backward pass
                 torch.autograd.Variable._execution_engine.queue_callback(lambda: self._publish(task))
+            n, sums = pending.setdefault(capture.call, (capture.batch_size, {}))
             for p, g in grad_samples.items():
-                check_grad_sample(p, g, capture.batch_size)
+                check_grad_sample(p, g, n)
                 g = g.detach()
-                pending[p] = pending[p] + g if p in pending else g
+                sums[p] = sums[p] + g if p in sums else g
 
     def _publish(self, task: int) -> None:
         with self._lock:
-            pending = self._pending.pop(task, {})
-        for p, g in pending.items():
+            calls = self._pending.pop(task, {})
+        params = list(dict.fromkeys(p for _, sums in calls.values() for p in sums))
+        for p in params:
+            parts = [sums[p] if p in sums else p.new_zeros((n, *p.shape)) for _, (n, sums) in sorted(calls.items())]
+            g = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             previous = getattr(p, "grad_sample", None)
             p.grad_sample = g if previous is None else torch.cat([previous, g], dim=0)
 

@@ -20,9 +20,10 @@ and the path from the batched input):
   batch norm in training, softmax over the batch, ...): no DP guarantee survives it;
 - ``UNVERIFIED`` (warning): a per-sample tensor reached an op with no rule; strict mode raises.
 
-Which inputs are batched: ``N`` is the size at ``batch_dim`` of the first tensor input; another
-tensor input is batched when its size there is ``N`` too, broadcast when it is 1 (position ids of
-shape ``(1, T)``) and unbatched otherwise (a ``(T, T)`` mask).
+Which inputs are batched is decided in :mod:`fxdp.passes.batch_inputs` from all inputs and the graph
+(or named by the user with ``batch_inputs=``); within a batched input a tensor is batched when its
+size at ``batch_dim`` is ``N``, broadcast when it is 1 (position ids of shape ``(1, T)``) and
+unbatched otherwise. Shared inputs are broadcast (size 1) or unbatched (a ``(T, T)`` mask).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 import networkx as nx
 import torch
@@ -43,6 +44,16 @@ from torch.nn.utils.stateless import _reparametrize_module
 from fxdp import meta
 from fxdp.diagnostics import BatchDimAnalysisError, Finding, Kind, MissingBatchRuleError, PassReport, PassResult, Severity
 from fxdp.layout import BROADCAST, UNBATCHED_LAYOUT, UNKNOWN, UNKNOWN_LAYOUT, BatchLayout
+from fxdp.passes.batch_inputs import (
+    _bind_inputs,
+    _first_tensor,
+    _input_layout,
+    _shared_layout,
+    choose_batch_inputs,
+    input_name,
+    named_batch_inputs,
+    output_verdict,
+)
 from fxdp.passes.batch_rules import (
     Facts,
     OpCall,
@@ -89,65 +100,6 @@ _UNKNOWN_VALUE = _Unknown()
 # --------------------------------------------------------------------------------------------
 # Inputs
 # --------------------------------------------------------------------------------------------
-
-
-def _bind_inputs(placeholders: List[torch.fx.Node], example_inputs) -> List[Any]:
-    """One value per placeholder, from a tensor, a tuple/list of positional inputs, or a dict by name."""
-    if isinstance(example_inputs, dict):
-        values = []
-        known = set()
-        for p in placeholders:
-            name = str(p.target).lstrip("*")
-            known.update((name, p.name))
-            if name in example_inputs:
-                values.append(example_inputs[name])
-            elif p.name in example_inputs:
-                values.append(example_inputs[p.name])
-            elif p.args:  # a parameter with a default value
-                values.append(p.args[0])
-            else:
-                raise BatchDimAnalysisError(
-                    f"fxdp batch_dim: example_inputs has no value for the model input '{name}'; "
-                    f"give one for each of {[str(q.target) for q in placeholders]}.")
-        extra = sorted(set(example_inputs) - known)
-        if extra:
-            raise BatchDimAnalysisError(
-                f"fxdp batch_dim: example_inputs names {extra}, which forward() does not take; "
-                f"its inputs are {[str(q.target) for q in placeholders]}.")
-        return values
-    values = list(example_inputs) if isinstance(example_inputs, (tuple, list)) else [example_inputs]
-    if len(values) > len(placeholders):
-        raise BatchDimAnalysisError(
-            f"fxdp batch_dim: {len(values)} example inputs for a forward() that takes "
-            f"{len(placeholders)} ({[str(p.target) for p in placeholders]}).")
-    for p in placeholders[len(values):]:
-        if not p.args:
-            raise BatchDimAnalysisError(
-                f"fxdp batch_dim: example_inputs has no value for the model input '{p.target}'.")
-        values.append(p.args[0])
-    return values
-
-
-def _first_tensor(values) -> Optional[torch.Tensor]:
-    for v in values:
-        for t, _ in tensor_pairs(v, None):
-            return t
-    return None
-
-
-def _input_layout(value, batch_dim: int, n: int):
-    """Batched if the size at batch_dim is N, broadcast if it is 1, unbatched otherwise."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() > batch_dim and value.shape[batch_dim] == n:
-            return BatchLayout.at(batch_dim)
-        if value.dim() > batch_dim and value.shape[batch_dim] == 1:
-            return BatchLayout.broadcast(batch_dim)
-        return UNBATCHED_LAYOUT
-    if isinstance(value, (list, tuple)):
-        return tuple(_input_layout(v, batch_dim, n) for v in value)
-    if isinstance(value, dict):
-        return {k: _input_layout(v, batch_dim, n) for k, v in value.items()}
-    return None
 
 
 def _to_fake(value, mode: FakeTensorMode):
@@ -466,13 +418,15 @@ def quiet_torch_logs():
 
 
 def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: int = 0,
-                        strict: bool = False) -> PassResult:
+                        strict: bool = False, batch_inputs: Optional[Sequence[Union[str, int]]] = None) -> PassResult:
     """Record where the batch is at every node (``meta.BATCH_DIM``, ``meta.FAKE_VALUE``) and report
     the ops that move it (warnings), mix samples (errors) or have no rule (unverified warnings).
 
     ``example_inputs``: a tensor, a tuple/list of positional inputs, or a dict of inputs by name.
     ``batch_dim``: where the batch sits in the batched inputs (1 for time-major ``(T, N, ...)``).
     ``strict``: raise :class:`MissingBatchRuleError` on an op with no rule instead of reporting it.
+    ``batch_inputs``: the names (or positions) of the inputs that carry the batch; the others are shared
+    by all samples. Without it fxdp finds them (:mod:`fxdp.passes.batch_inputs`).
     """
     if not isinstance(batch_dim, int) or batch_dim < 0:
         raise ValueError(f"fxdp batch_dim: batch_dim must be a non-negative int, got {batch_dim!r}")
@@ -482,21 +436,29 @@ def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: 
     if first is None:
         raise BatchDimAnalysisError("fxdp batch_dim: example_inputs contain no tensor; give at least the "
                                     "batched input (a tensor with the batch at batch_dim).")
-    if first.dim() <= batch_dim:
-        raise BatchDimAnalysisError(
-            f"fxdp batch_dim: the first tensor input has shape {tuple(first.shape)}, which has no dimension "
-            f"{batch_dim} to hold the batch; pass batch_dim=<where the batch is> (0 for batch-first).")
-    n = first.shape[batch_dim]
-    input_layouts = {p: _input_layout(v, batch_dim, n) for p, v in zip(placeholders, values)}
+    last: list = []  # the hypothesis analysed last, and its run: not repeated if it is chosen
+    if batch_inputs is not None:
+        chosen = named_batch_inputs(placeholders, values, batch_inputs, batch_dim)
+    else:
+        if first.dim() <= batch_dim:
+            raise BatchDimAnalysisError(
+                f"fxdp batch_dim: the first tensor input has shape {tuple(first.shape)}, which has no dimension "
+                f"{batch_dim} to hold the batch; pass batch_dim=<where the batch is> (0 for batch-first).")
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_values = [_to_fake(v, mode) for v in values]
-    # fake copies of every parameter and buffer, under every name (tied ones stay tied)
-    state = {name: mode.from_tensor(t) for name, t in
-             list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))}
-    interpreter = BatchDimInterpreter(gm, mode, input_layouts, n, BatchLayout.at(batch_dim), strict)
-    with _reparametrize_module(gm, state), mode, quiet_torch_logs():
-        interpreter.run(*fake_values)
+        def verdict(hypothesis) -> str:
+            interpreter, layouts = _interpret(gm, placeholders, values, *hypothesis, batch_dim, False)
+            last[:] = [hypothesis, (interpreter, layouts)]
+            if any(r.kind is Kind.MIXES_SAMPLES for r in interpreter.raw):
+                return "no"
+            output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
+            return output_verdict(interpreter.layouts.get(output), batch_dim)
+
+        chosen = choose_batch_inputs(placeholders, values, batch_dim, verdict)
+    n, batched = chosen
+    if not strict and last and last[0] == chosen:
+        interpreter, input_layouts = last[1]
+    else:
+        interpreter, input_layouts = _interpret(gm, placeholders, values, n, batched, batch_dim, strict)
 
     findings: Tuple[Finding, ...] = ()
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
@@ -511,7 +473,34 @@ def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: 
     return PassResult(gm, PassReport(PASS_NAME, (), findings))
 
 
-def find_batch_dim_violations(model: nn.Module, example_inputs, batch_dim: int = 0) -> List[Finding]:
+def _interpret(gm, placeholders, values, n: int, batched: FrozenSet[int], batch_dim: int, strict: bool):
+    """Run the interpreter with the inputs at ``batched`` (placeholder positions) carrying ``n`` samples."""
+    input_layouts = {p: _input_layout(v, batch_dim, n) if i in batched else _shared_layout(v, batch_dim)
+                     for i, (p, v) in enumerate(zip(placeholders, values))}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_values = [_to_fake(v, mode) for v in values]
+    # fake copies of every parameter and buffer, under every name (tied ones stay tied)
+    state = {name: mode.from_tensor(t) for name, t in
+             list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))}
+    interpreter = BatchDimInterpreter(gm, mode, input_layouts, n, BatchLayout.at(batch_dim), strict)
+    with _reparametrize_module(gm, state), mode, quiet_torch_logs():
+        interpreter.run(*fake_values)
+    return interpreter, input_layouts
+
+
+def bind_inputs(gm: torch.fx.GraphModule, example_inputs) -> List[Any]:
+    """One value per input of ``gm``'s forward (defaults filled in), as the compiled model receives them."""
+    return _bind_inputs([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs)
+
+
+def batched_input_names(gm: torch.fx.GraphModule) -> Tuple[str, ...]:
+    """The inputs the last analysis of ``gm`` found carrying the batch."""
+    return tuple(input_name(p) for p in gm.graph.nodes
+                 if p.op == "placeholder" and _has_per_sample(p.meta.get(meta.BATCH_DIM)))
+
+
+def find_batch_dim_violations(model: nn.Module, example_inputs, batch_dim: int = 0,
+                              batch_inputs: Optional[Sequence[Union[str, int]]] = None) -> List[Finding]:
     """Trace ``model`` and return what the batch_dim pass finds: ops that mix samples (errors), ops that
     move the batch dimension (warnings) and per-sample ops it cannot verify, each with your source line."""
     result = trace(model, example_inputs)
@@ -522,4 +511,5 @@ def find_batch_dim_violations(model: nn.Module, example_inputs, batch_dim: int =
             "The batch-dimension analysis needs a traceable forward(); move data-dependent Python control "
             "flow out of it, or check per-sample gradients with fxdp.check_per_sample_gradients_are_correct."
         ) from result.error
-    return list(propagate_batch_dim(result.graph_module, example_inputs, batch_dim=batch_dim).report.findings)
+    return list(propagate_batch_dim(result.graph_module, example_inputs, batch_dim=batch_dim,
+                                    batch_inputs=batch_inputs).report.findings)

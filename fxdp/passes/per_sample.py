@@ -30,7 +30,7 @@ from fxdp import meta, runtime
 from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity, op_name
 from fxdp.grad_sample.registry import rule_name
 from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
-from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED, UNKNOWN, BatchLayout
+from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED, UNKNOWN, BatchLayout, parse_layout
 from fxdp.tracing import source_location
 
 PASS_NAME = "per_sample"
@@ -134,7 +134,7 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
     if not placeholders:
         raise ValueError("the model takes no inputs, so there is no batch to compute per-sample gradients over")
 
-    gm.fxdp_batch = runtime.BatchSource(*batch_source(placeholders, batch_dim))
+    gm.fxdp_batch = guard = runtime.BatchSource(*batch_source(placeholders, batch_dim))
     with graph.inserting_after(placeholders[-1]):
         source = _get_attr(graph, "fxdp_batch")
     with graph.inserting_after(source):
@@ -144,7 +144,7 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
     changes: List[Finding] = []
     findings: List[Finding] = []
     folded: Dict[str, List[str]] = {}  # node -> its inputs after folding (the sites' layouts follow them)
-    gm.fxdp_folded = folded
+    gm.fxdp_folded = guard.folded = folded
     inner: List[torch.fx.Node] = []
     folds = {node.name: _fold_parameter_prefix(gm, node, reached, folded, inner) for node in list(graph.nodes)
              if node in reached and node.op in ("call_function", "call_method") and _derived_inputs(gm, node, reached)}
@@ -179,7 +179,8 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
         if problem is not None:
             findings.append(problem)
             continue
-        site = runtime.PerSampleSite(node.name, str(target), rule, loss_reduction, ins, outs, fn, what, sink)
+        site = runtime.PerSampleSite(node.name, str(target), rule, loss_reduction, ins, outs, fn, what, sink, guard)
+        guard.sites.append(site)
         site_attr = f"fxdp_site_{node.name}"
         setattr(gm, site_attr, site)
         with graph.inserting_before(node):
@@ -192,6 +193,7 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
         changes.append(_site_change(node, site))
 
     findings += _uncovered_parameters(gm)
+    guard.frozen = _frozen_uses(gm)
     graph.lint()
     gm.recompile()
     return PassResult(gm, PassReport(PASS_NAME, tuple(changes), tuple(findings)))
@@ -285,6 +287,22 @@ def _uncovered_parameters(gm: torch.fx.GraphModule) -> List[Finding]:
     return problems
 
 
+def _frozen_uses(gm: torch.fx.GraphModule) -> List[runtime.FrozenUse]:
+    """Frozen parameters used by an op that is no DP-aware op (``self.w.t()``): were one unfrozen, its
+    per-sample gradient would be lost, so the guard refuses the next forward (it names the use)."""
+    uses = []
+    for node in gm.graph.nodes:
+        param = _parameter(gm, node)
+        if param is None or param.requires_grad:
+            continue
+        user = next((u for u in node.users if u.target not in _DP_OPS), None)
+        if user is not None:
+            loc = source_location(user)
+            where = f"{loc}" + (f": {loc.code}" if loc and loc.code else "") if loc else ""
+            uses.append(runtime.FrozenUse(str(node.target), param, user.name, where))
+    return uses
+
+
 def _get_attr(graph: torch.fx.Graph, name: str) -> torch.fx.Node:
     # sites are plain Python objects on the GraphModule, not modules or tensors; FX warns about that
     with warnings.catch_warnings():
@@ -301,27 +319,46 @@ def batch_source(placeholders, batch_dim: int) -> Tuple[int, int]:
     return 0, batch_dim
 
 
-def update_site_layouts(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule,
+def update_site_layouts(analysed: torch.fx.GraphModule, guard: runtime.BatchSource,
                         batch_dim: int) -> Tuple[List[Finding], List[Finding]]:
-    """Fill the sites of a compiled graph with the layouts the batch_dim pass found on ``analysed``
-    (the same graph before the per_sample pass). Used when the first batch arrives.
-    Returns (problems, the per_sample changes as they now stand)."""
+    """Give the sites of a compiled graph (``guard.sites``) the layouts the batch_dim pass found on
+    ``analysed`` (the same graph before the per_sample pass), and the guard the batched input. Used by
+    the guards when the inputs have shapes not analysed yet (the first batch without example inputs).
+    Returns (problems, the per_sample changes as they now stand); with problems no site is changed."""
     by_name = {node.name: node for node in analysed.graph.nodes}
-    compiled = {node.name: node for node in gm.graph.nodes}
     reached = _inputs_reach(analysed.graph)
     default = BatchLayout.at(batch_dim)
-    problems, changes = [], []
-    placeholders = [n for n in analysed.graph.nodes if n.op == "placeholder"]
-    gm.fxdp_batch.input_index, gm.fxdp_batch.dim = batch_source(placeholders, batch_dim)
-    for site in list(vars(gm).values()):
-        if not isinstance(site, runtime.PerSampleSite):
-            continue
-        inputs = getattr(gm, "fxdp_folded", {}).get(site.node)
+    problems, changes, found = [], [], []
+    for site in guard.sites:
+        inputs = guard.folded.get(site.node)
         inputs = None if inputs is None else [by_name[name] for name in inputs]
         ins, outs, problem = _site_layout_strings(by_name[site.node], default, reached, inputs)
         if problem is not None:
             problems.append(problem)
-            continue
+        found.append((ins, outs))
+    if problems:
+        return problems, []
+    placeholders = [n for n in analysed.graph.nodes if n.op == "placeholder"]
+    guard.input_index, guard.dim = batch_source(placeholders, batch_dim)
+    for site, (ins, outs) in zip(guard.sites, found):
         site.layouts, site.out_layouts = ins, outs
-        changes.append(_site_change(compiled[site.node], site))
+        changes.append(Finding(
+            PASS_NAME, site.node, "per_sample_call" if site.fn is None else "per_sample_function", Kind.REWRITE,
+            Severity.INFO, f"{site.description}: per-sample gradients by the {site.rule} rule; input "
+            f"{', '.join(site.layouts) or '-'}, output {', '.join(site.out_layouts)}", "",
+            source_location(by_name[site.node])))
     return problems, changes
+
+
+_WHOLE = str(BatchLayout.merged(0, 1))  # with N = 1: the whole tensor is the one sample's row
+
+
+def one_sample_layouts(guard: runtime.BatchSource) -> None:
+    """Layouts for a batch of one sample when the analysis cannot place the batch: every tensor that
+    is (or may be) per-sample is read whole as that sample's (shared inputs stay shared)."""
+    def whole(text: str) -> str:
+        return text if parse_layout(text).kind in (BROADCAST, UNBATCHED) else _WHOLE
+
+    for site in guard.sites:
+        site.layouts = [whole(text) for text in site.layouts]
+        site.out_layouts = [_WHOLE for _ in site.out_layouts]

@@ -2,7 +2,7 @@
 
 A compiled model's code reads, for a Linear layer ``fc``::
 
-    batch_size = fxdp_runtime_ops_batch_size(self.fxdp_batch, x)
+    batch_size = fxdp_runtime_guards_batch_size(self.fxdp_batch, x)
     fc = fxdp_runtime_ops_per_sample_call(self.fc, self.fxdp_site_fc, batch_size, x)
 
 The forward is the ordinary one. What differs is backward: a hook on the layer's output receives the
@@ -28,17 +28,7 @@ from fxdp.grad_sample.generic import layout_grad_samples, summed_loss_backprops
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.grad_sample.sink import GradientSink, LayerCapture
 from fxdp.layout import BROADCAST, BatchLayout, parse_layout
-
-
-@dataclass
-class BatchSource:
-    """Which model input carries the batch, and in which dimension (read at every forward)."""
-
-    input_index: int
-    dim: int
-
-    def __repr__(self) -> str:
-        return f"BatchSource(input {self.input_index}, dim {self.dim})"
+from fxdp.runtime.guards import BatchSource, forward_call
 
 
 @dataclass
@@ -60,6 +50,8 @@ class PerSampleSite:
     fn: Union[Callable, str, None] = None  # functional uses: the torch function, or the Tensor method's name
     description: str = ""  # for the report: "layer 'fc' (Linear)", "'mul' using 'scale'"
     sink: Optional[GradientSink] = field(default=None, repr=False, compare=False)  # the model's sink
+    guard: Optional[BatchSource] = field(default=None, repr=False, compare=False)  # the model's fxdp_batch
+    calls: int = field(default=0, repr=False, compare=False)  # without a guard: calls so far (see forward_call)
 
     def in_layout(self, i: int) -> BatchLayout:
         if i >= len(self.layouts):  # a guess here could read another sample's data as this one's
@@ -69,16 +61,6 @@ class PerSampleSite:
                 "real inputs"
             )
         return parse_layout(self.layouts[i])
-
-
-def batch_size(source: BatchSource, *inputs) -> int:
-    x = inputs[source.input_index]
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(
-            f"fxdp: model input {source.input_index} was recorded as the one carrying the batch, "
-            f"but it is a {type(x).__name__} at run time"
-        )
-    return x.shape[source.dim]
 
 
 def _expand_broadcast(tensors: List[Any], layouts: List[BatchLayout], n: int) -> Tuple[List[Any], List[BatchLayout]]:
@@ -142,7 +124,8 @@ def _out_layouts(site: PerSampleSite, count: int) -> List[BatchLayout]:
     return layouts + [layouts[-1]] * (count - len(layouts))
 
 
-def _deliver(site: PerSampleSite, capture: LayerCapture) -> None:
+def _deliver(site: PerSampleSite, capture: LayerCapture, call: int) -> None:
+    capture.call = call  # captures of different forward calls hold different samples: rows in call order
     if site.sink is None:  # a site is given its model's sink when the per_sample pass creates it
         raise RuntimeError(f"fxdp: node '{site.node}' has no gradient sink; compile the model with fxdp.compile_for_dp")
     site.sink.add(capture)
@@ -150,6 +133,7 @@ def _deliver(site: PerSampleSite, capture: LayerCapture) -> None:
 
 def _generic_recorder(call, leaves, layouts, positions, out_layouts, n, site):
     """The backward step of the generic rule: per-sample gradients of the leaves at ``positions``."""
+    forward = forward_call(site)
 
     def record(grads) -> None:
         grads = summed_loss_backprops(grads, site.loss_reduction, n)
@@ -167,7 +151,7 @@ def _generic_recorder(call, leaves, layouts, positions, out_layouts, n, site):
                 ) from exc
             return {leaves[i]: g for i, g in zip(positions, samples)}
 
-        _deliver(site, LayerCapture(n, grad_samples, params=tuple(leaves[i] for i in positions)))
+        _deliver(site, LayerCapture(n, grad_samples, params=tuple(leaves[i] for i in positions)), forward)
 
     return record
 
@@ -175,6 +159,8 @@ def _generic_recorder(call, leaves, layouts, positions, out_layouts, n, site):
 def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwargs):
     """Call a layer; in backward, add the per-sample gradients of its parameters (and of parameters
     passed to it as arguments, as in ``self.act(self.raw)``)."""
+    if not torch.is_grad_enabled():  # evaluation: nothing to record, and layouts are not guarded then
+        return module(*args, **kwargs)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     layouts = _tensor_layouts(site, leaves)
     leaves, layouts = _expand_broadcast(leaves, layouts, n)
@@ -198,9 +184,11 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
             lay.to_batch_first(t.detach(), n) for t, lay in zip(leaves, layouts) if isinstance(t, torch.Tensor)
         ]
 
+        forward = forward_call(site)
+
         def record(grads) -> None:
             backprops = summed_loss_backprops(out_layouts[0].to_batch_first(grads[0], n), site.loss_reduction, n)
-            _deliver(site, layer_capture(module, activations, backprops, batch_size=n))
+            _deliver(site, layer_capture(module, activations, backprops, batch_size=n), forward)
 
     else:
         # generic rule: the layer as a function of its parameters, each sample alone
@@ -231,7 +219,7 @@ def per_sample_function(site: PerSampleSite, n: int, *args, **kwargs):
         i for i, leaf in enumerate(leaves) if isinstance(leaf, nn.Parameter) and leaf.requires_grad
     ]
     outputs = _output_tensors(out)
-    if not param_positions or not outputs:
+    if not param_positions or not outputs or not torch.is_grad_enabled():
         return out
     layouts = _tensor_layouts(site, leaves)
     out_layouts = _out_layouts(site, len(outputs))

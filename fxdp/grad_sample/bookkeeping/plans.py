@@ -116,7 +116,10 @@ def plan_graph(gm: torch.fx.GraphModule, prefer: Optional[str] = None) -> List[T
     for node in gm.graph.nodes:
         if meta.PER_SAMPLE_RULE not in node.meta or len(node.args) < 3 or node.args[0].op != "get_attr":
             continue  # functional uses of parameters: the generic rule, which always materialises
-        module = gm.get_submodule(node.args[0].target)
+        try:
+            module = gm.get_submodule(node.args[0].target)
+        except AttributeError:  # a functional use (its first argument is its site, not a layer)
+            continue
         site = getattr(gm, node.args[1].target)
         fakes = [a.meta.get(meta.FAKE_VALUE) if isinstance(a, torch.fx.Node) else None for a in node.args[3:]]
         out = node.meta.get(meta.FAKE_VALUE)

@@ -1,0 +1,221 @@
+"""Which model inputs carry the batch: the input binding of the batch_dim pass.
+
+The user says where the batch sits in a batched input (``batch_dim``); which inputs are batched is
+found, not assumed. An input is *batched* when it holds one row per sample at ``batch_dim``;
+every other input is *shared* by all samples (a ``(T, T)`` mask, a ``(1, T)`` position input, which
+is broadcast). Shared data is never "the batch" and never a reason to report mixing.
+
+Without ``batch_inputs=`` fxdp decides from all inputs (positional and keyword) and the graph:
+
+1. each distinct size at ``batch_dim`` among the tensor inputs is a candidate batch size N (1 only
+   when no larger size fits: against a larger size, a size of 1 is broadcasting); the hypothesis
+   for N makes every input with that size batched;
+2. a hypothesis is *consistent* when the analysis finds no op mixing samples and the model's
+   output carries the batch where its inputs do (dimension ``batch_dim``) — the loss is then a sum
+   over samples; it is *not* when an op mixes samples or the output has no batch or has it elsewhere;
+3. one consistent hypothesis: taken. None: the inputs of size N are tried in smaller groups (a
+   ``(T, T)`` mask with T == N is then seen to be shared). Still none: N is the first tensor
+   input's size (or the first reading where the analysis lost the batch rather than contradicted
+   it), and the analysis reports what is wrong. Several: an error asks the user to name the
+   batched inputs with ``batch_inputs=``.
+
+A model with a single batched-looking input costs one analysis, as before.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+from typing import Any, Callable, FrozenSet, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.fx
+
+from fxdp.diagnostics import BatchDimAnalysisError
+from fxdp.layout import UNBATCHED_LAYOUT, UNKNOWN, BatchLayout
+from fxdp.passes.batch_rules import tensor_pairs
+
+Hypothesis = Tuple[int, FrozenSet[int]]  # (batch size N, positions of the batched inputs)
+
+_MAX_GROUP = 4  # inputs of one size tried in smaller groups: at most 2**4 analyses
+
+def _bind_inputs(placeholders: List[torch.fx.Node], example_inputs) -> List[Any]:
+    """One value per placeholder, from a tensor, a tuple/list of positional inputs, or a dict by name."""
+    if isinstance(example_inputs, dict):
+        values = []
+        known = set()
+        for p in placeholders:
+            name = str(p.target).lstrip("*")
+            known.update((name, p.name))
+            if name in example_inputs:
+                values.append(example_inputs[name])
+            elif p.name in example_inputs:
+                values.append(example_inputs[p.name])
+            elif p.args:  # a parameter with a default value
+                values.append(p.args[0])
+            else:
+                raise BatchDimAnalysisError(
+                    f"fxdp batch_dim: example_inputs has no value for the model input '{name}'; "
+                    f"give one for each of {[str(q.target) for q in placeholders]}.")
+        extra = sorted(set(example_inputs) - known)
+        if extra:
+            raise BatchDimAnalysisError(
+                f"fxdp batch_dim: example_inputs names {extra}, which forward() does not take; "
+                f"its inputs are {[str(q.target) for q in placeholders]}.")
+        return values
+    values = list(example_inputs) if isinstance(example_inputs, (tuple, list)) else [example_inputs]
+    if len(values) > len(placeholders):
+        raise BatchDimAnalysisError(
+            f"fxdp batch_dim: {len(values)} example inputs for a forward() that takes "
+            f"{len(placeholders)} ({[str(p.target) for p in placeholders]}).")
+    for p in placeholders[len(values):]:
+        if not p.args:
+            raise BatchDimAnalysisError(
+                f"fxdp batch_dim: example_inputs has no value for the model input '{p.target}'.")
+        values.append(p.args[0])
+    return values
+
+
+def _first_tensor(values) -> Optional[torch.Tensor]:
+    for v in values:
+        for t, _ in tensor_pairs(v, None):
+            return t
+    return None
+
+
+def _input_layout(value, batch_dim: int, n: int):
+    """Batched if the size at batch_dim is N, broadcast if it is 1, unbatched otherwise."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() > batch_dim and value.shape[batch_dim] == n:
+            return BatchLayout.at(batch_dim)
+        if value.dim() > batch_dim and value.shape[batch_dim] == 1:
+            return BatchLayout.broadcast(batch_dim)
+        return UNBATCHED_LAYOUT
+    if isinstance(value, (list, tuple)):
+        return tuple(_input_layout(v, batch_dim, n) for v in value)
+    if isinstance(value, dict):
+        return {k: _input_layout(v, batch_dim, n) for k, v in value.items()}
+    return None
+
+
+def _shared_layout(value, batch_dim: int):
+    """An input shared by all samples: broadcast where its size at batch_dim is 1, else unbatched."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() > batch_dim and value.shape[batch_dim] == 1:
+            return BatchLayout.broadcast(batch_dim)
+        return UNBATCHED_LAYOUT
+    if isinstance(value, (list, tuple)):
+        return tuple(_shared_layout(v, batch_dim) for v in value)
+    if isinstance(value, dict):
+        return {k: _shared_layout(v, batch_dim) for k, v in value.items()}
+    return None
+
+
+def input_name(placeholder: torch.fx.Node) -> str:
+    return str(placeholder.target).lstrip("*")
+
+
+def _sizes(value, batch_dim: int) -> List[int]:
+    return [t.shape[batch_dim] for t, _ in tensor_pairs(value, None) if t.dim() > batch_dim]
+
+
+def _holders(values, n: int, batch_dim: int) -> FrozenSet[int]:
+    return frozenset(i for i, v in enumerate(values) if n in _sizes(v, batch_dim))
+
+
+def named_batch_inputs(placeholders, values, batch_inputs: Sequence[Union[str, int]], batch_dim: int) -> Hypothesis:
+    """The hypothesis the user gave: ``batch_inputs`` names (or positions) of the batched inputs."""
+    if isinstance(batch_inputs, (str, int)):
+        batch_inputs = (batch_inputs,)
+    names = [input_name(p) for p in placeholders]
+    chosen = set()
+    for entry in batch_inputs:
+        if isinstance(entry, int) and 0 <= entry < len(names):
+            chosen.add(entry)
+        elif entry in names:
+            chosen.add(names.index(entry))
+        else:
+            raise BatchDimAnalysisError(
+                f"fxdp batch_dim: batch_inputs names {entry!r}, which is not an input of forward(); "
+                f"its inputs are {names}.")
+    sizes = {i: _sizes(values[i], batch_dim) for i in sorted(chosen)}
+    for i, s in sizes.items():
+        if not s:
+            raise BatchDimAnalysisError(
+                f"fxdp batch_dim: batch_inputs names '{names[i]}', but it holds no tensor with a dimension "
+                f"{batch_dim} (batch_dim); name the inputs that hold one row per sample there.")
+    distinct = sorted({x for s in sizes.values() for x in s if x != 1}) or [1]
+    if len(distinct) > 1:
+        listing = ", ".join(f"'{names[i]}' {s}" for i, s in sizes.items())
+        raise BatchDimAnalysisError(
+            f"fxdp batch_dim: the inputs named in batch_inputs disagree on the batch size at dimension "
+            f"{batch_dim} ({listing}); every batched input holds one row per sample.")
+    return distinct[0], frozenset(chosen)
+
+
+YES, MAYBE, NO = "yes", "maybe", "no"  # is a hypothesis consistent? (maybe: the analysis lost the batch)
+
+
+def choose_batch_inputs(placeholders, values, batch_dim: int, verdict: Callable[[Hypothesis], str]) -> Hypothesis:
+    """Decide which inputs carry the batch (see the module docstring); ``verdict(hypothesis)`` runs the
+    analysis under a hypothesis and says whether it holds together (YES, MAYBE or NO)."""
+    first = _first_tensor(values)
+    default = (first.shape[batch_dim], _holders(values, first.shape[batch_dim], batch_dim))
+    sizes = list(dict.fromkeys(s for v in values for s in _sizes(v, batch_dim)))
+    if len(sizes) == 1 and len(default[1]) == 1:
+        return default  # one way to read the inputs: the analysis itself reports what is wrong
+    verdicts = {}
+
+    def consistent(h: Hypothesis) -> bool:
+        verdicts[h] = verdict(h)
+        return verdicts[h] == YES
+
+    found: List[Hypothesis] = []
+    # a size of 1 against a larger one is broadcasting: a batch of one is tried only when no larger fits
+    for candidates in ([s for s in sizes if s != 1], [1] if 1 in sizes else []):
+        full = [(n, _holders(values, n, batch_dim)) for n in candidates]
+        found = [h for h in full if consistent(h)]
+        if not found:  # a shared input may have the batch size by coincidence (a (T, T) mask, T == N)
+            found = [h for n, group in full for h in _smaller_groups(n, group, consistent)]
+        if found:
+            break
+    if len(found) == 1:
+        return found[0]
+    if not found:  # no reading holds together: the first one that does not contradict itself, if any
+        return next((h for h, v in verdicts.items() if v == MAYBE), default)
+    names = [input_name(p) for p in placeholders]
+    readings = "; ".join(f"{', '.join(repr(names[i]) for i in sorted(group))} as the batch (N={n})"
+                         for n, group in found)
+    raise BatchDimAnalysisError(
+        f"fxdp batch_dim: cannot tell which inputs carry the batch; the model is consistent with {readings}. "
+        "Name the inputs that hold one row per sample, e.g. compile_for_dp(model, example_inputs, "
+        f"batch_inputs=({names[sorted(found[0][1])[0]]!r},)); the other inputs are then shared by all samples.")
+
+
+def _smaller_groups(n: int, group: FrozenSet[int], consistent) -> List[Hypothesis]:
+    """The largest proper subsets of ``group`` that are consistent as the batched inputs."""
+    if not 2 <= len(group) <= _MAX_GROUP:
+        return []
+    for k in range(len(group) - 1, 0, -1):
+        hits = [(n, frozenset(c)) for c in combinations(sorted(group), k) if consistent((n, frozenset(c)))]
+        if hits:
+            return hits
+    return []
+
+
+def output_verdict(layout, batch_dim: int) -> str:
+    """YES when the first per-sample tensor of the model's output has the batch at ``batch_dim``, MAYBE
+    when the analysis lost track of it (unknown), NO otherwise (elsewhere, or no per-sample output)."""
+    for lay in _leaves(layout):
+        if isinstance(lay, BatchLayout) and lay.kind == UNKNOWN:
+            return MAYBE
+        if isinstance(lay, BatchLayout) and lay.is_batched:
+            return YES if lay == BatchLayout.at(batch_dim) else NO
+    return NO
+
+
+def _leaves(layout) -> List[Any]:
+    if isinstance(layout, (tuple, list)):
+        return [x for item in layout for x in _leaves(item)]
+    if isinstance(layout, dict):
+        return [x for item in layout.values() for x in _leaves(item)]
+    return [layout]

@@ -1,0 +1,163 @@
+"""Guards on the compile-time assumptions of a compiled model, checked at every forward.
+
+The batch_dim analysis ran on some input shapes; the layouts it recorded in the sites (where the
+batch sits in each layer's input and output, the factors of a merged ``(N*T, d)`` layout, which
+inputs carry the batch) hold for those shapes only. A compiled model's graph starts with::
+
+    batch_size = fxdp_runtime_guards_batch_size(self.fxdp_batch, x, mask)
+
+:func:`batch_size` is the guard. Per forward it costs a shape signature of the inputs and a dict
+lookup: for a signature seen before, the sites get back the layouts analysed for it; for a new one
+the compiler's callback (:attr:`BatchSource.reanalyse`) re-runs the batch_dim analysis on these
+shapes, refuses the model if it no longer holds (an fxdp error naming the node and the user's line)
+and records the new layouts. A layout that no longer holds is never read.
+
+It also checks that no parameter frozen at compile time and used where no site records it became
+trainable, and numbers the forward calls, so that the sink keeps the rows of two forward calls
+before one backward apart (in call order).
+
+The runtime imports no pass: the analysis is the compiler's callback, stored as a module-level
+function so that a compiled model still pickles.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from fxdp.diagnostics import FxdpError
+
+_MAX_SIGNATURES = 256  # analysed shape signatures kept per model (oldest dropped first)
+
+
+class TrainabilityChangedError(FxdpError, RuntimeError):
+    """A parameter frozen at compile time is trainable now, and the compiled graph records no
+    per-sample gradient for (some of) its uses."""
+
+
+@dataclass
+class FrozenUse:
+    """A parameter that was frozen at compile time, used by an op that has no per-sample site."""
+
+    name: str
+    param: nn.Parameter = field(repr=False)
+    node: str
+    where: str  # "file.py:12 (code)" of the user's line, or ""
+
+
+@dataclass
+class BatchSource:
+    """Which model input carries the batch and in which dimension, and the guard's state.
+
+    ``reanalyse(source, inputs)`` (set by the compiler) re-runs the batch_dim analysis for the shapes
+    of ``inputs``, updates the sites' layouts (and ``input_index``/``dim``) or raises; ``context`` is
+    what it needs (the analysed graph, batch_dim, ...). ``sites`` are the model's sites.
+    """
+
+    input_index: int
+    dim: int
+    reanalyse: Optional[Callable[["BatchSource", Tuple[Any, ...]], None]] = field(default=None, repr=False)
+    context: Any = field(default=None, repr=False)
+    sites: List[Any] = field(default_factory=list, repr=False)
+    frozen: List[FrozenUse] = field(default_factory=list, repr=False)
+    calls: int = 0  # forward calls so far: which call a capture belongs to
+    folded: Dict[str, List[str]] = field(default_factory=dict, repr=False)  # a site's inputs after folding
+    current: Any = field(default=None, repr=False)  # the signature the sites' layouts hold for
+    _seen: "OrderedDict[Any, tuple]" = field(default_factory=OrderedDict, repr=False)
+
+    def __repr__(self) -> str:
+        return f"BatchSource(input {self.input_index}, dim {self.dim})"
+
+    def size_of(self, inputs: Tuple[Any, ...]) -> int:
+        x = inputs[self.input_index]
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"fxdp: model input {self.input_index} was recorded as the one carrying the batch, "
+                f"but it is a {type(x).__name__} at run time"
+            )
+        return x.shape[self.dim]
+
+    # -- signatures --------------------------------------------------------------------------
+
+    def remember(self, signature) -> None:
+        """The sites' layouts (and the batch source) now hold for ``signature``: keep them."""
+        self._seen[signature] = (self.input_index, self.dim,
+                                 [(site.layouts, site.out_layouts) for site in self.sites])
+        self._seen.move_to_end(signature)
+        while len(self._seen) > _MAX_SIGNATURES:
+            self._seen.popitem(last=False)
+        self.current = signature
+
+    def _restore(self, signature) -> None:
+        self.input_index, self.dim, layouts = self._seen[signature]
+        for site, (ins, outs) in zip(self.sites, layouts):
+            site.layouts, site.out_layouts = ins, outs  # replaced, never mutated: running calls keep theirs
+        self._seen.move_to_end(signature)
+        self.current = signature
+
+    def check(self, inputs: Tuple[Any, ...]) -> None:
+        if any(isinstance(x, torch.fx.Proxy) for x in inputs):
+            # re-tracing would inline this call as shape arithmetic: the compiled model would lose its guards
+            raise FxdpError("fxdp: a compiled model cannot be traced again by torch.fx (its guards would be lost); "
+                            "trace or pickle the original model and compile the copy with fxdp.compile_for_dp")
+        for use in self.frozen:
+            if use.param.requires_grad:
+                raise TrainabilityChangedError(
+                    f"fxdp: parameter '{use.name}' was frozen (requires_grad=False) when the model was compiled "
+                    f"and is trainable now, but the compiled graph records no per-sample gradient for its use "
+                    f"at node '{use.node}'{' (' + use.where + ')' if use.where else ''}: its p.grad would have no "
+                    "p.grad_sample. Compile the model again after changing which parameters are trainable "
+                    "(or freeze it again).")
+        signature = input_signature(inputs)
+        if signature == self.current:
+            return
+        if signature in self._seen:
+            self._restore(signature)
+        elif self.reanalyse is not None:
+            self.current = None  # until the analysis succeeds, these layouts hold for nothing
+            self.reanalyse(self, inputs)
+            self.remember(signature)
+
+
+def _leaf_signature(x) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.shape
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x  # a Python number can steer shapes (reshape(N * T, ...)); it is part of the signature
+    return type(x)
+
+
+def input_signature(inputs: Tuple[Any, ...]) -> tuple:
+    """The shapes (and plain Python values) of the inputs: what the layouts depend on."""
+    if all(isinstance(x, torch.Tensor) for x in inputs):
+        return tuple(x.shape for x in inputs)
+    leaves, spec = pytree.tree_flatten(inputs)
+    return (str(spec), *(_leaf_signature(x) for x in leaves))
+
+
+def batch_size(source: BatchSource, *inputs) -> int:
+    """The guard, then the number of samples in this forward call (see the module docstring). Without
+    grad mode no DP-aware op records anything (evaluation), so nothing needs guarding."""
+    if torch.is_grad_enabled():
+        source.check(inputs)
+    source.calls += 1
+    return source.size_of(inputs)
+
+
+def forward_call(site) -> int:
+    """The number of the forward call a site is running in (called once per call of the site). A site
+    without a guard (the whole-model op) is called once per forward: it counts its own calls."""
+    guard = getattr(site, "guard", None)
+    if guard is not None:
+        return guard.calls
+    site.calls += 1
+    return site.calls
+
+
+__all__ = ["BatchSource", "FrozenUse", "TrainabilityChangedError", "batch_size", "forward_call", "input_signature"]
