@@ -7,6 +7,8 @@ report names it (``fx``, ``fx+whole-model``, ``hooks``, ``ew``, ``functorch``, `
 from __future__ import annotations
 
 import copy
+import dataclasses
+import gc
 from typing import Any, Callable, List
 
 import torch
@@ -32,7 +34,9 @@ from fxdp.engines import (
     NoOpGradSampleModule,
     check_grad_sample_mode,
 )
-from fxdp.engines.whole_model import whole_model_op
+from fxdp.engines.base import GradSampleModuleBase, engine_hooks, remove_dead_engine_hooks, user_hooks
+from fxdp.engines.selfcheck import SelfCheckError, UnverifiedModelError
+from fxdp.engines.whole_model import PerSampleModel, whole_model_op
 from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.sink import GradSampleSink
 from fxdp.passes.batch_dim import propagate_batch_dim
@@ -144,14 +148,29 @@ def compile_for_dp(
     check_grad_sample_mode(grad_sample_mode)
     if batch_dim not in (0, 1):
         raise ValueError(f"batch_dim must be 0 (batch first) or 1 (time major), got {batch_dim!r}")
+    model = unwrap_or_refuse(model)
 
     gm, traced, reports = _analyse(model, example_inputs, batch_dim, strict)
     _refuse_if_not_private(reports)
     if gm is None or grad_sample_mode != "fx":
-        engine = "hooks" if gm is None else grad_sample_mode
-        wrapped = _wrap(model, engine, batch_first=(batch_dim == 0), loss_reduction=loss_reduction)
+        # an explicit engine is honoured (none of them needs a trace); "fx" falls back to hooks
+        engine = grad_sample_mode if grad_sample_mode != "fx" else "hooks"
+        wrapped = _wrap(model, engine, batch_first=(batch_dim == 0), loss_reduction=loss_reduction,
+                        require_verified=strict)
         reason = None if gm is None else f"grad_sample_mode={grad_sample_mode!r} was asked for"
-        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, engine, reason))
+        rep = _make_report(model, traced, reports, engine, reason)
+        if gm is None and engine != "hooks":
+            rep = dataclasses.replace(rep, engine=engine, fallback_reason=(
+                f"grad_sample_mode={grad_sample_mode!r} was asked for (and {rep.fallback_reason})"))
+        setattr(wrapped, _REPORT_ATTR, rep)
+        return wrapped
+
+    hooked = _user_hooks(model)
+    if hooked:  # the graph would drop the root's hooks and see the layers' hooks twice; the whole model sees them once
+        wrapped = whole_model_op(model, gm, loss_reduction=loss_reduction, batch_dim=batch_dim)
+        reason = (f"the model has forward/backward hooks of yours on {', '.join(hooked)}; the whole model runs "
+                  "as one op (with its hooks) under the generic per-sample rule")
+        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, "fx+whole-model", reason))
         return wrapped
 
     analysed = None if example_inputs is not None else torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
@@ -225,7 +244,46 @@ _WRAPPERS = {
 }
 
 
-def _wrap(model: nn.Module, engine: str, *, batch_first: bool, loss_reduction: str, strict: bool = False) -> nn.Module:
+def _wrap(model: nn.Module, engine: str, *, batch_first: bool, loss_reduction: str, strict: bool = False,
+          require_verified: bool = False) -> nn.Module:
+    model = unwrap_or_refuse(model)
     if engine == "hooks":
-        return GradSampleModule(model, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
+        return GradSampleModule(model, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict,
+                                require_verified=require_verified)
     return _WRAPPERS[engine](model, batch_first=batch_first, loss_reduction=loss_reduction)
+
+
+def _user_hooks(model: nn.Module) -> List[str]:
+    return [f"'{name or '<model>'}' ({', '.join(kinds)})" for name, m in model.named_modules()
+            if (kinds := user_hooks(m))]
+
+
+class AlreadyCompiledError(FxdpError, ValueError):
+    """A model that fxdp already compiled or wrapped was given to it again."""
+
+
+def unwrap_or_refuse(model: nn.Module) -> nn.Module:
+    """The model to compile: an engine's wrapper is unwrapped (its hooks removed), a compiled graph is
+    refused, and a model still hooked by a live wrapper is refused, since both engines would add the
+    same per-sample gradients (they would come out doubled)."""
+    if isinstance(model, GradSampleModuleBase):
+        if isinstance(model, GradSampleModule):
+            model.remove_hooks()
+        model = model.module
+    elif isinstance(model, PerSampleModel):
+        model = model.module
+    elif isinstance(model, torch.fx.GraphModule) and hasattr(model, _REPORT_ATTR):
+        raise AlreadyCompiledError(
+            f"fxdp: this {type(model).__name__} was already compiled by fxdp.compile_for_dp; compile the "
+            "original model instead (the compiled one shares its parameters), or use the compiled one as it is")
+    if engine_hooks(model):
+        gc.collect()  # a deleted wrapper in a reference cycle: its finalizer removes its hooks
+        remove_dead_engine_hooks(model)
+    live = [(name, wrapper) for name, wrapper in engine_hooks(model) if wrapper is not None]
+    if live:
+        name, wrapper = live[0]
+        raise AlreadyCompiledError(
+            f"fxdp: {type(model).__name__} is still wrapped by a {type(wrapper).__name__} (hooks on '{name}'), "
+            "whose hooks would add the same per-sample gradients a second time. Pass that wrapper instead "
+            "(it is unwrapped), call its remove_hooks(), or delete it first.")
+    return model
