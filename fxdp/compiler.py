@@ -43,7 +43,7 @@ from fxdp.passes.batch_dim import propagate_batch_dim
 from fxdp.passes.inplace import remove_inplace_ops
 from fxdp.passes.per_sample import insert_per_sample_ops, update_site_layouts
 from fxdp.passes.validate import validate_graph
-from fxdp.tracing import trace
+from fxdp.tracing import make_copyable, trace
 from fxdp.diagnostics.errors import expect_module
 
 _REPORT_ATTR = "fxdp_report"
@@ -188,6 +188,7 @@ def compile_for_dp(
         return wrapped
 
     notes = [_NO_INPUTS_NOTE] if analysed is not None else []
+    gm = make_copyable(gm)  # deepcopy, pickle and torch.save keep the report, the sink and the hooks
     setattr(gm, _REPORT_ATTR, _make_report(model, traced, reports, notes=notes))
     if analysed is not None:
         _analyse_on_first_batch(gm, analysed, batch_dim, strict)
@@ -196,10 +197,22 @@ def compile_for_dp(
 
 def _analyse_on_first_batch(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule, batch_dim: int, strict: bool):
     """Without example inputs, run the batch_dim pass on the first batch, before its backward."""
+    gm.register_forward_pre_hook(_FirstBatchAnalysis(analysed, batch_dim, strict), with_kwargs=True)
 
-    def hook(module, args, kwargs):
+
+class _FirstBatchAnalysis:
+    """The forward pre-hook of :func:`_analyse_on_first_batch` (an object, so that compiled models pickle)."""
+
+    def __init__(self, analysed: torch.fx.GraphModule, batch_dim: int, strict: bool):
+        self.analysed, self.batch_dim, self.strict = analysed, batch_dim, strict
+        self.settled = False
+
+    def __call__(self, gm, args, kwargs):
+        if self.settled:
+            return
+        batch_dim, strict = self.batch_dim, self.strict
         inputs = dict(kwargs) if kwargs and not args else tuple(args)
-        result = propagate_batch_dim(analysed, inputs, batch_dim=batch_dim, strict=strict)
+        result = propagate_batch_dim(self.analysed, inputs, batch_dim=batch_dim, strict=strict)
         previous = report(gm)
         analysis = [p for p in previous.passes if p.name not in ("batch_dim", "per_sample")]
         reports = [*analysis, result.report, previous.pass_report("per_sample")]
@@ -214,9 +227,7 @@ def _analyse_on_first_batch(gm: torch.fx.GraphModule, analysed: torch.fx.GraphMo
         # settled once the analysis passed (a refused model stays refused) on a batch of several samples
         # (with one, a (1, T) input cannot be told from a batched one)
         if runtime.batch_size(gm.fxdp_batch, *args, *kwargs.values()) > 1:
-            handle.remove()
-
-    handle = gm.register_forward_pre_hook(hook, with_kwargs=True)
+            self.settled = True
 
 
 def wrap_model(

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import operator
 from dataclasses import dataclass
@@ -134,3 +135,73 @@ def trace(model: nn.Module, example_inputs=None) -> TraceResult:
     gm = torch.fx.GraphModule(tracer.root, graph, name)
     gm.training = model.training  # not gm.train(): that would also reset the user's submodules' modes
     return TraceResult(gm, fixed_to_none=tuple(fixed))
+
+
+# -- compiled graphs survive deepcopy, pickle and torch.save ------------------------------------------
+#
+# torch.fx rebuilds a GraphModule from its code on load and on deepcopy, keeping only the attributes
+# the graph uses: a compiled model's report, its sink and its forward hooks (the analysis on the first
+# batch) would be lost. A compiled model's class is a subclass of CompiledGraphModule, which carries them.
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+class CompiledGraphModule(torch.fx.GraphModule):
+    """A GraphModule whose copies (deepcopy, pickle, torch.save) keep every attribute and forward hook."""
+
+    def __reduce__(self):
+        rebuild, args = super().__reduce__()
+        args[0]["_tracer_cls"] = _ReloadTracer  # args[0] is a copy of __dict__
+        extras = {k: v for k, v in self.__dict__.items() if k in _HOOK_DICTS}
+        return (_rebuild_compiled, (rebuild, args, extras, self.training))
+
+    def __deepcopy__(self, memo):
+        res = super().__deepcopy__(memo)
+        copied = copy.deepcopy(self.__dict__, memo)  # the objects the copy already holds, via memo
+        for key, value in copied.items():
+            if key in _HOOK_DICTS or key not in res.__dict__:
+                res.__dict__[key] = value
+        res.training = self.training
+        return res
+
+
+class _ReloadTracer(torch.fx.Tracer):
+    """Re-traces a compiled model's code on load: the calls into fxdp's runtime stay calls."""
+
+    def __init__(self):
+        import sys
+
+        runtime = [f for name, mod in list(sys.modules.items()) if name.startswith("fxdp.runtime") and mod
+                   for f in vars(mod).values() if inspect.isfunction(f) and f.__module__ == name]
+        super().__init__(autowrap_functions=tuple(runtime))
+
+    def create_arg(self, a):
+        # the runtime's own objects (sites, batch sources) are attributes of the model: keep them so
+        if not isinstance(a, _PLAIN_ARGS):
+            name = next((k for k, v in vars(self.root).items() if v is a), None)
+            if name is not None:
+                return self.create_node("get_attr", name, (), {})
+        return super().create_arg(a)
+
+
+_PLAIN_ARGS = (torch.fx.Proxy, torch.fx.Node, torch.Tensor, nn.Module, tuple, list, dict, str, int, float, bool,
+               complex, type(None), slice, range, torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def _rebuild_compiled(rebuild, args, extras, training):
+    gm = make_copyable(rebuild(*args))
+    gm.__dict__.update(extras)
+    gm.training = training
+    return gm
+
+
+def make_copyable(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Give ``gm`` (in place) a class derived from :class:`CompiledGraphModule`; returns ``gm``."""
+    if not isinstance(gm, CompiledGraphModule):
+        # GraphModule gives each instance a class of its own (its forward is set on the class)
+        impl = type("GraphModuleImpl", (CompiledGraphModule,), {})
+        impl.__qualname__ = "GraphModuleImpl"
+        gm.__class__ = impl
+        gm.recompile()
+    return gm

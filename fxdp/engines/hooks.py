@@ -240,7 +240,8 @@ class GradSampleModule(GradSampleModuleBase):
 
     def forward(self, *args, **kwargs):
         n = selfcheck.batch_size_of(args, kwargs, self.batch_dim)
-        if self.verify and self.verification == "not yet run" and torch.is_grad_enabled() and n is not None and n >= 2:
+        if (self.verify and self.verification == "not yet run" and self._hook_handles and torch.is_grad_enabled()
+                and n is not None and n >= 2):
             self._self_check(args, kwargs, n)
         previous, self._batch_size = self._batch_size, n
         try:
@@ -304,7 +305,8 @@ class GradSampleModule(GradSampleModuleBase):
             for _, p in named:
                 p.grad, p.grad_sample = None, None
             self._batch_size = k
-            outs = selfcheck.output_tensors(selfcheck.seeded(lambda: self._module(*sub_args, **sub_kwargs)))
+            # the first output only: a loss over a layer's second output is refused by its own hook
+            outs = selfcheck.output_tensors(selfcheck.seeded(lambda: self._module(*sub_args, **sub_kwargs)))[:1]
             self._batch_size = None
             projections = [torch.randn(t.shape, generator=generator).to(t) for t in outs]
             loss = sum((t * r).sum() for t, r in zip(outs, projections))
@@ -319,7 +321,7 @@ class GradSampleModule(GradSampleModuleBase):
                 for i in range(k):
                     one_args, one_kwargs = selfcheck.map_batched(sub_args, sub_kwargs, k, dim,
                                                                  lambda t: t.narrow(dim, i, 1))
-                    one = selfcheck.output_tensors(selfcheck.seeded(lambda: self._module(*one_args, **one_kwargs)))
+                    one = selfcheck.output_tensors(selfcheck.seeded(lambda: self._module(*one_args, **one_kwargs)))[:1]
                     loss_i = sum((t * r.narrow(dim, i, 1)).sum() for t, r in zip(one, projections))
                     grads = torch.autograd.grad(loss_i, [p for _, p in named], allow_unused=True)
                     alone.append({nm: g for (nm, _), g in zip(named, grads)})
