@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import warnings
 from typing import Any, Callable, List
 
 import torch
@@ -19,6 +20,7 @@ from fxdp import runtime
 from fxdp.diagnostics import (
     BatchMixingError,
     CompileReport,
+    Finding,
     FxdpError,
     Kind,
     NotPrivateError,
@@ -35,6 +37,7 @@ from fxdp.engines import (
     check_grad_sample_mode,
 )
 from fxdp.engines.base import GradSampleModuleBase, engine_hooks, remove_dead_engine_hooks, user_hooks
+from fxdp.engines.selfcheck import PASS_NAME as SELF_CHECK
 from fxdp.engines.selfcheck import SelfCheckError, UnverifiedModelError
 from fxdp.engines.whole_model import PerSampleModel, whole_model_op
 from fxdp.grad_sample.generic import check_loss_reduction
@@ -100,7 +103,42 @@ def inspect(model: nn.Module, example_inputs: Any = None, batch_dim: int = 0, st
     expect_module(model, "fxdp.inspect(model, ...)")
     gm, traced, reports = _analyse(model, example_inputs, batch_dim, strict)
     notes = [_NO_INPUTS_NOTE] if traced.ok and example_inputs is None else []
+    if not traced.ok:
+        reports.append(_self_check_fallback(model, example_inputs, batch_dim, strict))
     return _make_report(model, traced, reports, notes=notes)
+
+
+def _self_check_fallback(model: nn.Module, example_inputs, batch_dim: int, strict: bool) -> PassReport:
+    """What the hooks fallback's self-check (its test on the first batch) finds on ``example_inputs``,
+    run on a copy of the model. Under ``strict`` what it finds, or could not verify, is raised."""
+    name = type(model).__name__
+    if example_inputs is None:
+        finding = Finding(SELF_CHECK, "<model>", name, Kind.UNVERIFIED, Severity.ERROR if strict else Severity.WARNING,
+                          "the hooks fallback could not be verified: no example inputs to test the model on",
+                          "give example inputs (fxdp inspect --input SHAPE)")
+        if strict:
+            raise UnverifiedModelError([finding], "strict=True: the hooks fallback cannot be verified:")
+        return PassReport(SELF_CHECK, findings=(finding,))
+    args, kwargs = ((), dict(example_inputs)) if isinstance(example_inputs, dict) else (
+        ((example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)), {})
+    engine = GradSampleModule(copy.deepcopy(model), batch_first=batch_dim == 0, require_verified=strict)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an unverified model is reported below
+            engine(*args, **kwargs)
+    except SelfCheckError as exc:
+        if strict:
+            raise
+        return PassReport(SELF_CHECK, findings=exc.findings)
+    finally:
+        engine.remove_hooks()
+    if engine.verification.startswith("unverified"):
+        return PassReport(SELF_CHECK, findings=(Finding(
+            SELF_CHECK, "<model>", name, Kind.UNVERIFIED, Severity.WARNING,
+            f"the hooks fallback could not be verified on the example inputs ({engine.verification[12:]})",
+            "check it with fxdp.check_per_sample_gradients_are_correct"),))
+    return PassReport(SELF_CHECK, changes=(Finding(SELF_CHECK, "<model>", name, Kind.NOTE, Severity.INFO,
+                                                   engine.verification),))
 
 
 def report(compiled: nn.Module) -> CompileReport:
@@ -166,11 +204,17 @@ def compile_for_dp(
         return wrapped
 
     hooked = _user_hooks(model)
-    if hooked:  # the graph would drop the root's hooks and see the layers' hooks twice; the whole model sees them once
-        wrapped = whole_model_op(model, gm, loss_reduction=loss_reduction, batch_dim=batch_dim)
-        reason = (f"the model has forward/backward hooks of yours on {', '.join(hooked)}; the whole model runs "
-                  "as one op (with its hooks) under the generic per-sample rule")
-        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, "fx+whole-model", reason))
+    if hooked:  # the graph would drop the root's hooks and see the layers' hooks twice
+        where = f"the model has hooks of yours on {', '.join(hooked)}"
+        if any("backward" in h for h in hooked):  # torch.func cannot re-run backward hooks: hooks engine
+            wrapped = _wrap(model, "hooks", batch_first=(batch_dim == 0), loss_reduction=loss_reduction,
+                            require_verified=strict)
+            reason, engine = f"{where}; the hooks engine sees them as the model runs (and checks itself)", "hooks"
+        else:  # the whole model, its hooks included, runs as one op and is re-run per sample
+            wrapped = whole_model_op(model, gm, loss_reduction=loss_reduction, batch_dim=batch_dim)
+            reason = f"{where}; the whole model runs as one op (with its hooks) under the generic per-sample rule"
+            engine = "fx+whole-model"
+        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, engine, reason))
         return wrapped
 
     analysed = None if example_inputs is not None else torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))

@@ -27,13 +27,38 @@ def has_trainable_params(module: nn.Module) -> bool:
 
 # -- engine hooks live and die with their wrapper ------------------------------------------------------
 
-_OWNER_ATTR = "_fxdp_engine_owner"  # on each hook function an engine puts on a model: weakref to its wrapper
+_OWNER_ATTR = "_fxdp_engine_owner"  # on each hook an engine puts on a model: weakref to its wrapper
+
+
+class EngineHook:
+    """A hook an engine put on a model's module. It holds its wrapper weakly; a copy of the model
+    (deepcopy, pickle) gets a dead one, which does nothing and is removed by the next wrapper."""
+
+    def __init__(self, fn: Callable, wrapper: Optional[nn.Module]):
+        self.fn = fn
+        self._fxdp_engine_owner = weakref.ref(wrapper) if wrapper is not None else _no_owner
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs) if self._fxdp_engine_owner() is not None else None
+
+    def __reduce__(self):
+        return (_dead_hook, ())
+
+    def __deepcopy__(self, memo):
+        return _dead_hook()
+
+
+def _no_owner():
+    return None
+
+
+def _dead_hook() -> EngineHook:
+    return EngineHook(_no_owner, None)
 
 
 def mark_engine_hook(fn: Callable, wrapper: nn.Module) -> Callable:
-    """Mark ``fn`` as a hook of ``wrapper``'s engine, so that a later compile can find it."""
-    setattr(fn, _OWNER_ATTR, weakref.ref(wrapper))
-    return fn
+    """``fn`` as a hook of ``wrapper``'s engine, so that a later compile (or a copy) can find it."""
+    return EngineHook(fn, wrapper)
 
 
 def remove_handles(handles: List[Any]) -> None:

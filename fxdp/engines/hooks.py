@@ -40,6 +40,7 @@ from fxdp.engines.base import (
     GradSampleModuleBase,
     has_trainable_params,
     mark_engine_hook,
+    remove_dead_engine_hooks,
     remove_handles,
     trainable_own_params,
 )
@@ -105,7 +106,8 @@ class GradSampleModule(GradSampleModuleBase):
         self.generic_fallbacks: List[str] = []  # the layers without a rule, under the generic rule
         self._add_hooks()
 
-    # A copy (deepcopy, pickle) gets hooks of its own on its own copy of the model.
+    # A copy (deepcopy, pickle) gets hooks of its own on its own copy of the model (where the copies
+    # of this wrapper's hooks are dead).
     def __getstate__(self):
         state = self.__dict__.copy()
         for key in ("_hook_handles", "_finalizer", "_batch_size"):
@@ -118,6 +120,7 @@ class GradSampleModule(GradSampleModuleBase):
         self._hook_handles = []
         self._finalizer = weakref.finalize(self, remove_handles, self._hook_handles)
         self.grad_sample_layers, self.generic_fallbacks = {}, []
+        remove_dead_engine_hooks(self._module)
         self._add_hooks()
 
     def __deepcopy__(self, memo):
@@ -295,7 +298,7 @@ class GradSampleModule(GradSampleModuleBase):
         """This engine's per-sample gradients on the first few samples against each sample alone."""
         k = min(n, samples)
         dim = self.batch_dim
-        sub_args, sub_kwargs = selfcheck.map_batched(args, kwargs, n, dim, lambda t: t.narrow(dim, 0, k))
+        sub_args, sub_kwargs = args, kwargs  # the whole batch, so the layers see the batch size they will
         named = [(nm, p) for nm, p in self._module.named_parameters() if p.requires_grad]
         saved = [(p, p.grad, getattr(p, "grad_sample", None)) for _, p in named]
         sink = getattr(self, SINK_ATTR)
@@ -304,7 +307,7 @@ class GradSampleModule(GradSampleModuleBase):
         try:
             for _, p in named:
                 p.grad, p.grad_sample = None, None
-            self._batch_size = k
+            self._batch_size = n
             # the first output only: a loss over a layer's second output is refused by its own hook
             outs = selfcheck.output_tensors(selfcheck.seeded(lambda: self._module(*sub_args, **sub_kwargs)))[:1]
             self._batch_size = None
@@ -312,14 +315,14 @@ class GradSampleModule(GradSampleModuleBase):
             loss = sum((t * r).sum() for t, r in zip(outs, projections))
             if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
                 return None
-            if self.loss_reduction == "mean":  # the engine undoes the mean's 1/k
-                loss = loss / k
+            if self.loss_reduction == "mean":  # the engine undoes the mean's 1/n
+                loss = loss / n
             loss.backward()
-            rows = {nm: p.grad_sample for nm, p in named if getattr(p, "grad_sample", None) is not None}
+            rows = {nm: p.grad_sample[:k] for nm, p in named if getattr(p, "grad_sample", None) is not None}
             alone = []
             with self._recompute():
                 for i in range(k):
-                    one_args, one_kwargs = selfcheck.map_batched(sub_args, sub_kwargs, k, dim,
+                    one_args, one_kwargs = selfcheck.map_batched(sub_args, sub_kwargs, n, dim,
                                                                  lambda t: t.narrow(dim, i, 1))
                     one = selfcheck.output_tensors(selfcheck.seeded(lambda: self._module(*one_args, **one_kwargs)))[:1]
                     loss_i = sum((t * r.narrow(dim, i, 1)).sum() for t, r in zip(one, projections))
