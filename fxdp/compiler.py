@@ -46,7 +46,7 @@ from fxdp.passes.batch_dim import propagate_batch_dim
 from fxdp.passes.inplace import remove_inplace_ops
 from fxdp.passes.per_sample import insert_per_sample_ops, update_site_layouts
 from fxdp.passes.validate import validate_graph
-from fxdp.tracing import make_copyable, trace
+from fxdp.tracing import OutputType, make_copyable, trace
 from fxdp.diagnostics.errors import expect_module
 
 _REPORT_ATTR = "fxdp_report"
@@ -233,6 +233,8 @@ def compile_for_dp(
 
     notes = [_NO_INPUTS_NOTE] if analysed is not None else []
     gm = make_copyable(gm)  # deepcopy, pickle and torch.save keep the report, the sink and the hooks
+    if traced.output_type is not None:  # the graph returns a plain dict: give back the model's own type
+        gm.register_forward_hook(OutputType(traced.output_type))
     setattr(gm, _REPORT_ATTR, _make_report(model, traced, reports, notes=notes))
     if analysed is not None:
         _analyse_on_first_batch(gm, analysed, batch_dim, strict)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import inspect
 import operator
+import pickle
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -76,6 +77,19 @@ class DPTracer(torch.fx.Tracer):
     def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
         return _InplaceRecordingProxy(node, self)
 
+    _depth = 0
+    last_value_type: Optional[type] = None  # after trace: the type of what forward returned
+
+    def create_arg(self, a):
+        # the last top-level value turned into graph arguments is forward's return value
+        self._depth += 1
+        try:
+            return super().create_arg(a)
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self.last_value_type = type(a)
+
     def create_proxy(self, *args, **kwargs):
         proxy = super().create_proxy(*args, **kwargs)
         node = proxy.node
@@ -89,6 +103,8 @@ class TraceResult:
     error: Optional[BaseException] = None
     location: Optional[SourceLocation] = None  # the user's line that made tracing fail
     fixed_to_none: Tuple[str, ...] = ()  # optional inputs traced as None
+    # a dict subclass forward returns (a ModelOutput-like OrderedDict): the graph returns a plain dict
+    output_type: Optional[type] = None
 
     @property
     def ok(self) -> bool:
@@ -134,7 +150,24 @@ def trace(model: nn.Module, example_inputs=None) -> TraceResult:
     name = type(model).__name__
     gm = torch.fx.GraphModule(tracer.root, graph, name)
     gm.training = model.training  # not gm.train(): that would also reset the user's submodules' modes
-    return TraceResult(gm, fixed_to_none=tuple(fixed))
+    returned = tracer.last_value_type
+    output_type = returned if returned is not None and issubclass(returned, dict) and returned is not dict else None
+    return TraceResult(gm, fixed_to_none=tuple(fixed), output_type=output_type)
+
+
+class OutputType:
+    """A forward hook giving a compiled model's output the type the model's own forward returns."""
+
+    def __init__(self, cls: type):
+        self.cls = cls
+
+    def __call__(self, module, args, output):
+        if isinstance(output, dict) and type(output) is not self.cls:
+            try:
+                return self.cls(**output)
+            except TypeError:
+                return self.cls(output)
+        return None
 
 
 # -- compiled graphs survive deepcopy, pickle and torch.save ------------------------------------------
@@ -150,11 +183,15 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
 class CompiledGraphModule(torch.fx.GraphModule):
     """A GraphModule whose copies (deepcopy, pickle, torch.save) keep every attribute and forward hook."""
 
+    # torch.fx saves the code and re-traces it on load, which renames the nodes (the DP-aware ops'
+    # sites refer to them by name): the graph itself is saved instead.
     def __reduce__(self):
-        rebuild, args = super().__reduce__()
-        args[0]["_tracer_cls"] = _ReloadTracer  # args[0] is a copy of __dict__
-        extras = {k: v for k, v in self.__dict__.items() if k in _HOOK_DICTS}
-        return (_rebuild_compiled, (rebuild, args, extras, self.training))
+        body = self.__dict__.copy()
+        graph = torch.fx.Graph()
+        graph.output(graph.graph_copy(body.pop("_graph"), {}))
+        for node in graph.nodes:  # analysis results (fake tensors) are not needed to run, nor picklable
+            node.meta = {k: v for k, v in node.meta.items() if _picklable(v)}
+        return (_rebuild_compiled, (body, graph, type(self).__mro__[1].__name__))
 
     def __deepcopy__(self, memo):
         res = super().__deepcopy__(memo)
@@ -166,33 +203,21 @@ class CompiledGraphModule(torch.fx.GraphModule):
         return res
 
 
-class _ReloadTracer(torch.fx.Tracer):
-    """Re-traces a compiled model's code on load: the calls into fxdp's runtime stay calls."""
-
-    def __init__(self):
-        import sys
-
-        runtime = [f for name, mod in list(sys.modules.items()) if name.startswith("fxdp.runtime") and mod
-                   for f in vars(mod).values() if inspect.isfunction(f) and f.__module__ == name]
-        super().__init__(autowrap_functions=tuple(runtime))
-
-    def create_arg(self, a):
-        # the runtime's own objects (sites, batch sources) are attributes of the model: keep them so
-        if not isinstance(a, _PLAIN_ARGS):
-            name = next((k for k, v in vars(self.root).items() if v is a), None)
-            if name is not None:
-                return self.create_node("get_attr", name, (), {})
-        return super().create_arg(a)
+def _picklable(value) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - anything pickle refuses
+        return False
+    return True
 
 
-_PLAIN_ARGS = (torch.fx.Proxy, torch.fx.Node, torch.Tensor, nn.Module, tuple, list, dict, str, int, float, bool,
-               complex, type(None), slice, range, torch.dtype, torch.device, torch.memory_format, torch.layout)
-
-
-def _rebuild_compiled(rebuild, args, extras, training):
-    gm = make_copyable(rebuild(*args))
-    gm.__dict__.update(extras)
-    gm.training = training
+def _rebuild_compiled(body, graph, class_name):
+    holder = nn.Module()
+    holder.__dict__.update(body)
+    gm = make_copyable(torch.fx.GraphModule(holder, graph, class_name))
+    for key, value in body.items():  # what the graph does not use (report, sink, hooks, ...)
+        if key in _HOOK_DICTS or key not in gm.__dict__:
+            gm.__dict__[key] = value
     return gm
 
 
