@@ -292,7 +292,7 @@ class GradSampleModule(GradSampleModuleBase):
                                    "pass strict=False to accept it, or make it traceable by torch.fx")],
                 f"strict=True: {message}:")
         warnings.warn(message + "; fxdp.check_per_sample_gradients_are_correct can check it on a batch of "
-                      "your choice", stacklevel=3)
+                      "your choice", stacklevel=5)  # the user's call of the wrapper
 
     def _compare_with_batches_of_one(self, args, kwargs, n: int, samples: int = 3):
         """This engine's per-sample gradients on the first few samples against each sample alone."""

@@ -18,7 +18,8 @@ is *unverified*: ``strict`` refuses it (:class:`UnverifiedModelError`), otherwis
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import dataclasses
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -91,7 +92,19 @@ def seeded(fn: Callable[[], Any], seed: int = 1234) -> Any:
 
 
 def output_tensors(out: Any) -> List[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    """The floating-point tensors in a model's output: nested tuples, lists, dicts (ModelOutput-like
+    subclasses too) and dataclasses."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        items = [getattr(out, f.name) for f in dataclasses.fields(out)]
+    elif isinstance(out, Mapping):
+        items = list(out.values())
+    elif isinstance(out, (tuple, list)):
+        items = list(out)
+    else:
+        return []
+    return [t for item in items for t in output_tensors(item)]
 
 
 def _perturbed(args, kwargs, n: int, batch_dim: int, j: int):
