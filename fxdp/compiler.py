@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gc
-import warnings
 from typing import Any, Callable, List
 
 import torch
@@ -20,7 +18,6 @@ from fxdp import runtime
 from fxdp.diagnostics import (
     BatchMixingError,
     CompileReport,
-    Finding,
     FxdpError,
     Kind,
     NotPrivateError,
@@ -36,10 +33,10 @@ from fxdp.engines import (
     NoOpGradSampleModule,
     check_grad_sample_mode,
 )
-from fxdp.engines.base import GradSampleModuleBase, engine_hooks, remove_dead_engine_hooks, user_hooks
-from fxdp.engines.selfcheck import PASS_NAME as SELF_CHECK
-from fxdp.engines.selfcheck import SelfCheckError, UnverifiedModelError
-from fxdp.engines.whole_model import PerSampleModel, whole_model_op
+from fxdp.engines.base import user_hooks
+from fxdp.engines.hooks import fallback_self_check
+from fxdp.engines.whole_model import whole_model_op
+from fxdp.engines.wrappers import AlreadyCompiledError, unwrap_or_refuse  # noqa: F401  (re-exported)
 from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.sink import GradSampleSink
 from fxdp.passes.batch_dim import propagate_batch_dim
@@ -104,41 +101,8 @@ def inspect(model: nn.Module, example_inputs: Any = None, batch_dim: int = 0, st
     gm, traced, reports = _analyse(model, example_inputs, batch_dim, strict)
     notes = [_NO_INPUTS_NOTE] if traced.ok and example_inputs is None else []
     if not traced.ok:
-        reports.append(_self_check_fallback(model, example_inputs, batch_dim, strict))
+        reports.append(fallback_self_check(model, example_inputs, batch_dim, strict))
     return _make_report(model, traced, reports, notes=notes)
-
-
-def _self_check_fallback(model: nn.Module, example_inputs, batch_dim: int, strict: bool) -> PassReport:
-    """What the hooks fallback's self-check (its test on the first batch) finds on ``example_inputs``,
-    run on a copy of the model. Under ``strict`` what it finds, or could not verify, is raised."""
-    name = type(model).__name__
-    if example_inputs is None:
-        finding = Finding(SELF_CHECK, "<model>", name, Kind.UNVERIFIED, Severity.ERROR if strict else Severity.WARNING,
-                          "the hooks fallback could not be verified: no example inputs to test the model on",
-                          "give example inputs (fxdp inspect --input SHAPE)")
-        if strict:
-            raise UnverifiedModelError([finding], "strict=True: the hooks fallback cannot be verified:")
-        return PassReport(SELF_CHECK, findings=(finding,))
-    args, kwargs = ((), dict(example_inputs)) if isinstance(example_inputs, dict) else (
-        ((example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)), {})
-    engine = GradSampleModule(copy.deepcopy(model), batch_first=batch_dim == 0, require_verified=strict)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # an unverified model is reported below
-            engine(*args, **kwargs)
-    except SelfCheckError as exc:
-        if strict:
-            raise
-        return PassReport(SELF_CHECK, findings=exc.findings)
-    finally:
-        engine.remove_hooks()
-    if engine.verification.startswith("unverified"):
-        return PassReport(SELF_CHECK, findings=(Finding(
-            SELF_CHECK, "<model>", name, Kind.UNVERIFIED, Severity.WARNING,
-            f"the hooks fallback could not be verified on the example inputs ({engine.verification[12:]})",
-            "check it with fxdp.check_per_sample_gradients_are_correct"),))
-    return PassReport(SELF_CHECK, changes=(Finding(SELF_CHECK, "<model>", name, Kind.NOTE, Severity.INFO,
-                                                   engine.verification),))
 
 
 def report(compiled: nn.Module) -> CompileReport:
@@ -313,34 +277,3 @@ def _wrap(model: nn.Module, engine: str, *, batch_first: bool, loss_reduction: s
 def _user_hooks(model: nn.Module) -> List[str]:
     return [f"'{name or '<model>'}' ({', '.join(kinds)})" for name, m in model.named_modules()
             if (kinds := user_hooks(m))]
-
-
-class AlreadyCompiledError(FxdpError, ValueError):
-    """A model that fxdp already compiled or wrapped was given to it again."""
-
-
-def unwrap_or_refuse(model: nn.Module) -> nn.Module:
-    """The model to compile: an engine's wrapper is unwrapped (its hooks removed), a compiled graph is
-    refused, and a model still hooked by a live wrapper is refused, since both engines would add the
-    same per-sample gradients (they would come out doubled)."""
-    if isinstance(model, GradSampleModuleBase):
-        if isinstance(model, GradSampleModule):
-            model.remove_hooks()
-        model = model.module
-    elif isinstance(model, PerSampleModel):
-        model = model.module
-    elif isinstance(model, torch.fx.GraphModule) and hasattr(model, _REPORT_ATTR):
-        raise AlreadyCompiledError(
-            f"fxdp: this {type(model).__name__} was already compiled by fxdp.compile_for_dp; compile the "
-            "original model instead (the compiled one shares its parameters), or use the compiled one as it is")
-    if engine_hooks(model):
-        gc.collect()  # a deleted wrapper in a reference cycle: its finalizer removes its hooks
-        remove_dead_engine_hooks(model)
-    live = [(name, wrapper) for name, wrapper in engine_hooks(model) if wrapper is not None]
-    if live:
-        name, wrapper = live[0]
-        raise AlreadyCompiledError(
-            f"fxdp: {type(model).__name__} is still wrapped by a {type(wrapper).__name__} (hooks on '{name}'), "
-            "whose hooks would add the same per-sample gradients a second time. Pass that wrapper instead "
-            "(it is unwrapped), call its remove_hooks(), or delete it first.")
-    return model

@@ -26,6 +26,7 @@ contributes nothing. The compiled engine (``fxdp.compile_for_dp``) checks both;
 
 from __future__ import annotations
 
+import copy
 import warnings
 import weakref
 from typing import Any, Dict, List, Optional
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fxdp.diagnostics import Kind
+from fxdp.diagnostics import Finding, Kind, PassReport, Severity
 from fxdp.engines import selfcheck
 from fxdp.engines.base import (
     GradSampleModuleBase,
@@ -352,3 +353,35 @@ class GradSampleModule(GradSampleModuleBase):
             )
 
         return hook
+
+
+def fallback_self_check(model: nn.Module, example_inputs, batch_dim: int, strict: bool) -> PassReport:
+    """What the hooks fallback's self-check (its test on the first batch) finds on ``example_inputs``,
+    run on a copy of the model. Under ``strict`` what it finds, or could not verify, is raised."""
+    name, check = type(model).__name__, selfcheck.PASS_NAME
+    if example_inputs is None:
+        finding = Finding(check, "<model>", name, Kind.UNVERIFIED, Severity.ERROR if strict else Severity.WARNING,
+                          "the hooks fallback could not be verified: no example inputs to test the model on",
+                          "give example inputs (fxdp inspect --input SHAPE)")
+        if strict:
+            raise selfcheck.UnverifiedModelError([finding], "strict=True: the hooks fallback cannot be verified:")
+        return PassReport(selfcheck.PASS_NAME, findings=(finding,))
+    args, kwargs = ((), dict(example_inputs)) if isinstance(example_inputs, dict) else (
+        ((example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)), {})
+    engine = GradSampleModule(copy.deepcopy(model), batch_first=batch_dim == 0, require_verified=strict)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an unverified model is reported below
+            engine(*args, **kwargs)
+    except selfcheck.SelfCheckError as exc:
+        if strict:
+            raise
+        return PassReport(selfcheck.PASS_NAME, findings=exc.findings)
+    finally:
+        engine.remove_hooks()
+    if engine.verification.startswith("unverified"):
+        return PassReport(selfcheck.PASS_NAME, findings=(Finding(
+            selfcheck.PASS_NAME, "<model>", name, Kind.UNVERIFIED, Severity.WARNING,
+            f"the hooks fallback could not be verified on the example inputs ({engine.verification[12:]})",
+            "check it with fxdp.check_per_sample_gradients_are_correct"),))
+    return PassReport(check, changes=(Finding(check, "<model>", name, Kind.NOTE, Severity.INFO, engine.verification),))

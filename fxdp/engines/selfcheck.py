@@ -159,7 +159,8 @@ def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: in
         after = output_tensors(seeded(lambda: run(*new_args, **new_kwargs)))
     for k, (a, b) in enumerate(zip(base, after)):
         if a.shape != b.shape:
-            return f"output #{k} changed shape from {tuple(a.shape)} to {tuple(b.shape)} when sample {j}'s input changed", None
+            return (f"output #{k} changed shape from {tuple(a.shape)} to {tuple(b.shape)} when sample {j}'s "
+                    "input changed"), None
         others = torch.ones(n, dtype=torch.bool)
         others[j] = False
         a_rest, b_rest = a.movedim(batch_dim, 0)[others], b.movedim(batch_dim, 0)[others]
