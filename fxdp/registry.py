@@ -3,16 +3,26 @@ module validators and fixers.
 
 ``TypeRegistry`` maps classes to values (rules). ``register(types)`` is a decorator that accepts one
 class or a list/tuple/set of classes; the last registration for a class wins. ``find(x)`` takes an
-instance or a class and walks ``type(x).__mro__``, so a subclass of ``nn.Linear`` is covered by the
-Linear rule unless it has its own. ``find_in(registries, x)`` looks a class up in several registries
-at once (a validator class's own registry before its parents'), most specific class first.
+instance or a class and walks ``type(x).__mro__``. ``find_in(registries, x)`` looks a class up in
+several registries at once (a validator class's own registry before its parents'), most specific
+class first.
+
+Which subclasses a registration covers is the registry's choice, made once, here:
+
+- a registry made with ``unless_overridden="forward"`` (per-sample rules, batch rules of layers) lets a
+  rule for ``nn.Linear`` serve a subclass only when the subclass does not override ``forward``: a
+  ``CosineLinear(nn.Linear)`` that normalises its weight computes something else, and the Linear
+  rule applied to it would be silently wrong. ``register(T, subclasses=True)`` says a rule is right
+  for every subclass of ``T`` whatever its ``forward`` (``nn.RNNBase``'s rule for LSTM, GRU, RNN);
+- a registry made without it (validators, fixers) covers every subclass: a check on what a module
+  *is* (a BatchNorm keeps running statistics) stays true when a subclass changes ``forward``.
 
 This module imports nothing from fxdp.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Generic, List, Optional, Sequence, TypeVar
+from typing import Callable, Dict, Generic, List, Optional, Sequence, Set, TypeVar
 
 V = TypeVar("V")
 
@@ -31,17 +41,26 @@ class TypeRegistry(Generic[V]):
 
     ``base``: when given, only subclasses of it may be registered; anything else raises ``TypeError``
     with ``type_error`` (formatted with the offending key) when ``register`` is called.
+    ``unless_overridden``: a method name (``"forward"``); a registration then serves a subclass only
+    if no class between the two defines that method (nor the instance itself), unless it was
+    registered with ``subclasses=True``. ``None``: every subclass is served.
     ``entries`` is the plain dict underneath (class -> value), in registration order.
     """
 
     def __init__(self, base: Optional[type] = None,
-                 type_error: str = "expected a class to register a rule for, got {!r}"):
+                 type_error: str = "expected a class to register a rule for, got {!r}",
+                 unless_overridden: Optional[str] = None):
         self.base = base
         self.type_error = type_error
+        self.unless_overridden = unless_overridden
         self.entries: Dict[type, V] = {}
+        self.for_subclasses: Set[type] = set()  # registered with subclasses=True
 
-    def register(self, types) -> Callable[[V], V]:
-        """Decorator: register the decorated value for ``types`` (a class or a collection of them)."""
+    def register(self, types, *, subclasses: bool = False) -> Callable[[V], V]:
+        """Decorator: register the decorated value for ``types`` (a class or a collection of them).
+
+        ``subclasses=True``: the value is right for every subclass, even one that overrides the
+        registry's ``unless_overridden`` method."""
         targets = as_types(types)
         for t in targets:
             if not isinstance(t, type) or (self.base is not None and not issubclass(t, self.base)):
@@ -50,9 +69,24 @@ class TypeRegistry(Generic[V]):
         def decorator(value: V) -> V:
             for t in targets:
                 self.entries[t] = value
+                (self.for_subclasses.add if subclasses else self.for_subclasses.discard)(t)
             return value
 
         return decorator
+
+    def serves(self, klass: type, obj) -> bool:
+        """Whether the registration of ``klass`` (in ``obj``'s MRO) applies to ``obj``."""
+        method = self.unless_overridden
+        if method is None or klass in self.for_subclasses:
+            return True
+        if not isinstance(obj, type) and method in getattr(obj, "__dict__", {}):
+            return False  # the instance itself replaced the method (``m.forward = ...``)
+        for between in _class_of(obj).__mro__:
+            if between is klass:
+                return True
+            if method in vars(between):
+                return False
+        return False
 
     def find(self, obj) -> Optional[V]:
         """The value for an instance or a class, walking its MRO; ``None`` if there is none."""
@@ -61,26 +95,31 @@ class TypeRegistry(Generic[V]):
     def owner(self, obj) -> Optional[type]:
         """The class (in ``obj``'s MRO) whose registration applies, or ``None``."""
         for klass in _class_of(obj).__mro__:
-            if klass in self.entries:
+            if klass in self.entries and self.serves(klass, obj):
                 return klass
         return None
 
-    def snapshot(self) -> Dict[type, V]:
+    def snapshot(self):
         """A copy of the registrations, for :meth:`restore` (tests undo what they register)."""
-        return dict(self.entries)
+        return dict(self.entries), set(self.for_subclasses)
 
-    def restore(self, snapshot: Dict[type, V]) -> None:
+    def restore(self, snapshot) -> None:
         """Put back the registrations of an earlier :meth:`snapshot` (the same dict object is kept)."""
+        entries, for_subclasses = snapshot if isinstance(snapshot, tuple) else (snapshot, None)
         self.entries.clear()
-        self.entries.update(snapshot)
+        self.entries.update(entries)
+        if for_subclasses is not None:
+            self.for_subclasses.clear()
+            self.for_subclasses.update(for_subclasses)
 
 
 def find_in(registries: Sequence[TypeRegistry], obj) -> Optional[V]:
-    """The first value for ``obj``'s class: most specific class first, then the registries in order."""
+    """The first value for ``obj``'s class: most specific class first, then the registries in order
+    (each registration only where its registry says it serves ``obj``)."""
     for klass in _class_of(obj).__mro__:
         for registry in registries:
             value = registry.entries.get(klass)
-            if value is not None:
+            if value is not None and registry.serves(klass, obj):
                 return value
     return None
 

@@ -56,7 +56,10 @@ for _name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "
 
 
 def is_leaf_layer(module: nn.Module) -> bool:
-    """Modules the graph calls whole: torch.nn layers and anything with a registered per-sample rule."""
+    """Modules the graph calls whole: torch.nn layers and anything with a registered per-sample rule.
+
+    A user's subclass of a layer that overrides ``forward`` (``class CosineLinear(nn.Linear)``) has no
+    rule (:mod:`fxdp.registry`), so it is traced into like any composite module."""
     if find_grad_sampler(module) is not None:
         return True
     if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):

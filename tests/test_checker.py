@@ -161,7 +161,7 @@ class WeightUsedByParent(nn.Module):
         self.fc = nn.Linear(4, 3)
 
     def forward(self, x):
-        return x @ self.fc.weight.t()
+        return x @ self.fc.weight.t() + self.fc.bias  # both used: fx now keeps it in the graph
 
 
 def test_a_parameter_no_hook_sees_is_reported_missing():

@@ -149,16 +149,17 @@ def test_lstm_in_the_other_engines(mode):
 
 
 class TransposedWeightWithMaskAndTwoOutputs(nn.Module):
-    """`x @ self.w.t()` sends the model to the whole-model engine; it must still take a batched keyword
-    input and return a tuple."""
+    """A parameter passed through a layer before it meets the input (`self.keep(self.w)`) sends the model
+    to the whole-model engine; it must still take a batched keyword input and return a tuple."""
 
     def __init__(self):
         super().__init__()
         self.w = nn.Parameter(torch.randn(3, 4))
         self.fc = nn.Linear(3, 2)
+        self.keep = nn.Identity()
 
     def forward(self, x, mask=None):
-        h = (x * mask) @ self.w.t()
+        h = (x * mask) @ self.keep(self.w).t()
         return self.fc(h), h.sum(-1)
 
 
@@ -169,7 +170,7 @@ def test_the_whole_model_engine_takes_keyword_inputs_and_tuple_outputs():
     compiled = fxdp.compile_for_dp(model, example_inputs={"x": x, "mask": mask}, loss_reduction="sum")
     rep = fxdp.report(compiled)
     assert rep.engine == "fx+whole-model" and "the whole model runs as one op" in rep.fallback_reason
-    assert any("'w' goes through 't'" in f.message for f in rep.findings)
+    assert any("parameter 'w' reaches the loss through 'keep'" in f.message for f in rep.findings)
 
     R1, R2 = torch.randn(1, 2), torch.randn(1)
     out, total = compiled(x, mask=mask)

@@ -111,13 +111,14 @@ def test_every_engine_has_its_own_sink(mode):
 
 
 def test_the_whole_model_engine_has_a_sink_its_op_delivers_to():
-    class TransposedWeight(nn.Module):
+    class TransposedWeight(nn.Module):  # the weight passes through a layer first: whole-model engine
         def __init__(self):
             super().__init__()
             self.w = nn.Parameter(torch.randn(2, 3))
+            self.keep = nn.Identity()
 
         def forward(self, x):
-            return x @ self.w.t()
+            return x @ self.keep(self.w).t()
 
     compiled = fxdp.compile_for_dp(TransposedWeight(), example_inputs=torch.randn(4, 3))
     assert fxdp.report(compiled).engine == "fx+whole-model"

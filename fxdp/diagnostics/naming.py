@@ -41,6 +41,6 @@ def op_name(op) -> str:
     if module.startswith("torch._C._"):  # torch._C._special.special_erf -> torch.special.erf
         sub = module[len("torch._C._"):]
         return f"torch.{sub}.{name[len(sub) + 1:] if name.startswith(sub + '_') else name}"
-    if module.startswith("torch"):
+    if module == "torch" or module.startswith("torch."):  # not torchvision
         return f"torch.{name}"
     return name

@@ -52,9 +52,15 @@ def relative_path(path: str) -> str:
     return path
 
 
+def _under(path: str, directory: str) -> bool:
+    # a directory and what lies in it, not its siblings: site-packages/torchvision is not torch's
+    return path == directory or path.startswith(directory + os.sep)
+
+
 def is_library_file(filename: str) -> bool:
+    """torch's and fxdp's own files; torchvision's are not (a finding in a torchvision model points there)."""
     path = os.path.abspath(filename)
-    return path.startswith(_TORCH_DIR) or path.startswith(_FXDP_DIR)
+    return _under(path, _TORCH_DIR) or _under(path, _FXDP_DIR)
 
 
 _FRAME_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?:    (?P<code>[^\n]*))?')

@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 from fxdp.grad_sample.accumulate import layer_capture, zero_grad_sample
 from fxdp.grad_sample.generic import check_loss_reduction, summed_loss_backprops
@@ -173,6 +174,9 @@ class GradSampleModuleBase(nn.Module):
             self._recomputing = previous
 
     def _to_batch_first(self, activations: List[Any], backprops: torch.Tensor):
+        packed = next((a for a in activations if isinstance(a, PackedSequence)), None)
+        if packed is not None:  # an RNN fed a PackedSequence: its output gradient is packed like its input
+            return activations, backprops, int(packed.batch_sizes[0])
         if self.batch_first:
             return activations, backprops, backprops.shape[0]
         n = backprops.shape[1]

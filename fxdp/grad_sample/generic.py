@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxdp.layout import BatchLayout
@@ -107,6 +108,8 @@ def generic_grad_sampler(
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     if not named:
         return {}
+    if activations and isinstance(activations[0], PackedSequence):
+        return _packed_grad_samples(module, named, activations, backprops, dict(kwargs or {}))
     names = [name for name, _ in named]
     params = tuple(p.detach() for _, p in named)
     batched = [isinstance(a, torch.Tensor) for a in activations]
@@ -137,6 +140,33 @@ def generic_grad_sampler(
             "it with fxdp.register_grad_sampler."
         ) from e
     return {p: g for (_, p), g in zip(named, grads)}
+
+
+def _packed_grad_samples(module, named, activations, backprops, kwargs) -> Dict[nn.Parameter, torch.Tensor]:
+    """An RNN fed a PackedSequence: ``backprops`` is packed like the input (one row per time step
+    of every sample), so the batch has no dimension; each sample is unpacked and run alone, as a
+    packed batch of one of its own length, which is what the packed batch computes for it. An initial
+    state ``hx`` (positional or keyword) is in the samples' original order, the batch at dim 1."""
+    packed = activations[0]
+    if isinstance(backprops, (list, tuple)):
+        backprops = backprops[0]
+    padded, lengths = pad_packed_sequence(PackedSequence(packed.data.detach(), packed.batch_sizes,
+                                                         packed.sorted_indices, packed.unsorted_indices),
+                                          batch_first=True)
+    grads, _ = pad_packed_sequence(PackedSequence(backprops, packed.batch_sizes, packed.sorted_indices,
+                                                  packed.unsorted_indices), batch_first=True)
+    hx = activations[1] if len(activations) > 1 else kwargs.pop("hx", None)
+    params = [p for _, p in named]
+    rows = []
+    for i, length in enumerate(lengths.tolist()):
+        sample = pack_padded_sequence(padded[i:i + 1, :length], [length], batch_first=True)
+        sample_hx = tree_map(lambda h: h.detach()[:, i:i + 1] if isinstance(h, torch.Tensor) else h, hx)
+        args = (sample,) if sample_hx is None else (sample, sample_hx)
+        with torch.enable_grad():
+            out = _tensor_outputs(module(*args, **kwargs))[0]  # the output's packed data: (length, H)
+            rows.append(torch.autograd.grad(out, params, grads[i, :length].to(out.dtype), allow_unused=True))
+    return {p: torch.stack([torch.zeros_like(p) if row[k] is None else row[k] for row in rows])
+            for k, p in enumerate(params)}
 
 
 def _get(args: Sequence[Any], kwargs: Mapping[str, Any], pos: Position) -> Any:

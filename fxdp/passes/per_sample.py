@@ -19,7 +19,7 @@ as one DP-aware op (:mod:`fxdp.engines.whole_model`, engine ``fx+whole-model``),
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.fx
@@ -65,9 +65,9 @@ def _layout_of(node, default: BatchLayout, reached: Set[torch.fx.Node]) -> Batch
     return layout
 
 
-def _site_layouts(node, default, reached) -> Tuple[List[BatchLayout], BatchLayout]:
+def _site_layouts(node, default, reached, inputs=None) -> Tuple[List[BatchLayout], BatchLayout]:
     # one layout per tensor argument, in the order the runtime meets them (ints from x.size(0) are not)
-    args = [a for a in pytree.tree_leaves((node.args, node.kwargs))
+    args = [a for a in pytree.tree_leaves((node.args, node.kwargs) if inputs is None else inputs)
             if isinstance(a, torch.fx.Node) and isinstance(a.meta.get(meta.FAKE_VALUE, torch.empty(0)), torch.Tensor)]
     return [_layout_of(a, default, reached) for a in args], _layout_of(node, default, reached)
 
@@ -111,9 +111,10 @@ def _check_layouts(node, ins: List[BatchLayout], out: BatchLayout) -> Tuple[Opti
         severity=Severity.WARNING)
 
 
-def _site_layout_strings(node, default, reached) -> Tuple[List[str], List[str], Optional[Finding]]:
-    """The input and output layouts a site records for ``node``, or a finding saying why it cannot."""
-    ins, out = _site_layouts(node, default, reached)
+def _site_layout_strings(node, default, reached, inputs=None) -> Tuple[List[str], List[str], Optional[Finding]]:
+    """The input and output layouts a site records for ``node`` (or for ``inputs`` in its place, when
+    ops on parameters were folded into it), or a finding saying why it cannot."""
+    ins, out = _site_layouts(node, default, reached, inputs)
     out, problem = _check_layouts(node, ins, out)
     if problem is not None:
         return [], [], problem
@@ -142,6 +143,12 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
 
     changes: List[Finding] = []
     findings: List[Finding] = []
+    folded: Dict[str, List[str]] = {}  # node -> its inputs after folding (the sites' layouts follow them)
+    gm.fxdp_folded = folded
+    inner: List[torch.fx.Node] = []
+    folds = {node.name: _fold_parameter_prefix(gm, node, reached, folded, inner) for node in list(graph.nodes)
+             if node in reached and node.op in ("call_function", "call_method") and _derived_inputs(gm, node, reached)}
+    _erase_unused(graph, inner)
     for node in list(graph.nodes):
         # frozen parameters get sites too: the runtime skips them while frozen, and unfreezing works
         arg_params = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if _parameter(gm, a) is not None]
@@ -163,6 +170,8 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
             target = node.target if isinstance(node.target, str) else torch.typename(node.target)
             rule, call, fn = "generic", runtime.per_sample_function, node.target
             what = f"'{node.name}' using {', '.join(repr(p.target) for p in arg_params)}"
+            if node.name in folded:
+                target, fn = f"{target} (with the ops on its parameters)", folds[node.name]
         else:
             continue
 
@@ -186,6 +195,67 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
     graph.lint()
     gm.recompile()
     return PassResult(gm, PassReport(PASS_NAME, tuple(changes), tuple(findings)))
+
+
+def _derived_inputs(gm, node, reached) -> List[torch.fx.Node]:
+    """Inputs of ``node`` computed from trainable parameters alone (``F.normalize(self.weight)``, a
+    bias table indexed by a constant buffer), before they meet per-sample data in ``node``."""
+    return [a for a in node.all_input_nodes
+            if a not in reached and a.op in ("call_function", "call_method") and _trainable_ancestor(gm, a)]
+
+
+def _trainable_ancestor(gm, node) -> bool:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        param = _parameter(gm, n)
+        if param is not None and param.requires_grad:
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _fold_parameter_prefix(gm, node, reached, folded: Dict[str, List[str]],
+                           all_inner: List[torch.fx.Node]) -> torch.fx.GraphModule:
+    """Make ``node`` one call of a small graph holding it and the ops on parameters that feed it, so
+    its site differentiates the parameters themselves (the chain rule through those ops is then the
+    generic rule's vjp). ``node``'s arguments become that graph's inputs: the per-sample values and
+    the parameters and buffers the folded ops read."""
+    inner: List[torch.fx.Node] = []  # the ops on parameters, in graph order
+    inputs: List[torch.fx.Node] = []
+    todo = list(node.all_input_nodes)
+    while todo:
+        a = todo.pop()
+        if a in inner or a in inputs:
+            continue
+        if a not in reached and a.op in ("call_function", "call_method"):
+            inner.append(a)
+            todo.extend(a.all_input_nodes)
+        else:
+            inputs.append(a)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    inner.sort(key=order.__getitem__)
+    inputs.sort(key=order.__getitem__)
+    sub = torch.fx.Graph()
+    env = {a: sub.placeholder(f"in_{i}") for i, a in enumerate(inputs)}
+    for n in inner + [node]:
+        env[n] = sub.node_copy(n, env.__getitem__)
+    sub.output(env[node])
+    folded[node.name] = [a.name for a in inputs]
+    all_inner.extend(inner)
+    node.args, node.kwargs = tuple(inputs), {}
+    return torch.fx.GraphModule(gm, sub, f"fold_{node.name}")
+
+
+def _erase_unused(graph: torch.fx.Graph, folded: List[torch.fx.Node]) -> None:
+    """Ops on parameters whose only consumers were folded into sites compute nothing any more."""
+    folded_set = set(folded)
+    for node in reversed(list(graph.nodes)):
+        if node in folded_set and not node.users and not node.is_impure():
+            graph.erase_node(node)
 
 
 def _site_change(node, site: runtime.PerSampleSite) -> Finding:
@@ -246,7 +316,9 @@ def update_site_layouts(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule
     for site in list(vars(gm).values()):
         if not isinstance(site, runtime.PerSampleSite):
             continue
-        ins, outs, problem = _site_layout_strings(by_name[site.node], default, reached)
+        inputs = getattr(gm, "fxdp_folded", {}).get(site.node)
+        inputs = None if inputs is None else [by_name[name] for name in inputs]
+        ins, outs, problem = _site_layout_strings(by_name[site.node], default, reached, inputs)
         if problem is not None:
             problems.append(problem)
             continue

@@ -7,7 +7,10 @@ Per node, with the user's source line:
   training; ``F.instance_norm`` updating running statistics; a model not in training mode; a
   trainable model whose forward writes into a buffer (directly in the graph, or inside a leaf module);
 - notes: frozen parameters, parameters used more than once (tied weights, a module called twice),
-  parametrised leaf modules without a hand-written per-sample rule (they use the functorch rule).
+  parametrised leaf modules without a hand-written per-sample rule (they use the functorch rule),
+  parametrized modules (``weight_norm``, ``spectral_norm``: their real parameters use the generic rule);
+- errors: a parametrization that updates buffers in training (``spectral_norm``) on a layer called
+  more than once per forward.
 
 The graph is not changed.
 """
@@ -23,7 +26,7 @@ from torch import nn
 from torch.fx import Node
 
 from fxdp.diagnostics import ROOT_NAME, Finding, Kind, PassReport, PassResult, Severity, SourceLocation, UnsupportedModuleError, error_from_finding, op_name
-from fxdp.grad_sample.registry import find_grad_sampler
+from fxdp.grad_sample.registry import find_grad_sampler, parametrized_grad_sampler
 from fxdp.passes.inplace import alias_root, attribute_kind, find_inplace_op
 from fxdp.tracing import DPTracer, source_location
 from fxdp.validators.module_validator import ModuleValidator, model_not_training_error
@@ -66,6 +69,7 @@ def validate_graph(
         if trainable:
             findings += _check_buffer_write(gm, node, location)
     findings += _check_shared_parameters(gm, uses)
+    findings += _check_stateful_parametrizations(gm)
     if strict:
         errors = [f for f in findings if f.severity is Severity.ERROR]
         if errors:
@@ -108,6 +112,15 @@ def _check_module_call(gm, node: Node, location, validator_class, uses) -> List[
                 f"`{node.target}` ({op}) has no hand-written per-sample gradient rule; it will use the "
                 f"generic functorch rule (correct, usually slower).",
                 "register one with @fxdp.register_grad_sampler if it is a hot spot.", location,
+            ))
+        elif find_grad_sampler(module) is parametrized_grad_sampler:
+            real = ", ".join(f"`{name}`" for name, p in params.items() if p.requires_grad)
+            findings.append(_finding(
+                node.name, op, Kind.NOTE, Severity.INFO,
+                f"`{node.target}` is parametrized (torch.nn.utils.parametrize: weight_norm, spectral_norm, ...): "
+                f"its trainable parameters {real} get per-sample gradients by the generic rule, through the "
+                f"parametrization (not the rule of {type(module).__mro__[1].__name__}).",
+                "", location,
             ))
         findings += _check_leaf_buffer_writes(node, module, op, location)
     return findings
@@ -221,6 +234,34 @@ def _check_function(node: Node, location) -> List[Finding]:
                 location,
             )]
     return []
+
+
+def _check_stateful_parametrizations(gm) -> List[Finding]:
+    """A parametrization that updates buffers in training (spectral_norm's power iteration) on a layer
+    called more than once per forward: each call updates them, and the per-sample rule, run in
+    backward, sees only the last values, so the earlier calls' per-sample gradients would be wrong."""
+    calls: Dict[str, List[Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            calls.setdefault(node.target, []).append(node)
+    findings = []
+    for target, nodes in calls.items():
+        module = gm.get_submodule(target)
+        if len(nodes) < 2 or find_grad_sampler(module) is not parametrized_grad_sampler:
+            continue
+        stateful = [m for m in module.parametrizations.modules() if m.training and any(True for _ in m.buffers(recurse=False))]
+        if stateful:
+            findings.append(_finding(
+                nodes[1].name, op_name(module), Kind.NOT_YET_SUPPORTED, Severity.ERROR,
+                f"`{target}` is called {len(nodes)} times per forward and its parametrization "
+                f"({type(stateful[0]).__name__}) updates its buffers in each call in training mode; per-sample "
+                "gradients are computed in backward with the buffers of the last call only, so the other calls' "
+                "would be wrong.",
+                f"call `{target}` once per forward, or put its parametrizations in eval mode "
+                f"(`model.{target}.parametrizations.eval()`) so that they use their buffers as they are.",
+                source_location(nodes[1]),
+            ))
+    return findings
 
 
 def _check_shared_parameters(gm, uses: Dict[nn.Parameter, List[Node]]) -> List[Finding]:

@@ -8,8 +8,10 @@ the batch (``moves``). Nothing real is computed.
 
 The registry is keyed by the op the graph calls. Ops that are classes (``nn.Module`` types for the
 layers the graph calls whole) live in a :class:`fxdp.registry.TypeRegistry`, so lookup walks the
-MRO and a subclass of ``nn.Linear`` uses the Linear rule; every other op (torch and ``operator``
-functions, ``getattr``, Tensor method names as strings) is a key of a plain dict.
+MRO and a subclass of ``nn.Linear`` uses the Linear rule unless it overrides ``forward``; every other
+op (torch and ``operator`` functions, ``getattr``, Tensor method names as strings) is a key of a plain
+dict. A function of a library fxdp does not import (torchvision) is registered by its dotted name,
+``"torchvision.ops.stochastic_depth.stochastic_depth"``; method names never contain a dot.
 """
 
 from __future__ import annotations
@@ -126,15 +128,17 @@ BatchRule = Callable[[OpCall], Verdict]
 # --------------------------------------------------------------------------------------------
 
 _OP_RULES: Dict[Any, BatchRule] = {}  # functions, getattr, Tensor method names
-_LAYER_RULES: TypeRegistry[BatchRule] = TypeRegistry()  # classes (nn.Module types): MRO lookup
+# classes (nn.Module types): MRO lookup, not for subclasses that override forward
+_LAYER_RULES: TypeRegistry[BatchRule] = TypeRegistry(unless_overridden="forward")
 _NAMES: Dict[Any, str] = {}  # display names of registered torch functions ("torch.sum", "F.softmax")
 
 
-def register_batch_rule(ops):
+def register_batch_rule(ops, *, subclasses: bool = False):
     """Decorator: register ``rule(call) -> Verdict`` for one op or a list of ops (the last wins).
 
-    An op is a torch function, an ``operator`` function, a Tensor method name (``"transpose"``),
-    or an ``nn.Module`` type (lookup walks the MRO, so subclasses share it).
+    An op is a torch function, an ``operator`` function, a Tensor method name (``"transpose"``), the
+    dotted name of a function in another library, or an ``nn.Module`` type (lookup walks the MRO: a
+    subclass shares the rule unless it overrides ``forward``, or always with ``subclasses=True``).
     """
     targets = as_types(ops)
     layers = [op for op in targets if isinstance(op, type)]
@@ -144,7 +148,7 @@ def register_batch_rule(ops):
             if not isinstance(op, type):
                 _OP_RULES[op] = rule
         if layers:
-            _LAYER_RULES.register(layers)(rule)
+            _LAYER_RULES.register(layers, subclasses=subclasses)(rule)
         return rule
 
     return decorator
@@ -152,17 +156,23 @@ def register_batch_rule(ops):
 
 def find_batch_rule(op) -> Optional[BatchRule]:
     """The rule for an op (a module instance or type walks its MRO); ``None`` if there is none."""
-    if isinstance(op, nn.Module):
-        op = type(op)
-    if isinstance(op, type):
+    if isinstance(op, (nn.Module, type)):
         rule = _LAYER_RULES.find(op)
         if rule is None and find_grad_sampler(op) is not None:
             return _registered_layer
         return rule
     try:
-        return _OP_RULES.get(op)
+        rule = _OP_RULES.get(op)
     except TypeError:  # an unhashable target cannot have a rule
         return None
+    if rule is None and callable(op) and not isinstance(op, str):
+        rule = _OP_RULES.get(_dotted_name(op))
+    return rule
+
+
+def _dotted_name(fn) -> str:
+    """``module.qualname`` of a function (how functions of libraries fxdp does not import are keyed)."""
+    return f"{getattr(fn, '__module__', None) or ''}.{getattr(fn, '__qualname__', None) or ''}"
 
 
 def snapshot_batch_rules():
@@ -191,6 +201,8 @@ def op_name(op) -> str:
         known = None
     if known:
         return known
+    if callable(op) and _dotted_name(op) in _NAMES:  # a function registered by its dotted name
+        return _NAMES[_dotted_name(op)]
     name = getattr(op, "__name__", None) or repr(op)
     module = getattr(op, "__module__", None) or ""
     if module in ("_operator", "operator"):
@@ -200,7 +212,7 @@ def op_name(op) -> str:
     if module.startswith("torch._C._"):  # torch._C._special.special_erf -> torch.special.erf
         sub = module[len("torch._C._"):]
         return f"torch.{sub}.{name[len(sub) + 1:] if name.startswith(sub + '_') else name}"
-    if module.startswith("torch"):
+    if module == "torch" or module.startswith("torch."):  # not torchvision, torchaudio
         return f"torch.{name}"
     if module == "builtins":
         return name
@@ -240,6 +252,13 @@ def _fn(*names: str) -> list:
 def _modules(*names: str) -> list:
     """torch.nn layer types by name (the ones this torch version has)."""
     return [getattr(nn, n) for n in names if isinstance(getattr(nn, n, None), type)]
+
+
+def _family(base: type) -> list:
+    """``base`` and the torch.nn layers derived from it (torch's LSTM overrides RNNBase's forward, so
+    each is registered by name rather than the base with ``subclasses=True``, which would also cover
+    a user's subclass that computes something else)."""
+    return [base] + [c for c in vars(nn).values() if isinstance(c, type) and issubclass(c, base) and c is not base]
 
 
 # --------------------------------------------------------------------------------------------

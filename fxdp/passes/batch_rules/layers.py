@@ -18,7 +18,7 @@ from torch import nn
 from fxdp.layout import UNBATCHED_LAYOUT, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
     _FIX_ALONG, _FIX_BATCHNORM, _FIX_CAT, _FIX_LAYER, _FIX_LOSS, OpCall, Verdict, _at, _first_tensor, _fn,
-    _keys, _modules, _where, keeps_layout, mirror, mixes_from, per_sample, register_batch_rule, tensor_pairs,
+    _family, _keys, _modules, _where, keeps_layout, mirror, mixes_from, per_sample, register_batch_rule, tensor_pairs,
 )
 
 
@@ -225,7 +225,7 @@ _INSTANCE_NORMS = ("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d",
                    "LazyInstanceNorm1d", "LazyInstanceNorm2d", "LazyInstanceNorm3d")
 
 # convolution, pooling, resampling
-register_batch_rule(_keys(*_CONVS, methods=False, functional=True) + [nn.modules.conv._ConvNd])(_CONV)
+register_batch_rule(_keys(*_CONVS, methods=False, functional=True) + _family(nn.modules.conv._ConvNd))(_CONV)
 register_batch_rule(_keys(*_POOLS, methods=False, functional=True)
                     + _fn("max_pool1d_with_indices", "max_pool2d_with_indices", "max_pool3d_with_indices")
                     + _modules(*_POOL_LAYERS))(_POOL)
@@ -240,12 +240,12 @@ register_batch_rule(_fn("pad") + _modules(*_PAD_LAYERS))(_pad)
 register_batch_rule(_fn("layer_norm", "rms_norm") + _modules("LayerNorm", "RMSNorm"))(_LAYER_NORM)
 register_batch_rule(_fn("group_norm") + _modules("GroupNorm"))(_GROUP_NORM)
 register_batch_rule(_fn("instance_norm") + _modules(*_INSTANCE_NORMS))(_INSTANCE_NORM)
-register_batch_rule(_fn("batch_norm") + [nn.modules.batchnorm._BatchNorm])(_batch_norm)
+register_batch_rule(_fn("batch_norm") + _family(nn.modules.batchnorm._BatchNorm))(_batch_norm)
 # losses (every nn loss derives from _Loss)
-register_batch_rule(_fn(*_LOSSES) + [nn.modules.loss._Loss])(_loss)
+register_batch_rule(_fn(*_LOSSES) + _family(nn.modules.loss._Loss))(_loss)
 # sequence and attention layers
-register_batch_rule([nn.RNNBase])(_rnn)
-register_batch_rule([nn.RNNCellBase])(_rnn_cell)
+register_batch_rule(_family(nn.RNNBase))(_rnn)
+register_batch_rule(_family(nn.RNNCellBase))(_rnn_cell)
 register_batch_rule(_modules("MultiheadAttention"))(_multihead_attention)
 register_batch_rule(_modules("TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
                              "TransformerDecoder", "Transformer"))(_transformer_layer)
