@@ -21,6 +21,7 @@ import fxdp
 from fxdp.checker import per_sample_gradient_diagnostics
 from fxdp.compiler import AlreadyCompiledError
 from fxdp.engines import GradSampleModule
+from fxdp.engines.base import engine_hooks
 from fxdp.engines.selfcheck import LayerBatchError, SampleMixingError, UnverifiedModelError
 from per_sample_reference import assert_grad_samples_match, batch_loss, expected_grad_samples
 
@@ -64,6 +65,17 @@ def test_compiling_after_deleting_a_hooks_wrapper_does_not_double_the_gradients(
     del wrapper
     gc.collect()
     assert_matches(model, fxdp.compile_for_dp(model), x_of(5, 4))
+
+
+def test_a_deleted_hooks_wrapper_leaves_no_hook_behind():
+    model = net()
+    wrapper = fxdp.GradSampleModule(model)
+    assert engine_hooks(model)
+    del wrapper
+    gc.collect()
+    assert engine_hooks(model) == []
+    model(x_of(5, 4)).sum().backward()
+    assert all(getattr(p, "grad_sample", None) is None for p in model.parameters())
 
 
 def test_a_hooks_wrapper_in_a_reference_cycle_is_collected_by_the_next_compile():

@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
 from fxdp.diagnostics import Finding, Kind, PassReport, Severity
@@ -212,6 +213,8 @@ class GradSampleModule(GradSampleModuleBase):
         """Every tensor input and the output must have N rows at the batch dimension; an input with one
         row is broadcast to N (as the compiled graph does). Anything else is an error naming the layer."""
         n, dim = self._batch_size, self.batch_dim
+        if any(isinstance(a, PackedSequence) for a in activations):
+            return activations  # an RNN fed a PackedSequence: its rows are time steps, its rule unpacks them
 
         def refuse(what: str, shape) -> None:
             raise selfcheck.LayerBatchError(
@@ -270,7 +273,10 @@ class GradSampleModule(GradSampleModuleBase):
                         f"fxdp (hooks engine): {name} mixes samples, so it cannot be trained with DP-SGD; "
                         f"found on its first batch of {n} samples:")
                 if unverified is None:
-                    mismatch = self._compare_with_batches_of_one(args, kwargs, n)
+                    try:
+                        mismatch = self._compare_with_batches_of_one(args, kwargs, n)
+                    except selfcheck.UnsupportedOutputError as exc:  # raised again by the user's backward
+                        mismatch, unverified = None, str(exc).split(", so")[0].replace("fxdp: ", "")
                     if mismatch is not None:
                         raise selfcheck.SelfCheckError(
                             [selfcheck.finding("<model>", name, Kind.MOVES_BATCH, mismatch,
@@ -345,7 +351,7 @@ class GradSampleModule(GradSampleModuleBase):
     @staticmethod
     def _unsupported_output_hook(name: str, module: nn.Module, index: int):
         def hook(grad: torch.Tensor) -> None:
-            raise RuntimeError(
+            raise selfcheck.UnsupportedOutputError(
                 f"fxdp: the loss depends on output #{index} of module '{name}' ({type(module).__name__}), "
                 "but per-sample rules only receive the gradient of its first output, so its "
                 "per-sample gradients would be wrong. Use grad_sample_mode='fx' or 'functorch', or "

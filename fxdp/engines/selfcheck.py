@@ -23,9 +23,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
-from fxdp.diagnostics import BatchMixingError, Finding, Kind, NotPrivateError, Severity
+from fxdp.diagnostics import BatchMixingError, Finding, FxdpError, Kind, NotPrivateError, Severity
 
 PASS_NAME = "self-check"
 
@@ -46,12 +47,19 @@ class LayerBatchError(SelfCheckError):
     """A hooked layer saw its input or output with the batch somewhere the engine does not assume."""
 
 
+class UnsupportedOutputError(FxdpError, RuntimeError):
+    """The loss depends on an output of a hooked layer whose gradient the per-sample rules never see."""
+
+
 def finding(node: str, op: str, kind: Kind, message: str, fix: str) -> Finding:
     return Finding(PASS_NAME, node, op, kind, Severity.ERROR, message, fix)
 
 
 def batch_size_of(args: Sequence[Any], kwargs: Dict[str, Any], batch_dim: int) -> Optional[int]:
     """The size of the first tensor input (positional first) at ``batch_dim``, or None."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, PackedSequence):  # its rows are time steps; the first holds every sample
+            return int(a.batch_sizes[0])
     for t in pytree.tree_leaves((tuple(args), dict(kwargs))):
         if isinstance(t, torch.Tensor) and t.dim() > batch_dim:
             return t.shape[batch_dim]
@@ -108,25 +116,20 @@ def output_tensors(out: Any) -> List[torch.Tensor]:
 
 
 def _perturbed(args, kwargs, n: int, batch_dim: int, j: int):
-    """The inputs with sample ``j`` changed (floats: noise added; integers: another sample's values),
-    and whether anything changed."""
-    generator = torch.Generator().manual_seed(0)
+    """The inputs with sample ``j``'s rows replaced by another sample's (so they stay valid inputs:
+    token ids, masks, lengths), and whether anything changed."""
     changed = [False]
+    leaves = [t for t in pytree.tree_leaves((tuple(args), dict(kwargs))) if _is_batched(t, n, batch_dim)]
+    # the first other sample whose inputs differ from sample j's
+    donor = next((k for k in range(n) if k != j
+                  and any(not torch.equal(t.select(batch_dim, k), t.select(batch_dim, j)) for t in leaves)), None)
 
     def perturb(t: torch.Tensor) -> torch.Tensor:
-        row = t.select(batch_dim, j)
-        if t.is_floating_point() or t.is_complex():
-            noise = torch.randn(row.shape, generator=generator, dtype=torch.float64)
-            new_row = row + (noise * (1 + row.detach().abs().max().item())).to(row.dtype).to(row.device)
-        elif t.dtype is torch.bool:
-            return t
-        else:
-            new_row = t.select(batch_dim, (j + 1) % n)
-        if torch.equal(new_row, row):
+        if donor is None or torch.equal(t.select(batch_dim, donor), t.select(batch_dim, j)):
             return t
         changed[0] = True
         t = t.clone()
-        t.select(batch_dim, j).copy_(new_row)
+        t.select(batch_dim, j).copy_(t.select(batch_dim, donor))
         return t
 
     new_args, new_kwargs = map_batched(args, kwargs, n, batch_dim, perturb)
@@ -141,6 +144,8 @@ def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: in
     n = batch_size_of(args, kwargs, batch_dim)
     if n is None or n < 2:
         return None, "the batch has fewer than two samples"
+    if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
+        return None, "a PackedSequence input cannot be perturbed sample by sample"
     with torch.no_grad():
         base = output_tensors(seeded(lambda: run(*args, **kwargs)))
         again = output_tensors(seeded(lambda: run(*args, **kwargs)))
@@ -155,8 +160,12 @@ def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: in
         j = 0
         new_args, new_kwargs, changed = _perturbed(args, kwargs, n, batch_dim, j)
         if not changed:
-            return None, f"no input with the batch ({n} samples) in dimension {batch_dim} could be perturbed"
-        after = output_tensors(seeded(lambda: run(*new_args, **new_kwargs)))
+            return None, (f"no input with the batch ({n} samples) in dimension {batch_dim} differs between "
+                          "samples, so none could be changed")
+        try:
+            after = output_tensors(seeded(lambda: run(*new_args, **new_kwargs)))
+        except Exception as exc:  # noqa: BLE001 - the model refuses the changed batch: nothing learned
+            return None, f"the model failed on the batch with sample {j}'s input changed ({type(exc).__name__}: {exc})"
     for k, (a, b) in enumerate(zip(base, after)):
         if a.shape != b.shape:
             return (f"output #{k} changed shape from {tuple(a.shape)} to {tuple(b.shape)} when sample {j}'s "
