@@ -199,6 +199,19 @@ def test_a_private_untraceable_model_is_verified_and_its_gradients_are_right():
     assert compiled.verification.startswith("verified on a batch of 5")
 
 
+def test_a_random_untraceable_model_is_checked_for_mixing_without_a_false_alarm():
+    class FunctionalDropout(ScalesUntraceably):
+        def forward(self, x):
+            return torch.nn.functional.dropout(super().forward(x), 0.5, training=True)
+
+    torch.manual_seed(0)
+    compiled = fxdp.compile_for_dp(FunctionalDropout().double(), strict=True)
+    compiled(x_of(5, 4)).sum().backward()
+    assert compiled.verification.endswith("per-sample gradients not compared (the model is random even with "
+                                          "dropout layers off)")
+    assert compiled.module.fc.weight.grad_sample.shape == (5, 3, 4)
+
+
 def test_strict_refuses_a_fallback_it_cannot_verify():
     class SumsTheBatch(ScalesUntraceably):
         def forward(self, x):  # no per-sample output to compare

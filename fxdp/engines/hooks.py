@@ -272,7 +272,9 @@ class GradSampleModule(GradSampleModuleBase):
                                            "(no statistics over the batch, no batch norm in training)")],
                         f"fxdp (hooks engine): {name} mixes samples, so it cannot be trained with DP-SGD; "
                         f"found on its first batch of {n} samples:")
-                if unverified is None:
+                with self._recompute():
+                    random = unverified is None and selfcheck.is_random(model, args, kwargs)
+                if unverified is None and not random:  # a random model draws other numbers for a batch of one
                     try:
                         mismatch = self._compare_with_batches_of_one(args, kwargs, n)
                     except selfcheck.UnsupportedOutputError as exc:  # raised again by the user's backward
@@ -287,8 +289,9 @@ class GradSampleModule(GradSampleModuleBase):
             self.verification = "failed"
             raise
         if unverified is None:
-            self.verification = (f"verified on a batch of {n}: outputs independent across samples, per-sample "
-                                 "gradients equal to batches of one")
+            self.verification = (f"verified on a batch of {n}: outputs independent across samples, " + (
+                "per-sample gradients not compared (the model is random even with dropout layers off)" if random
+                else "per-sample gradients equal to batches of one"))
             return
         self.verification = f"unverified: {unverified}"
         message = (f"fxdp (hooks engine) could not verify {name} on its first batch ({unverified}), so its "

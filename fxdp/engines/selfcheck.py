@@ -182,6 +182,14 @@ def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: in
     return None, None
 
 
+def is_random(run: Callable[..., Any], args, kwargs) -> bool:
+    """Does the model's output change with the random seed (functional dropout, noise)?"""
+    with torch.no_grad():
+        first = output_tensors(seeded(lambda: run(*args, **kwargs), seed=1))
+        second = output_tensors(seeded(lambda: run(*args, **kwargs), seed=2))
+    return any(not torch.equal(a, b) for a, b in zip(first, second))
+
+
 def compare_gradients(engine_rows: Dict[str, torch.Tensor], alone: List[Dict[str, Optional[torch.Tensor]]]
                       ) -> Optional[str]:
     """Compare per-sample gradients (``{name: (k, *shape)}``) with those of each sample run alone."""
