@@ -262,9 +262,13 @@ class GradSampleModule(GradSampleModuleBase):
         model = self._module
         name = type(model).__name__
         try:
-            with selfcheck.preserved_state(model):
+            with selfcheck.preserved_state(model) as reset:
+                def run(*a, **k):
+                    reset()
+                    return model(*a, **k)
+
                 with self._recompute():
-                    found, unverified = selfcheck.cross_sample_dependence(model, args, kwargs, self.batch_dim)
+                    found, unverified = selfcheck.cross_sample_dependence(run, args, kwargs, self.batch_dim)
                 if found is not None:
                     raise selfcheck.SampleMixingError(
                         [selfcheck.finding("<model>", name, Kind.MIXES_SAMPLES, found,
@@ -273,10 +277,10 @@ class GradSampleModule(GradSampleModuleBase):
                         f"fxdp (hooks engine): {name} mixes samples, so it cannot be trained with DP-SGD; "
                         f"found on its first batch of {n} samples:")
                 with self._recompute():
-                    random = unverified is None and selfcheck.is_random(model, args, kwargs)
+                    random = unverified is None and selfcheck.is_random(run, args, kwargs)
                 if unverified is None and not random:  # a random model draws other numbers for a batch of one
                     try:
-                        mismatch = self._compare_with_batches_of_one(args, kwargs, n)
+                        mismatch = self._compare_with_batches_of_one(run, args, kwargs, n)
                     except selfcheck.UnsupportedOutputError as exc:  # raised again by the user's backward
                         mismatch, unverified = None, str(exc).split(", so")[0].replace("fxdp: ", "")
                     if mismatch is not None:
@@ -304,7 +308,7 @@ class GradSampleModule(GradSampleModuleBase):
         warnings.warn(message + "; fxdp.check_per_sample_gradients_are_correct can check it on a batch of "
                       "your choice", stacklevel=5)  # the user's call of the wrapper
 
-    def _compare_with_batches_of_one(self, args, kwargs, n: int, samples: int = 3):
+    def _compare_with_batches_of_one(self, run, args, kwargs, n: int, samples: int = 3):
         """This engine's per-sample gradients on the first few samples against each sample alone."""
         k = min(n, samples)
         dim = self.batch_dim
@@ -319,7 +323,7 @@ class GradSampleModule(GradSampleModuleBase):
                 p.grad, p.grad_sample = None, None
             self._batch_size = n
             # the first output only: a loss over a layer's second output is refused by its own hook
-            outs = selfcheck.output_tensors(selfcheck.seeded(lambda: self._module(*sub_args, **sub_kwargs)))[:1]
+            outs = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*sub_args, **sub_kwargs)))[:1]
             self._batch_size = None
             projections = [torch.randn(t.shape, generator=generator).to(t) for t in outs]
             loss = sum((t * r).sum() for t, r in zip(outs, projections))
@@ -334,7 +338,7 @@ class GradSampleModule(GradSampleModuleBase):
                 for i in range(k):
                     one_args, one_kwargs = selfcheck.map_batched(sub_args, sub_kwargs, n, dim,
                                                                  lambda t: t.narrow(dim, i, 1))
-                    one = selfcheck.output_tensors(selfcheck.seeded(lambda: self._module(*one_args, **one_kwargs)))[:1]
+                    one = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*one_args, **one_kwargs)))[:1]
                     loss_i = sum((t * r.narrow(dim, i, 1)).sum() for t, r in zip(one, projections))
                     grads = torch.autograd.grad(loss_i, [p for _, p in named], allow_unused=True)
                     alone.append({nm: g for (nm, _), g in zip(named, grads)})

@@ -78,17 +78,22 @@ def map_batched(args, kwargs, n: int, batch_dim: int, fn: Callable[[torch.Tensor
 @contextlib.contextmanager
 def preserved_state(model: nn.Module):
     """Runs of the model inside leave no trace: buffers (running statistics) are restored, dropout
-    layers are off (they would draw different masks for a batch and its samples), grad mode is kept."""
+    layers are off (they would draw different masks for a batch and its samples). Yields ``reset()``,
+    which puts the buffers back as they were, so that every run starts from the same state."""
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     dropouts = [(m, m.p) for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
     for m, _ in dropouts:
         m.p = 0.0
-    try:
-        yield
-    finally:
+
+    def reset() -> None:  # every run starts from the same state (running statistics, power iterations)
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
+
+    try:
+        yield reset
+    finally:
+        reset()
         for m, p in dropouts:
             m.p = p
 
