@@ -37,6 +37,9 @@ from fxdp.diagnostics import (
     UnsupportedModuleError,
 )
 from fxdp.engines import GradSampleModule
+from fxdp.engines.selfcheck import LayerBatchError, SampleMixingError, SelfCheckError, UnverifiedModelError
+from fxdp.engines.wrappers import AlreadyCompiledError
+from fxdp.runtime.guards import TrainabilityChangedError
 from fxdp.grad_sample.accumulate import zero_grad_sample
 from fxdp.grad_sample.registry import register_grad_sampler
 from fxdp.passes.batch_dim import find_batch_dim_violations
@@ -49,6 +52,12 @@ from fxdp import accounting, audit  # noqa: E402  (fxdp.accounting.RDPAccountant
 __version__ = "0.1.0"
 
 __all__ = [
+    "AlreadyCompiledError",
+    "LayerBatchError",
+    "SampleMixingError",
+    "SelfCheckError",
+    "TrainabilityChangedError",
+    "UnverifiedModelError",
     "BatchMemoryManager",
     "DPDataLoader",
     "DPOptimizer",

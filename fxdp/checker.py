@@ -11,6 +11,11 @@ are compared, per parameter: each row of ``p.grad_sample`` with the gradient of 
 and the sum of the rows with the batch gradient ``p.grad`` (they differ when the model mixes samples,
 even if every row is right for its sample alone, as the functorch engine's are by construction).
 
+``module`` may also be a model ``compile_for_dp`` (or ``wrap_model``) returned: then that engine, as
+compiled, is checked (a deep copy of it), with its own loss reduction. Cross-sample dependence is tested
+too (:attr:`PerSampleGradientDiagnostics.cross_sample_dependence`): perturbing one sample's input must
+leave every other sample's output unchanged.
+
 The model runs as it is: random layers such as dropout draw different masks for the batch and for
 each sample, so set their probability to 0 before checking (``compile_for_dp`` refuses a model in eval
 mode, so ``model.eval()`` is no way out for the "fx" engine).
@@ -27,8 +32,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fxdp.compiler import compile_for_dp, wrap_model
-from fxdp.engines import check_grad_sample_mode
+from fxdp.compiler import compile_for_dp
+from fxdp.engines import GradSampleModuleBase, PerSampleModel, check_grad_sample_mode
+from fxdp.engines.selfcheck import SelfCheckError, cross_sample_dependence, preserved_state
 from fxdp.grad_sample.accumulate import zero_grad_sample
 from fxdp.grad_sample.generic import LOSS_REDUCTIONS
 
@@ -93,11 +99,20 @@ class ParameterCheck:
 
 
 class PerSampleGradientDiagnostics(list):
-    """The list of :class:`ParameterCheck` records; ``str()`` renders it as a table."""
+    """The list of :class:`ParameterCheck` records; ``str()`` renders it as a table.
+
+    ``cross_sample_dependence``: what the cross-sample test found (a sample's output changed when only
+    another sample's input did), or None; ``cross_sample_untested``: why that test could not run, or None.
+    """
+
+    cross_sample_dependence: Optional[str] = None
+    cross_sample_untested: Optional[str] = None
+    engine_error: Optional[str] = None  # the engine refused the batch (its own checks), before any gradient
+    engine_findings: tuple = ()  # that error's findings
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self)
+        return all(r.ok for r in self) and self.cross_sample_dependence is None and self.engine_error is None
 
     @property
     def failures(self) -> List[ParameterCheck]:
@@ -122,7 +137,14 @@ class PerSampleGradientDiagnostics(list):
         ]
         headers = ("parameter", "reduction", "grad_sample", "expected", "max abs diff",
                    "max rel diff", "samples that differ", "sums to p.grad", "status")
-        return tabulate(rows, headers=headers)
+        table = tabulate(rows, headers=headers)
+        if self.engine_error is not None:
+            table += f"\nthe engine refused the batch: {self.engine_error}"
+        if self.cross_sample_dependence is not None:
+            table += f"\ncross-sample dependence: {self.cross_sample_dependence}"
+        elif self.cross_sample_untested is not None:
+            table += f"\ncross-sample dependence: not tested ({self.cross_sample_untested})"
+        return table
 
 
 def check_per_sample_gradients_are_correct(
@@ -164,12 +186,13 @@ def per_sample_gradient_diagnostics(
     inputs = _as_input_tuple(x)
     batch_dim = 0 if batch_first else 1
     n = _batch_size(inputs, batch_dim)
-    names = [name for name, p in module.named_parameters() if p.requires_grad]
+    names = [name for name, p in _model_of(module).named_parameters() if p.requires_grad]
     if not names:
         raise ValueError(
             f"fxdp: {type(module).__name__} has no trainable parameters (none with requires_grad=True), "
             "so it has no per-sample gradients to check."
         )
+    compiled = _is_compiled(module)
 
     projections = None
     expected: Dict[str, torch.Tensor] = {}
@@ -180,7 +203,7 @@ def per_sample_gradient_diagnostics(
         if projections is None:
             projections = _projections(out, batch_dim)
         _projected_loss(out, projections, batch_dim, "sum").backward()
-        for name, p in reference.named_parameters():
+        for name, p in _model_of(reference).named_parameters():
             if name not in names:
                 continue
             if name not in expected:
@@ -190,11 +213,23 @@ def per_sample_gradient_diagnostics(
         reference.zero_grad(set_to_none=True)
 
     records = PerSampleGradientDiagnostics()
-    for reduction in LOSS_REDUCTIONS:
-        model_copy = _fresh_copy(module)
-        wrapped = _wrap(model_copy, grad_sample_mode, inputs, batch_dim, reduction)
-        out = wrapped(*inputs)
-        _projected_loss(out, projections, batch_dim, reduction).backward()
+    with preserved_state(reference):
+        records.cross_sample_dependence, records.cross_sample_untested = cross_sample_dependence(
+            reference, inputs, {}, batch_dim)
+    for reduction in ([_loss_reduction_of(module)] if compiled else LOSS_REDUCTIONS):
+        if compiled:
+            wrapped = _fresh_copy(module)
+            model_copy = _model_of(wrapped)
+        else:
+            model_copy = _fresh_copy(module)
+            wrapped = _wrap(model_copy, grad_sample_mode, inputs, batch_dim, reduction)
+        _without_self_check(wrapped)
+        try:
+            out = wrapped(*inputs)
+            _projected_loss(out, projections, batch_dim, reduction).backward()
+        except SelfCheckError as exc:  # correct-or-error: the engine said so before handing out gradients
+            records.engine_error, records.engine_findings = str(exc), exc.findings
+            return records
         grad_samples, grads = _read_gradients(model_copy, wrapped)
         for name in names:
             record = _compare(name, reduction, grad_samples.get(name), expected[name], atol, rtol)
@@ -204,11 +239,42 @@ def per_sample_gradient_diagnostics(
     return records
 
 
+def _without_self_check(wrapped: nn.Module) -> None:
+    """The hooks engine tests the model on its first batch and refuses what it finds; here the check
+    below does the same comparison on every sample and reports it, so that test is not run twice."""
+    if getattr(wrapped, "verification", None) == "not yet run":
+        wrapped.verify = False
+        wrapped.verification = "off (fxdp.check_per_sample_gradients_are_correct compares every sample)"
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    """A model compile_for_dp or wrap_model returned (it is checked as it is)."""
+    return isinstance(module, (GradSampleModuleBase, PerSampleModel)) or hasattr(module, "fxdp_report")
+
+
+def _model_of(module: nn.Module) -> nn.Module:
+    """The module whose parameters carry the names the user knows: a wrapper's model, else the module."""
+    if isinstance(module, GradSampleModuleBase):
+        return module.module
+    if isinstance(module, PerSampleModel):
+        return module.module
+    return module
+
+
+def _loss_reduction_of(compiled: nn.Module) -> str:
+    """The loss reduction a compiled model was made for (its wrapper's, or its DP-aware ops')."""
+    for value in [compiled, *vars(compiled).values()]:
+        reduction = getattr(value, "loss_reduction", None) if not isinstance(value, dict) else None
+        if isinstance(reduction, str) and reduction in LOSS_REDUCTIONS:
+            return reduction
+    return "mean"
+
+
 def _wrap(model: nn.Module, mode: str, inputs, batch_dim: int, reduction: str) -> nn.Module:
-    if mode == "fx":
-        example = inputs[0] if len(inputs) == 1 else inputs
-        return compile_for_dp(model, example_inputs=example, batch_dim=batch_dim, loss_reduction=reduction)
-    return wrap_model(model, mode, batch_first=batch_dim == 0, loss_reduction=reduction)
+    """The engine compile_for_dp returns for this mode (its fallbacks included)."""
+    example = inputs[0] if len(inputs) == 1 else inputs
+    return compile_for_dp(model, example_inputs=example if mode == "fx" else None, batch_dim=batch_dim,
+                          loss_reduction=reduction, grad_sample_mode=mode)
 
 
 def _as_input_tuple(x: Inputs) -> Tuple[torch.Tensor, ...]:

@@ -35,7 +35,10 @@ from fxdp.engines import (
     NoOpGradSampleModule,
     check_grad_sample_mode,
 )
+from fxdp.engines.base import user_hooks
+from fxdp.engines.hooks import fallback_self_check
 from fxdp.engines.whole_model import whole_model_op
+from fxdp.engines.wrappers import AlreadyCompiledError, unwrap_or_refuse  # noqa: F401  (re-exported)
 from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.bookkeeping import BookkeepingSink, describe_plans, plan_graph
 from fxdp.grad_sample.sink import GradientSink, GradSampleSink
@@ -43,7 +46,7 @@ from fxdp.passes.batch_dim import batched_input_names, bind_inputs, propagate_ba
 from fxdp.passes.inplace import remove_inplace_ops
 from fxdp.passes.per_sample import batch_source, insert_per_sample_ops, one_sample_layouts, update_site_layouts
 from fxdp.passes.validate import validate_graph
-from fxdp.tracing import trace
+from fxdp.tracing import OutputType, make_copyable, trace
 from fxdp.diagnostics.errors import expect_module
 
 _REPORT_ATTR = "fxdp_report"
@@ -101,6 +104,8 @@ def inspect(model: nn.Module, example_inputs: Any = None, batch_dim: int = 0, st
     expect_module(model, "fxdp.inspect(model, ...)")
     gm, traced, reports = _analyse(model, example_inputs, batch_dim, strict, batch_inputs)
     notes = [_NO_INPUTS_NOTE] if traced.ok and example_inputs is None else []
+    if not traced.ok:
+        reports.append(fallback_self_check(model, example_inputs, batch_dim, strict))
     return _make_report(model, traced, reports, notes=notes)
 
 
@@ -164,6 +169,7 @@ def compile_for_dp(
     check_grad_sample_mode(grad_sample_mode)
     if batch_dim not in (0, 1):
         raise ValueError(f"batch_dim must be 0 (batch first) or 1 (time major), got {batch_dim!r}")
+    model = unwrap_or_refuse(model)
 
     if sink is not None and grad_sample_mode in ("ew", "no_op"):
         raise ValueError(f"fxdp: grad_sample_mode={grad_sample_mode!r} writes p.grad_sample itself and delivers "
@@ -171,9 +177,30 @@ def compile_for_dp(
     gm, traced, reports = _analyse(model, example_inputs, batch_dim, strict, batch_inputs)
     _refuse_if_not_private(reports)
     if gm is None or grad_sample_mode != "fx":
-        engine = "hooks" if gm is None else grad_sample_mode
-        wrapped = _wrap(model, engine, batch_first=(batch_dim == 0), loss_reduction=loss_reduction, sink=sink)
+        # an explicit engine is honoured (none of them needs a trace); "fx" falls back to hooks
+        engine = grad_sample_mode if grad_sample_mode != "fx" else "hooks"
+        wrapped = _wrap(model, engine, batch_first=(batch_dim == 0), loss_reduction=loss_reduction,
+                        require_verified=strict, sink=sink)
         reason = None if gm is None else f"grad_sample_mode={grad_sample_mode!r} was asked for"
+        rep = _make_report(model, traced, reports, engine, reason, notes=_bookkeeping_notes(sink, engine))
+        if gm is None and engine != "hooks":
+            rep = dataclasses.replace(rep, engine=engine, fallback_reason=(
+                f"grad_sample_mode={grad_sample_mode!r} was asked for (and {rep.fallback_reason})"))
+        setattr(wrapped, _REPORT_ATTR, rep)
+        return wrapped
+
+    hooked = _user_hooks(model)
+    if hooked:  # the graph would drop the root's hooks and see the layers' hooks twice
+        where = f"the model has hooks of yours on {', '.join(hooked)}"
+        if any("backward" in h for h in hooked):  # torch.func cannot re-run backward hooks: hooks engine
+            wrapped = _wrap(model, "hooks", batch_first=(batch_dim == 0), loss_reduction=loss_reduction,
+                            require_verified=strict, sink=sink)
+            reason, engine = f"{where}; the hooks engine sees them as the model runs (and checks itself)", "hooks"
+        else:  # the whole model, its hooks included, runs as one op and is re-run per sample
+            wrapped = whole_model_op(model, gm, loss_reduction=loss_reduction, batch_dim=batch_dim,
+                                     sink=sink if sink is not None else GradSampleSink())
+            reason = f"{where}; the whole model runs as one op (with its hooks) under the generic per-sample rule"
+            engine = "fx+whole-model"
         setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, engine, reason,
                                                     notes=_bookkeeping_notes(sink, engine)))
         return wrapped
@@ -194,6 +221,9 @@ def compile_for_dp(
         return wrapped
 
     notes = ([_NO_INPUTS_NOTE] if example_inputs is None else []) + _bookkeeping_notes(sink, "fx", gm)
+    gm = make_copyable(gm)  # deepcopy, pickle and torch.save keep the report, the sink and the hooks
+    if traced.output_type is not None:  # the graph returns a plain dict: give back the model's own type
+        gm.register_forward_hook(OutputType(traced.output_type))
     setattr(gm, _REPORT_ATTR, _make_report(model, traced, reports, notes=notes))
     _install_guards(gm, analysed, example_inputs, batch_dim, strict, batch_inputs)
     return gm
@@ -315,7 +345,14 @@ _WRAPPERS = {
 
 
 def _wrap(model: nn.Module, engine: str, *, batch_first: bool, loss_reduction: str, strict: bool = False,
-          sink: Optional[GradientSink] = None) -> nn.Module:
+          require_verified: bool = False, sink: Optional[GradientSink] = None) -> nn.Module:
+    model = unwrap_or_refuse(model)
     if engine == "hooks":
-        return GradSampleModule(model, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict, sink=sink)
+        return GradSampleModule(model, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict,
+                                require_verified=require_verified, sink=sink)
     return _WRAPPERS[engine](model, batch_first=batch_first, loss_reduction=loss_reduction, sink=sink)
+
+
+def _user_hooks(model: nn.Module) -> List[str]:
+    return [f"'{name or '<model>'}' ({', '.join(kinds)})" for name, m in model.named_modules()
+            if (kinds := user_hooks(m))]

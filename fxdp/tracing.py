@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import operator
+import pickle
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -78,6 +80,19 @@ class DPTracer(torch.fx.Tracer):
     def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
         return _InplaceRecordingProxy(node, self)
 
+    _depth = 0
+    last_value_type: Optional[type] = None  # after trace: the type of what forward returned
+
+    def create_arg(self, a):
+        # the last top-level value turned into graph arguments is forward's return value
+        self._depth += 1
+        try:
+            return super().create_arg(a)
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self.last_value_type = type(a)
+
     def create_proxy(self, *args, **kwargs):
         proxy = super().create_proxy(*args, **kwargs)
         node = proxy.node
@@ -91,6 +106,8 @@ class TraceResult:
     error: Optional[BaseException] = None
     location: Optional[SourceLocation] = None  # the user's line that made tracing fail
     fixed_to_none: Tuple[str, ...] = ()  # optional inputs traced as None
+    # a dict subclass forward returns (a ModelOutput-like OrderedDict): the graph returns a plain dict
+    output_type: Optional[type] = None
 
     @property
     def ok(self) -> bool:
@@ -136,4 +153,93 @@ def trace(model: nn.Module, example_inputs=None) -> TraceResult:
     name = type(model).__name__
     gm = torch.fx.GraphModule(tracer.root, graph, name)
     gm.training = model.training  # not gm.train(): that would also reset the user's submodules' modes
-    return TraceResult(gm, fixed_to_none=tuple(fixed))
+    returned = tracer.last_value_type
+    output_type = returned if returned is not None and issubclass(returned, dict) and returned is not dict else None
+    return TraceResult(gm, fixed_to_none=tuple(fixed), output_type=output_type)
+
+
+class OutputType:
+    """A forward hook giving a compiled model's output the type the model's own forward returns."""
+
+    def __init__(self, cls: type):
+        self.cls = cls
+
+    def __call__(self, module, args, output):
+        if isinstance(output, dict) and type(output) is not self.cls:
+            try:
+                return self.cls(**output)
+            except TypeError:
+                return self.cls(output)
+        return None
+
+
+# -- compiled graphs survive deepcopy, pickle and torch.save ------------------------------------------
+#
+# torch.fx rebuilds a GraphModule from its code on load and on deepcopy, keeping only the attributes
+# the graph uses: a compiled model's report, its sink and its forward hooks (the analysis on the first
+# batch) would be lost. A compiled model's class is a subclass of CompiledGraphModule, which carries them.
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+class CompiledGraphModule(torch.fx.GraphModule):
+    """A GraphModule whose copies (deepcopy, pickle, torch.save) keep every attribute and forward hook."""
+
+    # torch.fx saves the code and re-traces it on load, which renames the nodes (the DP-aware ops'
+    # sites refer to them by name): the graph itself is saved instead.
+    def __reduce__(self):
+        body = self.__dict__.copy()
+        graph = torch.fx.Graph()
+        graph.output(graph.graph_copy(body.pop("_graph"), {}))
+        for node in graph.nodes:  # analysis results (fake tensors) are not needed to run, nor picklable
+            node.meta = {k: v for k, v in node.meta.items() if _picklable(v)}
+        return (_rebuild_compiled, (body, graph, type(self).__mro__[1].__name__))
+
+    def __deepcopy__(self, memo):
+        res = super().__deepcopy__(memo)
+        copied = copy.deepcopy(self.__dict__, memo)  # the objects the copy already holds, via memo
+        for key, value in copied.items():
+            if key in _HOOK_DICTS or key not in res.__dict__:
+                res.__dict__[key] = value
+        res.training = self.training
+        _relink(res)
+        return res
+
+
+def _picklable(value) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - anything pickle refuses
+        return False
+    return True
+
+
+def _rebuild_compiled(body, graph, class_name):
+    holder = nn.Module()
+    holder.__dict__.update(body)
+    gm = make_copyable(torch.fx.GraphModule(holder, graph, class_name))
+    for key, value in body.items():  # what the graph does not use (report, sink, hooks, ...)
+        if key in _HOOK_DICTS or key not in gm.__dict__:
+            gm.__dict__[key] = value
+    _relink(gm)
+    return gm
+
+
+def _relink(gm: torch.fx.GraphModule) -> None:
+    """Attributes that refer back to their model (an ``fxdp_relink(model)`` method) point at the copy."""
+    for value in list(gm.__dict__.values()):
+        relink = getattr(value, "fxdp_relink", None)
+        if callable(relink):
+            relink(gm)
+
+
+def make_copyable(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Give ``gm`` (in place) a class derived from :class:`CompiledGraphModule`; returns ``gm``."""
+    if not isinstance(gm, CompiledGraphModule):
+        # GraphModule gives each instance a class of its own (its forward is set on the class)
+        impl = type("GraphModuleImpl", (CompiledGraphModule,), {})
+        impl.__qualname__ = "GraphModuleImpl"
+        gm.__class__ = impl
+        gm.recompile()
+    return gm

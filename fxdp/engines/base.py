@@ -5,7 +5,8 @@ backward step of the generic rule on a module's output."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Mapping, Optional
+import weakref
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -23,6 +24,97 @@ def trainable_own_params(module: nn.Module) -> List[nn.Parameter]:
 
 def has_trainable_params(module: nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters())
+
+
+# -- engine hooks live and die with their wrapper ------------------------------------------------------
+
+_OWNER_ATTR = "_fxdp_engine_owner"  # on each hook an engine puts on a model: weakref to its wrapper
+
+
+class EngineHook:
+    """A hook an engine put on a model's module. It holds its wrapper weakly; a copy of the model
+    (deepcopy, pickle) gets a dead one, which does nothing and is removed by the next wrapper."""
+
+    def __init__(self, fn: Callable, wrapper: Optional[nn.Module]):
+        self.fn = fn
+        self._fxdp_engine_owner = weakref.ref(wrapper) if wrapper is not None else _no_owner
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs) if self._fxdp_engine_owner() is not None else None
+
+    def __reduce__(self):
+        return (_dead_hook, ())
+
+    def __deepcopy__(self, memo):
+        return _dead_hook()
+
+
+def _no_owner():
+    return None
+
+
+def _dead_hook() -> EngineHook:
+    return EngineHook(_no_owner, None)
+
+
+def mark_engine_hook(fn: Callable, wrapper: nn.Module) -> Callable:
+    """``fn`` as a hook of ``wrapper``'s engine, so that a later compile (or a copy) can find it."""
+    return EngineHook(fn, wrapper)
+
+
+def remove_handles(handles: List[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def engine_hooks(model: nn.Module) -> List[Tuple[str, Optional[nn.Module]]]:
+    """(module name, live wrapper or None) for every engine hook on ``model`` and its submodules."""
+    found = []
+    for name, module in model.named_modules():
+        for attr in _HOOK_DICTS:
+            for fn in getattr(module, attr, {}).values():
+                ref = getattr(fn, _OWNER_ATTR, None)
+                if ref is not None:
+                    found.append((name or "<model>", ref()))
+    return found
+
+
+def remove_dead_engine_hooks(model: nn.Module) -> None:
+    """Remove the hooks of wrappers that no longer exist (normally their finalizer already did)."""
+    for module in model.modules():
+        for attr in _HOOK_DICTS:
+            hooks = getattr(module, attr, {})
+            for key, fn in list(hooks.items()):
+                ref = getattr(fn, _OWNER_ATTR, None)
+                if ref is not None and ref() is None:
+                    del hooks[key]
+
+
+def user_hooks(module: nn.Module) -> List[str]:
+    """What forward/backward hooks the user put on ``module`` itself (not fxdp's engines')."""
+    kinds = []
+    for attr in _HOOK_DICTS:
+        if any(getattr(fn, _OWNER_ATTR, None) is None for fn in getattr(module, attr, {}).values()):
+            kinds.append(attr.strip("_").replace("_", " ")[:-1])
+    return kinds
+
+
+@contextlib.contextmanager
+def without_own_hooks(module: nn.Module):
+    """Run ``module.forward`` alone: the generic rule differentiates what ``forward`` returned, the
+    module's own hooks act on what flows on (and are in the output gradient already)."""
+    saved = {attr: getattr(module, attr) for attr in _HOOK_DICTS if getattr(module, attr, None)}
+    for attr in saved:
+        setattr(module, attr, type(saved[attr])())
+    try:
+        yield
+    finally:
+        for attr, hooks in saved.items():
+            setattr(module, attr, hooks)
 
 
 class GradSampleModuleBase(nn.Module):
@@ -105,15 +197,17 @@ class GradSampleModuleBase(nn.Module):
             acts, backprops, n = self._to_batch_first(activations, grad)
             backprops = summed_loss_backprops(backprops, self.loss_reduction, n)
             self._deliver(layer_capture(module, acts, backprops, batch_size=n, batch_dim=self.batch_dim,
-                                        kwargs=kwargs, generic=generic))
+                                        kwargs=kwargs, generic=generic), module)
 
         return hook
 
-    def _deliver(self, capture: LayerCapture) -> None:
+    def _deliver(self, capture: LayerCapture, module: Optional[nn.Module] = None) -> None:
         compute = capture.grad_samples
 
         def grad_samples() -> Dict[nn.Parameter, torch.Tensor]:
-            with self._recompute():
+            if capture.batch_size == 0:  # an empty batch (Poisson sampling): no rows, nothing to run
+                return {p: p.new_zeros((0, *p.shape)) for p in capture.params}
+            with self._recompute(), (without_own_hooks(module) if module is not None else contextlib.nullcontext()):
                 return compute()
 
         capture.grad_samples = grad_samples

@@ -72,6 +72,8 @@ class ExpandedWeightsGradSampleModule(GradSampleModuleBase):
 
         self._in_backward = False
         batch_size = _leading_size(args, kwargs)
+        if batch_size == 0:  # ExpandedWeights refuses an empty batch: no rows to compute
+            return self._empty_batch_forward(args, kwargs)
         params = [p for p in self._module.parameters() if p.requires_grad]
         # call_for_per_sample_grads refuses parameters that still hold grad_sample; ours append
         # across backward passes, so hide them while it checks.
@@ -92,6 +94,25 @@ class ExpandedWeightsGradSampleModule(GradSampleModuleBase):
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._backward_starts)
+        return out
+
+    def _empty_batch_forward(self, args, kwargs):
+        out = self._module(*args, **kwargs)
+        params = [p for p in self._module.parameters() if p.requires_grad]
+
+        def add_no_rows() -> None:
+            for p in params:
+                if getattr(p, "grad_sample", None) is None:
+                    p.grad_sample = p.new_zeros((0, *p.shape))
+
+        def hook(grad: torch.Tensor) -> None:
+            torch.autograd.Variable._execution_engine.queue_callback(add_no_rows)
+
+        if torch.is_grad_enabled():
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(hook)
+                    break
         return out
 
     def _backward_starts(self, grad: torch.Tensor) -> None:

@@ -26,15 +26,28 @@ contributes nothing. The compiled engine (``fxdp.compile_for_dp``) checks both;
 
 from __future__ import annotations
 
+import copy
+import warnings
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
-from fxdp.engines.base import GradSampleModuleBase, has_trainable_params, trainable_own_params
+from fxdp.diagnostics import Finding, Kind, PassReport, Severity
+from fxdp.engines import selfcheck
+from fxdp.engines.base import (
+    GradSampleModuleBase,
+    has_trainable_params,
+    mark_engine_hook,
+    remove_dead_engine_hooks,
+    remove_handles,
+    trainable_own_params,
+)
 from fxdp.grad_sample.registry import find_grad_sampler
-from fxdp.grad_sample.sink import GradientSink
+from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
 
 
 def first_tensor_output(module_name: str, module: nn.Module, output: Any):
@@ -59,6 +72,16 @@ class GradSampleModule(GradSampleModuleBase):
 
     ``strict=True`` raises instead of using the generic rule for a module without a registered
     rule. :attr:`generic_fallbacks` lists the modules that use it.
+
+    The engine checks itself (see :mod:`fxdp.engines.selfcheck`): every hooked layer's inputs and
+    output must carry the batch (N rows at the batch dimension; inputs with one row are broadcast, as
+    the compiled graph does), and with ``verify`` (the default) the model is tested once, on its first
+    batch of two samples or more, for cross-sample dependence and against batches of one.
+    ``require_verified=True`` refuses a model that test could not verify. :attr:`verification` says
+    what was checked.
+
+    The hooks live and die with this wrapper: deleting it (or :meth:`remove_hooks`) removes them from
+    the model, and a hook whose wrapper is gone does nothing.
     """
 
     def __init__(
@@ -69,13 +92,47 @@ class GradSampleModule(GradSampleModuleBase):
         strict: bool = False,
         *,
         sink: Optional[GradientSink] = None,
+        verify: bool = True,
+        require_verified: bool = False,
     ):
         super().__init__(model, batch_first=batch_first, loss_reduction=loss_reduction, sink=sink)
         self.strict = strict
+        self.verify = verify
+        self.require_verified = require_verified
+        self.verification = "not yet run" if verify else "off (verify=False)"
+        self._batch_size: Optional[int] = None  # N of the forward in progress (None outside forward)
         self._hook_handles: List[Any] = []
+        # removes the hooks when this wrapper is garbage collected, without keeping it alive
+        self._finalizer = weakref.finalize(self, remove_handles, self._hook_handles)
         self.grad_sample_layers: Dict[str, str] = {}  # module name -> how its per-sample grads are computed
         self.generic_fallbacks: List[str] = []  # the layers without a rule, under the generic rule
         self._add_hooks()
+
+    # A copy (deepcopy, pickle) gets hooks of its own on its own copy of the model (where the copies
+    # of this wrapper's hooks are dead).
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        for key in ("_hook_handles", "_finalizer", "_batch_size"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._batch_size = None
+        self._hook_handles = []
+        self._finalizer = weakref.finalize(self, remove_handles, self._hook_handles)
+        self.grad_sample_layers, self.generic_fallbacks = {}, []
+        remove_dead_engine_hooks(self._module)
+        self._add_hooks()
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        state = copy.deepcopy(self.__getstate__(), memo)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(state)
+        return new
 
     # -- which modules get hooks ------------------------------------------------------------------
 
@@ -104,9 +161,7 @@ class GradSampleModule(GradSampleModuleBase):
 
         visit("", self._module)
         if self.strict and without_rule:
-            for handle in self._hook_handles:
-                handle.remove()
-            self._hook_handles.clear()
+            self.remove_hooks()
             raise ValueError(
                 "fxdp: strict=True and no per-sample rule is registered for "
                 + ", ".join(without_rule)
@@ -115,46 +170,195 @@ class GradSampleModule(GradSampleModuleBase):
             )
 
     def _hook(self, name: str, module: nn.Module) -> None:
-        """Forward hook on ``module``: keeps its inputs and hooks its output for the backward step."""
+        """A forward hook on ``module``, run before any forward hook of the user's: it sees the inputs
+        ``forward`` received and the output it returned, which is what the rules (and the generic rule,
+        re-running ``forward`` without the module's own hooks) differentiate; the user's hooks on the
+        layer change what flows on, so they are accounted for by the output gradient."""
+        owner = weakref.ref(self)  # the hooks must not keep the wrapper alive
 
         def forward_hook(mod, inputs, kwargs, output):
-            if self._recomputing or not torch.is_grad_enabled():
+            wrapper = owner()
+            if wrapper is None or wrapper._recomputing or not torch.is_grad_enabled():
                 return
-            if not any(p.requires_grad for p in mod.parameters()):
-                return  # frozen after wrapping
-            out, others = first_tensor_output(name, mod, output)
-            if not out.requires_grad:
-                return
-            if kwargs and find_grad_sampler(mod) is None:
-                tensor_kwargs = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-                if tensor_kwargs:
-                    raise TypeError(
-                        f"fxdp: module '{name}' ({type(mod).__name__}) was called with tensor keyword "
-                        f"argument(s) {', '.join(repr(k) for k in tensor_kwargs)}; the hooks engine's "
-                        "generic rule only knows where the batch is in positional inputs. Pass them "
-                        "positionally, register a rule for the module with fxdp.register_grad_sampler, "
-                        "or use grad_sample_mode='fx'."
-                    )
-            activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in inputs]
-            out.register_hook(self._output_hook(mod, activations, dict(kwargs)))
-            for k, other in enumerate(others, start=1):
-                if other.requires_grad:
-                    other.register_hook(self._unsupported_output_hook(name, mod, k))
+            wrapper._on_layer_output(name, mod, inputs, kwargs, output)
 
-        self._hook_handles.append(module.register_forward_hook(forward_hook, with_kwargs=True))
+        self._hook_handles.append(module.register_forward_hook(
+            mark_engine_hook(forward_hook, self), with_kwargs=True, prepend=True))
+
+    def _on_layer_output(self, name, mod, inputs, kwargs, output) -> None:
+        if not any(p.requires_grad for p in mod.parameters()):
+            return  # frozen after wrapping
+        out, others = first_tensor_output(name, mod, output)
+        if not out.requires_grad:
+            return
+        if kwargs and find_grad_sampler(mod) is None:
+            tensor_kwargs = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+            if tensor_kwargs:
+                raise TypeError(
+                    f"fxdp: module '{name}' ({type(mod).__name__}) was called with tensor keyword "
+                    f"argument(s) {', '.join(repr(k) for k in tensor_kwargs)}; the hooks engine's "
+                    "generic rule only knows where the batch is in positional inputs. Pass them "
+                    "positionally, register a rule for the module with fxdp.register_grad_sampler, "
+                    "or use grad_sample_mode='fx'."
+                )
+        activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in inputs]
+        if self._batch_size is not None:
+            activations = self._check_layer_batch(name, mod, activations, out)
+        out.register_hook(self._output_hook(mod, activations, dict(kwargs)))
+        for k, other in enumerate(others, start=1):
+            if other.requires_grad:
+                other.register_hook(self._unsupported_output_hook(name, mod, k))
+
+    def _check_layer_batch(self, name: str, mod: nn.Module, activations: List[Any], out: torch.Tensor):
+        """Every tensor input and the output must have N rows at the batch dimension; an input with one
+        row is broadcast to N (as the compiled graph does). Anything else is an error naming the layer."""
+        n, dim = self._batch_size, self.batch_dim
+        if any(isinstance(a, PackedSequence) for a in activations):
+            return activations  # an RNN fed a PackedSequence: its rows are time steps, its rule unpacks them
+
+        def refuse(what: str, shape) -> None:
+            raise selfcheck.LayerBatchError(
+                [selfcheck.finding(
+                    name, type(mod).__name__, Kind.MOVES_BATCH,
+                    f"{what} has shape {tuple(shape)}, but the batch of {n} samples is assumed in dimension {dim}",
+                    "use grad_sample_mode='fx' on a model torch.fx can trace (it follows the batch through "
+                    "reshapes and transposes), or keep the batch in dimension "
+                    f"{dim} of every layer's input and output")],
+                f"fxdp (hooks engine): layer '{name}' ({type(mod).__name__}) does not see the batch where "
+                "the hooks engine assumes it, so its per-sample gradients would be wrong:")
+
+        checked = []
+        for k, a in enumerate(activations):
+            if isinstance(a, torch.Tensor):
+                if a.dim() <= dim or a.shape[dim] not in (n, 1):
+                    refuse(f"input #{k}", a.shape)
+                if a.shape[dim] != n:
+                    a = a.expand(*a.shape[:dim], n, *a.shape[dim + 1:])
+            checked.append(a)
+        if out.dim() <= dim or out.shape[dim] != n:
+            refuse("the output", out.shape)
+        return checked
 
     def remove_hooks(self) -> None:
         """Detach the engine from the model: later backward passes set no ``grad_sample``."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
+        remove_handles(self._hook_handles)
+
+    # -- forward: the batch size the layers are checked against, and the one-time self-check -------
+
+    def forward(self, *args, **kwargs):
+        n = selfcheck.batch_size_of(args, kwargs, self.batch_dim)
+        if (self.verify and self.verification == "not yet run" and self._hook_handles and torch.is_grad_enabled()
+                and n is not None and n >= 2):
+            self._self_check(args, kwargs, n)
+        previous, self._batch_size = self._batch_size, n
+        try:
+            return self._module(*args, **kwargs)
+        finally:
+            self._batch_size = previous
+
+    def _self_check(self, args, kwargs, n: int) -> None:
+        """Test the model once on this batch (see :mod:`fxdp.engines.selfcheck`); raise what it finds."""
+        self.verification = "running"
+        model = self._module
+        name = type(model).__name__
+        try:
+            with selfcheck.preserved_state(model) as reset:
+                def run(*a, **k):
+                    reset()
+                    return model(*a, **k)
+
+                with self._recompute():
+                    found, unverified = selfcheck.cross_sample_dependence(run, args, kwargs, self.batch_dim)
+                if found is not None:
+                    raise selfcheck.SampleMixingError(
+                        [selfcheck.finding("<model>", name, Kind.MIXES_SAMPLES, found,
+                                           "make each sample's computation read only its own data "
+                                           "(no statistics over the batch, no batch norm in training)")],
+                        f"fxdp (hooks engine): {name} mixes samples, so it cannot be trained with DP-SGD; "
+                        f"found on its first batch of {n} samples:")
+                with self._recompute():
+                    random = unverified is None and selfcheck.is_random(run, args, kwargs)
+                if unverified is None and not random:  # a random model draws other numbers for a batch of one
+                    try:
+                        mismatch = self._compare_with_batches_of_one(run, args, kwargs, n)
+                    except selfcheck.UnsupportedOutputError as exc:  # raised again by the user's backward
+                        mismatch, unverified = None, str(exc).split(", so")[0].replace("fxdp: ", "")
+                    if mismatch is not None:
+                        raise selfcheck.SelfCheckError(
+                            [selfcheck.finding("<model>", name, Kind.MOVES_BATCH, mismatch,
+                                               "use grad_sample_mode='fx' on a model torch.fx can trace, or "
+                                               "grad_sample_mode='functorch'")],
+                            f"fxdp (hooks engine): the per-sample gradients of {name} are wrong on its first batch:")
+        except BaseException:
+            self.verification = "failed"
+            raise
+        if unverified is None:
+            self.verification = (f"verified on a batch of {n}: outputs independent across samples, " + (
+                "per-sample gradients not compared (the model is random even with dropout layers off)" if random
+                else "per-sample gradients equal to batches of one"))
+            return
+        self.verification = f"unverified: {unverified}"
+        message = (f"fxdp (hooks engine) could not verify {name} on its first batch ({unverified}), so its "
+                   "per-sample gradients are not known to be right")
+        if self.require_verified:
+            raise selfcheck.UnverifiedModelError(
+                [selfcheck.finding("<model>", name, Kind.UNVERIFIED, unverified,
+                                   "pass strict=False to accept it, or make it traceable by torch.fx")],
+                f"strict=True: {message}:")
+        warnings.warn(message + "; fxdp.check_per_sample_gradients_are_correct can check it on a batch of "
+                      "your choice", stacklevel=5)  # the user's call of the wrapper
+
+    def _compare_with_batches_of_one(self, run, args, kwargs, n: int, samples: int = 3):
+        """This engine's per-sample gradients on the first few samples against each sample alone."""
+        k = min(n, samples)
+        dim = self.batch_dim
+        sub_args, sub_kwargs = args, kwargs  # the whole batch, so the layers see the batch size they will
+        named = [(nm, p) for nm, p in self._module.named_parameters() if p.requires_grad]
+        saved = [(p, p.grad, getattr(p, "grad_sample", None)) for _, p in named]
+        sink = getattr(self, SINK_ATTR)
+        setattr(self, SINK_ATTR, GradSampleSink())
+        generator = torch.Generator().manual_seed(0)
+        try:
+            for _, p in named:
+                p.grad, p.grad_sample = None, None
+            self._batch_size = n
+            # the first output only: a loss over a layer's second output is refused by its own hook
+            outs = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*sub_args, **sub_kwargs)))[:1]
+            self._batch_size = None
+            projections = [torch.randn(t.shape, generator=generator).to(t) for t in outs]
+            loss = sum((t * r).sum() for t, r in zip(outs, projections))
+            if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+                return None
+            if self.loss_reduction == "mean":  # the engine undoes the mean's 1/n
+                loss = loss / n
+            loss.backward()
+            rows = {nm: p.grad_sample[:k] for nm, p in named if getattr(p, "grad_sample", None) is not None}
+            alone = []
+            with self._recompute():
+                for i in range(k):
+                    one_args, one_kwargs = selfcheck.map_batched(sub_args, sub_kwargs, n, dim,
+                                                                 lambda t: t.narrow(dim, i, 1))
+                    one = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*one_args, **one_kwargs)))[:1]
+                    loss_i = sum((t * r.narrow(dim, i, 1)).sum() for t, r in zip(one, projections))
+                    grads = torch.autograd.grad(loss_i, [p for _, p in named], allow_unused=True)
+                    alone.append({nm: g for (nm, _), g in zip(named, grads)})
+            missing = [nm for nm, _ in named if nm not in rows and any(a[nm] is not None for a in alone)]
+            if missing:
+                return (f"parameter(s) {missing[:5]} get gradients but no per-sample gradients: they are used "
+                        "where no hook sees them")
+            return selfcheck.compare_gradients(rows, alone)
+        finally:
+            self._batch_size = None
+            setattr(self, SINK_ATTR, sink)
+            for p, grad, grad_sample in saved:
+                p.grad, p.grad_sample = grad, grad_sample
 
     # -- backward hooks ---------------------------------------------------------------------------
 
     @staticmethod
     def _unsupported_output_hook(name: str, module: nn.Module, index: int):
         def hook(grad: torch.Tensor) -> None:
-            raise RuntimeError(
+            raise selfcheck.UnsupportedOutputError(
                 f"fxdp: the loss depends on output #{index} of module '{name}' ({type(module).__name__}), "
                 "but per-sample rules only receive the gradient of its first output, so its "
                 "per-sample gradients would be wrong. Use grad_sample_mode='fx' or 'functorch', or "
@@ -162,3 +366,35 @@ class GradSampleModule(GradSampleModuleBase):
             )
 
         return hook
+
+
+def fallback_self_check(model: nn.Module, example_inputs, batch_dim: int, strict: bool) -> PassReport:
+    """What the hooks fallback's self-check (its test on the first batch) finds on ``example_inputs``,
+    run on a copy of the model. Under ``strict`` what it finds, or could not verify, is raised."""
+    name, check = type(model).__name__, selfcheck.PASS_NAME
+    if example_inputs is None:
+        finding = Finding(check, "<model>", name, Kind.UNVERIFIED, Severity.ERROR if strict else Severity.WARNING,
+                          "the hooks fallback could not be verified: no example inputs to test the model on",
+                          "give example inputs (fxdp inspect --input SHAPE)")
+        if strict:
+            raise selfcheck.UnverifiedModelError([finding], "strict=True: the hooks fallback cannot be verified:")
+        return PassReport(selfcheck.PASS_NAME, findings=(finding,))
+    args, kwargs = ((), dict(example_inputs)) if isinstance(example_inputs, dict) else (
+        ((example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)), {})
+    engine = GradSampleModule(copy.deepcopy(model), batch_first=batch_dim == 0, require_verified=strict)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an unverified model is reported below
+            engine(*args, **kwargs)
+    except selfcheck.SelfCheckError as exc:
+        if strict:
+            raise
+        return PassReport(selfcheck.PASS_NAME, findings=exc.findings)
+    finally:
+        engine.remove_hooks()
+    if engine.verification.startswith("unverified"):
+        return PassReport(selfcheck.PASS_NAME, findings=(Finding(
+            selfcheck.PASS_NAME, "<model>", name, Kind.UNVERIFIED, Severity.WARNING,
+            f"the hooks fallback could not be verified on the example inputs ({engine.verification[12:]})",
+            "check it with fxdp.check_per_sample_gradients_are_correct"),))
+    return PassReport(check, changes=(Finding(check, "<model>", name, Kind.NOTE, Severity.INFO, engine.verification),))

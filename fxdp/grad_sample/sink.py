@@ -92,7 +92,10 @@ class GradSampleSink(GradientSink):
         self.__init__()
 
     def add(self, capture: LayerCapture) -> None:
-        grad_samples = capture.grad_samples()
+        if capture.batch_size == 0:  # an empty batch (Poisson sampling): no rows, and no rule to run
+            grad_samples = {p: p.new_zeros((0, *p.shape)) for p in capture.params}
+        else:
+            grad_samples = capture.grad_samples()
         task = torch._C._current_graph_task_id()
         with self._lock:
             pending = self._pending.get(task)

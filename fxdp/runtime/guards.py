@@ -74,6 +74,12 @@ class BatchSource:
     def __repr__(self) -> str:
         return f"BatchSource(input {self.input_index}, dim {self.dim})"
 
+    def fxdp_relink(self, model) -> None:
+        """A copy of the compiled model (deepcopy, pickle) holds a copy of this guard: the report the first
+        batch's analysis updates is the copy's own (the context drops its model when copied)."""
+        if self.context is not None and hasattr(self.context, "compiled"):
+            self.context.compiled = model
+
     def size_of(self, inputs: Tuple[Any, ...]) -> int:
         x = inputs[self.input_index]
         if not isinstance(x, torch.Tensor):

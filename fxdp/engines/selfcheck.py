@@ -1,0 +1,212 @@
+"""How an engine that cannot see the model's code checks it on a real batch.
+
+The hooks engine (the fallback for a model torch.fx cannot trace) assumes that every sample's
+computation reads only that sample's data, and that the batch sits at the same dimension everywhere.
+It cannot read the model's code, so it tests the model once, on its first batch of two samples or
+more, before that batch's forward:
+
+- :func:`cross_sample_dependence`: perturb one sample's input and check that every other sample's
+  output is unchanged (same random seed for both runs, buffers restored afterwards);
+- :func:`compare_with_batches_of_one` (run by the engine): the engine's per-sample gradients on a few
+  samples against the gradients of each sample run alone.
+
+What the tests find is raised as an fxdp error (:class:`SampleMixingError`, :class:`SelfCheckError`);
+when a test cannot run (no input to perturb, outputs without the batch, a random model), the model
+is *unverified*: ``strict`` refuses it (:class:`UnverifiedModelError`), otherwise a warning says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.nn.utils.rnn import PackedSequence
+from torch.utils import _pytree as pytree
+
+from fxdp.diagnostics import BatchMixingError, Finding, FxdpError, Kind, NotPrivateError, Severity
+
+PASS_NAME = "self-check"
+
+
+class SelfCheckError(NotPrivateError):
+    """An engine's check of the model on a real batch found per-sample gradients it cannot trust."""
+
+
+class SampleMixingError(SelfCheckError, BatchMixingError):
+    """A sample's output changed when only another sample's input changed."""
+
+
+class UnverifiedModelError(SelfCheckError):
+    """``strict=True`` and the engine could not verify the model (see the message for why)."""
+
+
+class LayerBatchError(SelfCheckError):
+    """A hooked layer saw its input or output with the batch somewhere the engine does not assume."""
+
+
+class UnsupportedOutputError(FxdpError, RuntimeError):
+    """The loss depends on an output of a hooked layer whose gradient the per-sample rules never see."""
+
+
+def finding(node: str, op: str, kind: Kind, message: str, fix: str) -> Finding:
+    return Finding(PASS_NAME, node, op, kind, Severity.ERROR, message, fix)
+
+
+def batch_size_of(args: Sequence[Any], kwargs: Dict[str, Any], batch_dim: int) -> Optional[int]:
+    """The size of the first tensor input (positional first) at ``batch_dim``, or None."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, PackedSequence):  # its rows are time steps; the first holds every sample
+            return int(a.batch_sizes[0])
+    for t in pytree.tree_leaves((tuple(args), dict(kwargs))):
+        if isinstance(t, torch.Tensor) and t.dim() > batch_dim:
+            return t.shape[batch_dim]
+    return None
+
+
+def _is_batched(t: Any, n: int, batch_dim: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() > batch_dim and t.shape[batch_dim] == n
+
+
+def map_batched(args, kwargs, n: int, batch_dim: int, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """(args, kwargs) with ``fn`` applied to every tensor that has ``n`` rows at ``batch_dim``."""
+    return pytree.tree_map(lambda t: fn(t) if _is_batched(t, n, batch_dim) else t, (tuple(args), dict(kwargs)))
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module):
+    """Runs of the model inside leave no trace: buffers (running statistics) are restored, dropout
+    layers are off (they would draw different masks for a batch and its samples). Yields ``reset()``,
+    which puts the buffers back as they were, so that every run starts from the same state."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    dropouts = [(m, m.p) for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    for m, _ in dropouts:
+        m.p = 0.0
+
+    def reset() -> None:  # every run starts from the same state (running statistics, power iterations)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+    try:
+        yield reset
+    finally:
+        reset()
+        for m, p in dropouts:
+            m.p = p
+
+
+def seeded(fn: Callable[[], Any], seed: int = 1234) -> Any:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return fn()
+
+
+def output_tensors(out: Any) -> List[torch.Tensor]:
+    """The floating-point tensors in a model's output: nested tuples, lists, dicts (ModelOutput-like
+    subclasses too) and dataclasses."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        items = [getattr(out, f.name) for f in dataclasses.fields(out)]
+    elif isinstance(out, Mapping):
+        items = list(out.values())
+    elif isinstance(out, (tuple, list)):
+        items = list(out)
+    else:
+        return []
+    return [t for item in items for t in output_tensors(item)]
+
+
+def _perturbed(args, kwargs, n: int, batch_dim: int, j: int):
+    """The inputs with sample ``j``'s rows replaced by another sample's (so they stay valid inputs:
+    token ids, masks, lengths), and whether anything changed."""
+    changed = [False]
+    leaves = [t for t in pytree.tree_leaves((tuple(args), dict(kwargs))) if _is_batched(t, n, batch_dim)]
+    # the first other sample whose inputs differ from sample j's
+    donor = next((k for k in range(n) if k != j
+                  and any(not torch.equal(t.select(batch_dim, k), t.select(batch_dim, j)) for t in leaves)), None)
+
+    def perturb(t: torch.Tensor) -> torch.Tensor:
+        if donor is None or torch.equal(t.select(batch_dim, donor), t.select(batch_dim, j)):
+            return t
+        changed[0] = True
+        t = t.clone()
+        t.select(batch_dim, j).copy_(t.select(batch_dim, donor))
+        return t
+
+    new_args, new_kwargs = map_batched(args, kwargs, n, batch_dim, perturb)
+    return new_args, new_kwargs, changed[0]
+
+
+def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: int
+                            ) -> Tuple[Optional[str], Optional[str]]:
+    """Does sample i's output depend on sample j's input (i != j)? ``run(*args, **kwargs)`` runs the
+    model (hooks muted, state preserved by the caller). Returns (what was found, or None; why the test
+    could not run, or None)."""
+    n = batch_size_of(args, kwargs, batch_dim)
+    if n is None or n < 2:
+        return None, "the batch has fewer than two samples"
+    if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
+        return None, "a PackedSequence input cannot be perturbed sample by sample"
+    with torch.no_grad():
+        base = output_tensors(seeded(lambda: run(*args, **kwargs)))
+        again = output_tensors(seeded(lambda: run(*args, **kwargs)))
+        if not base:
+            return None, "the model returned no floating-point tensor"
+        if any(not torch.equal(a, b) for a, b in zip(base, again)):
+            return None, "the model's output differs between two runs on the same batch with the same seed"
+        for k, t in enumerate(base):
+            if not _is_batched(t, n, batch_dim):
+                return None, (f"output #{k} has shape {tuple(t.shape)}, without the batch ({n} samples) in "
+                              f"dimension {batch_dim}")
+        j = 0
+        new_args, new_kwargs, changed = _perturbed(args, kwargs, n, batch_dim, j)
+        if not changed:
+            return None, (f"no input with the batch ({n} samples) in dimension {batch_dim} differs between "
+                          "samples, so none could be changed")
+        try:
+            after = output_tensors(seeded(lambda: run(*new_args, **new_kwargs)))
+        except Exception as exc:  # noqa: BLE001 - the model refuses the changed batch: nothing learned
+            return None, f"the model failed on the batch with sample {j}'s input changed ({type(exc).__name__}: {exc})"
+    for k, (a, b) in enumerate(zip(base, after)):
+        if a.shape != b.shape:
+            return (f"output #{k} changed shape from {tuple(a.shape)} to {tuple(b.shape)} when sample {j}'s "
+                    "input changed"), None
+        others = torch.ones(n, dtype=torch.bool)
+        others[j] = False
+        a_rest, b_rest = a.movedim(batch_dim, 0)[others], b.movedim(batch_dim, 0)[others]
+        tol = 1e-6 * (1 + a_rest.abs().max().item()) if a_rest.numel() else 0.0
+        moved = (a_rest - b_rest).abs().flatten(1).amax(1) if a_rest.numel() else torch.zeros(0)
+        rows = [i for i, d in zip([i for i in range(n) if i != j], moved.tolist()) if d > tol]
+        if rows:
+            return (f"the output of sample(s) {rows[:5]} (output #{k}) changed by up to {max(moved.tolist()):.3g} "
+                    f"when only sample {j}'s input changed: the model mixes samples across the batch"), None
+    return None, None
+
+
+def is_random(run: Callable[..., Any], args, kwargs) -> bool:
+    """Does the model's output change with the random seed (functional dropout, noise)?"""
+    with torch.no_grad():
+        first = output_tensors(seeded(lambda: run(*args, **kwargs), seed=1))
+        second = output_tensors(seeded(lambda: run(*args, **kwargs), seed=2))
+    return any(not torch.equal(a, b) for a, b in zip(first, second))
+
+
+def compare_gradients(engine_rows: Dict[str, torch.Tensor], alone: List[Dict[str, Optional[torch.Tensor]]]
+                      ) -> Optional[str]:
+    """Compare per-sample gradients (``{name: (k, *shape)}``) with those of each sample run alone."""
+    for name, rows in engine_rows.items():
+        for i, grads in enumerate(alone):
+            expected = grads.get(name)
+            expected = torch.zeros_like(rows[i]) if expected is None else expected.to(rows.dtype)
+            scale = expected.abs().max().item() if expected.numel() else 0.0
+            diff = (rows[i] - expected).abs().max().item() if expected.numel() else 0.0
+            if not diff <= 1e-5 + 1e-3 * scale:
+                return (f"the per-sample gradient of parameter '{name}' for sample {i} differs from the gradient "
+                        f"of that sample run alone (max abs diff {diff:.3g}, gradient scale {scale:.3g}): "
+                        "the batch is not where the engine assumes in some layer, or a parameter is used "
+                        "where no hook sees it")
+    return None
