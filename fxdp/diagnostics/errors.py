@@ -14,6 +14,9 @@ whatever the engine and whether ``strict`` is on, so ``except fxdp.NotPrivateErr
 The others say fxdp could not finish its own work: :class:`PassError` (a pass failed unexpectedly; the
 original exception is ``__cause__``) and :class:`BatchDimAnalysisError` (the batch-dimension analysis
 could not run; :class:`MissingBatchRuleError` under ``strict`` for an op without a batch rule).
+:class:`PerSampleError` is raised while a model runs: a per-sample gradient could not be computed
+correctly for an op or a batch (the generic rule failed, a rule returned the wrong shape, the DP
+optimizer found gradients it cannot clip, ...).
 
 :class:`ModuleFixWarning` lists what ``ModuleValidator.fix`` replaced; :func:`expect_module` is the
 TypeError for an entry point given something that is not a module.
@@ -47,6 +50,11 @@ class BatchDimAnalysisError(FxdpError, RuntimeError):
 
 class MissingBatchRuleError(BatchDimAnalysisError):
     """Strict mode: a per-sample tensor reached an op that has no batch rule."""
+
+
+class PerSampleError(FxdpError, RuntimeError):
+    """fxdp could not compute a correct per-sample gradient for this op / batch (while the model ran,
+    in backward, or when the DP optimizer read them); the message says which and what to do."""
 
 
 class NotPrivateError(FxdpError, ValueError):

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fxdp.diagnostics import location_from_traceback
+from fxdp.diagnostics import PerSampleError, location_from_traceback
 from fxdp.engines.base import GradSampleModuleBase, trainable_own_params
 from fxdp.grad_sample.sink import GradientSink
 
@@ -89,7 +89,7 @@ class ExpandedWeightsGradSampleModule(GradSampleModuleBase):
         except RuntimeError as e:
             if "Expanded Weights" not in str(e) and "ExpandedWeights" not in str(e):
                 raise
-            raise RuntimeError(self._explain(e)) from e
+            raise PerSampleError(self._explain(e)) from e
         if torch.is_grad_enabled():
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:

@@ -28,6 +28,7 @@ from torch.func import functional_call, vjp, vmap
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fxdp.diagnostics.errors import PerSampleError
 from fxdp.layout import BatchLayout
 
 Position = Union[int, str]
@@ -81,7 +82,7 @@ def vmap_or_loop(fn: Callable, in_dims: tuple, *args: Any) -> Any:
         return vmap(fn, in_dims=in_dims)(*args)
     except RuntimeError as exc:
         if "randomness" in str(exc):
-            raise RuntimeError(
+            raise PerSampleError(
                 "it uses random ops (dropout), which draw new numbers when a sample is re-run alone, so the "
                 "gradient would not be this step's; set the layer's dropout to 0"
             ) from exc
@@ -133,7 +134,7 @@ def generic_grad_sampler(
     try:
         grads = vmap_or_loop(one_sample, in_dims, params, list(activations), backprops)
     except Exception as e:  # noqa: BLE001 - re-raised with the module named and the cause kept
-        raise RuntimeError(
+        raise PerSampleError(
             f"fxdp: the generic per-sample rule (torch.func) failed on {type(module).__name__} "
             f"({module!r}): {e}. The module is run once per sample as a batch of one; random ops "
             "(dropout) and in-place updates of buffers are not supported there. Register a rule for "
@@ -221,7 +222,7 @@ def functional_grad_samples(
 
         output, vjp_fn = vjp(forward, *param_values)
         if output.dim() == 0 or output.shape[0] != 1 or output.shape[1:] != sample_backprops.shape:
-            raise RuntimeError(
+            raise PerSampleError(
                 f"fxdp: {getattr(fn, '__name__', fn)} on one sample returned shape {tuple(output.shape)}, "
                 f"but the output gradient per sample has shape (1, {', '.join(map(str, sample_backprops.shape))}); "
                 "the output must be batch first"

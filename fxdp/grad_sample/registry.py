@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from fxdp.diagnostics.errors import PerSampleError
 from fxdp.registry import TypeRegistry
 
 GradSampler = Callable[[nn.Module, List[torch.Tensor], torch.Tensor], Dict[nn.Parameter, torch.Tensor]]
@@ -106,7 +107,7 @@ def _refuse_a_second_stateful_call(module: nn.Module, parametrizations) -> None:
     if task < 0:  # not inside a backward pass
         return
     if _CALLS_IN_BACKWARD.get(module) == task:
-        raise RuntimeError(
+        raise PerSampleError(
             f"fxdp: {type(module).__name__} ({module!r}) was called more than once in the forward of this "
             "backward pass, and its parametrization updates its buffers in each call in training mode "
             "(spectral_norm's power iteration): per-sample gradients can only be computed with the last "

@@ -28,6 +28,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 from torch import nn
 
+# Re-exported: readers of this contract (the DP optimizer, which imports only this module) raise it too.
+from fxdp.diagnostics.errors import PerSampleError
+
 
 @dataclass
 class LayerCapture:
@@ -105,7 +108,7 @@ class GradSampleSink(GradientSink):
                 torch.autograd.Variable._execution_engine.queue_callback(lambda: self._publish(task))
             n, sums = pending.setdefault(capture.call, (capture.batch_size, {}))
             for p, g in grad_samples.items():
-                check_grad_sample(p, g, n)
+                check_grad_sample(p, g, n, capture.module)
                 g = g.detach()
                 sums[p] = sums[p] + g if p in sums else g
 
@@ -140,18 +143,22 @@ class GradSampleSink(GradientSink):
                 p.grad_sample = None
 
 
-def check_grad_sample(param: nn.Parameter, grad_sample: torch.Tensor, batch_size: Optional[int]) -> None:
-    """A per-sample gradient must have one row per sample and the parameter's shape after it."""
+def check_grad_sample(param: nn.Parameter, grad_sample: torch.Tensor, batch_size: Optional[int],
+                      module: Optional[nn.Module] = None) -> None:
+    """A per-sample gradient must have one row per sample and the parameter's shape after it.
+    ``module``, the layer whose rule produced it when known, is named in the error."""
+    of = f" of {type(module).__name__}" if module is not None else ""
     if batch_size is not None and grad_sample.shape[0] != batch_size:
-        raise RuntimeError(
+        raise PerSampleError(
             f"fxdp: per-sample gradients with {grad_sample.shape[0]} rows for a batch of {batch_size} samples "
-            f"(parameter of shape {tuple(param.shape)}); where the batch sits was recorded wrongly. Pass "
+            f"(parameter{of} of shape {tuple(param.shape)}); where the batch sits was recorded wrongly. Pass "
             "example_inputs with more than one sample to compile_for_dp"
         )
     if grad_sample.shape[1:] != param.shape:
-        raise RuntimeError(
-            f"fxdp: a per-sample rule returned shape {tuple(grad_sample.shape)} for a parameter of "
-            f"shape {tuple(param.shape)}; expected (N, *{tuple(param.shape)})"
+        fix = f" Check the per-sample rule for {type(module).__name__}." if module is not None else ""
+        raise PerSampleError(
+            f"fxdp: a per-sample rule returned shape {tuple(grad_sample.shape)} for a parameter{of} of "
+            f"shape {tuple(param.shape)}; expected (N, *{tuple(param.shape)}).{fix}"
         )
 
 
@@ -164,4 +171,5 @@ def sink_of(model: nn.Module) -> Optional[GradientSink]:
     return sink if isinstance(sink, GradientSink) else None
 
 
-__all__: List[str] = ["LayerCapture", "GradientSink", "GradSampleSink", "check_grad_sample", "sink_of", "SINK_ATTR"]
+__all__: List[str] = ["LayerCapture", "GradientSink", "GradSampleSink", "check_grad_sample", "sink_of", "SINK_ATTR",
+                      "PerSampleError"]

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from fxdp.grad_sample.sink import GradientSink, GradSampleSink
+from fxdp.grad_sample.sink import GradientSink, GradSampleSink, PerSampleError
 from fxdp.optim.noise import gaussian_noise
 
 CLIPPING_MODES = ("flat", "per_layer")
@@ -235,7 +235,7 @@ class DPOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._needs_zero_grad:
-            raise RuntimeError(
+            raise PerSampleError(
                 "fxdp: DPOptimizer.step() was called again without optimizer.zero_grad() since the last "
                 "step. Call optimizer.zero_grad() (the DP optimizer's: model.zero_grad() does not reset it) "
                 "once per logical batch, before its backward pass; otherwise gradients of the last step "
@@ -311,7 +311,7 @@ class DPOptimizer(Optimizer):
         if len(set(rows.values())) > 1:
             (p1, n1), *others = rows.items()
             p2, n2 = next((p, n) for p, n in others if n != n1)
-            raise RuntimeError(
+            raise PerSampleError(
                 f"fxdp: parameter '{self._name(p1)}' has per-sample gradients for {n1} samples but "
                 f"'{self._name(p2)}' for {n2}: one of them received none in some backward pass since the last "
                 "step, so samples cannot be matched up for clipping. Call optimizer.step() after each "
@@ -325,7 +325,7 @@ class DPOptimizer(Optimizer):
         for p, sq in norms.items():
             bad = ~torch.isfinite(sq)
             if bool(bad.any()):
-                raise RuntimeError(
+                raise PerSampleError(
                     f"fxdp: the per-sample gradient of parameter '{self._name(p)}' is not finite (inf or nan, or "
                     f"too large to square) for {int(bad.sum())} of {sq.shape[0]} samples (first: sample "
                     f"{int(bad.nonzero()[0])}); "
@@ -340,7 +340,7 @@ class DPOptimizer(Optimizer):
             return  # an empty batch (or no backward): nothing to compare with
         for p in params:
             if p not in norms and p.grad is not None and bool(p.grad.ne(0).any()):
-                raise RuntimeError(
+                raise PerSampleError(
                     f"fxdp: parameter '{self._name(p)}' received a gradient in backward but no per-sample "
                     "gradient, so DP-SGD cannot clip it. Is it used outside the model that was compiled or "
                     "wrapped (fxdp.compile_for_dp / make_private), or is the optimizer's parameter list from "
@@ -415,8 +415,8 @@ class DPOptimizer(Optimizer):
 
     def _bound(self, p: nn.Parameter) -> float:
         if p not in self._bounds:
-            raise RuntimeError(f"fxdp: parameter '{self._name(p)}' has no per_layer bound: it was frozen when "
-                               "the DPOptimizer was built. Build it again with a bound for every trainable parameter")
+            raise PerSampleError(f"fxdp: parameter '{self._name(p)}' has no per_layer bound: it was frozen when "
+                                 "the DPOptimizer was built. Build it again with a bound for every trainable parameter")
         return self._bounds[p]
 
     def _name(self, p: nn.Parameter) -> str:

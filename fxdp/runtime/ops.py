@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from fxdp.diagnostics.errors import PerSampleError
 from fxdp.grad_sample.accumulate import layer_capture
 from fxdp.grad_sample.bookkeeping import call_without_param_grads
 from fxdp.grad_sample.generic import layout_grad_samples, summed_loss_backprops
@@ -55,7 +56,7 @@ class PerSampleSite:
 
     def in_layout(self, i: int) -> BatchLayout:
         if i >= len(self.layouts):  # a guess here could read another sample's data as this one's
-            raise RuntimeError(
+            raise PerSampleError(
                 f"fxdp: node '{self.node}' received more tensor arguments at run time than the {len(self.layouts)} "
                 "the per_sample pass recorded layouts for; compile again with example_inputs shaped like the "
                 "real inputs"
@@ -127,7 +128,7 @@ def _out_layouts(site: PerSampleSite, count: int) -> List[BatchLayout]:
 def _deliver(site: PerSampleSite, capture: LayerCapture, call: int) -> None:
     capture.call = call  # captures of different forward calls hold different samples: rows in call order
     if site.sink is None:  # a site is given its model's sink when the per_sample pass creates it
-        raise RuntimeError(f"fxdp: node '{site.node}' has no gradient sink; compile the model with fxdp.compile_for_dp")
+        raise PerSampleError(f"fxdp: node '{site.node}' has no gradient sink; compile the model with fxdp.compile_for_dp")
     site.sink.add(capture)
 
 
@@ -144,7 +145,7 @@ def _generic_recorder(call, leaves, layouts, positions, out_layouts, n, site):
             try:
                 samples = layout_grad_samples(call, leaves, layouts, positions, out_layouts, grads, n)
             except Exception as exc:  # re-raised naming the node; the cause is kept
-                raise RuntimeError(
+                raise PerSampleError(
                     f"fxdp: the generic per-sample rule, which re-runs each sample alone as a batch of one, failed "
                     f"on '{site.target}' at node '{site.node}': {exc}. Or register a per-sample rule for this layer "
                     "with @fxdp.register_grad_sampler."

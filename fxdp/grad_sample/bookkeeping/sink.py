@@ -9,6 +9,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
+from fxdp.diagnostics.errors import PerSampleError
 from fxdp.grad_sample.bookkeeping.plans import _CONVS, LayerPlan, plan_layer
 from fxdp.grad_sample.bookkeeping.uses import (
     _ConvWeight, _EmbeddingWeight, _LinearWeight, _Materialised, _Segment, _Summed, _Use, _same_batch,
@@ -72,12 +73,12 @@ class BookkeepingSink(GradientSink):
             out = {}
             for p, gs in capture.grad_samples().items():
                 if p.requires_grad:
-                    check_grad_sample(p, gs, capture.batch_size)
+                    check_grad_sample(p, gs, capture.batch_size, module)
                     out[p] = _Materialised(gs.detach())
             return out
         a, g = acts[0].detach(), g.detach()
         if a.shape[0] != capture.batch_size or g.shape[0] != capture.batch_size:
-            raise RuntimeError(
+            raise PerSampleError(
                 f"fxdp: {plan.layer} delivered input {tuple(a.shape)} and output gradient {tuple(g.shape)} for a "
                 f"batch of {capture.batch_size}; where the batch sits was recorded wrongly"
             )

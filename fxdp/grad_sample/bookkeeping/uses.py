@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
+from fxdp.diagnostics.errors import PerSampleError
 from fxdp.grad_sample.conv import _pad_activations, conv_grad_sample
 
 
@@ -216,7 +217,7 @@ class _Segment:
 def _same_batch(param: nn.Parameter, uses: List[_Use]) -> int:
     sizes = {u.batch_size for u in uses}
     if len(sizes) != 1:
-        raise RuntimeError(
+        raise PerSampleError(
             f"fxdp: parameter of shape {tuple(param.shape)} was used with batches of {sorted(sizes)} samples in "
             "one backward pass; per-sample norms need one batch per backward. Call backward once per batch"
         )

@@ -1,0 +1,116 @@
+"""Errors raised while a model runs are fxdp errors (``fxdp.PerSampleError`` or another ``FxdpError``),
+so ``except fxdp.FxdpError`` catches them, and each names the layer, node or parameter at fault."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxdp
+from fxdp.grad_sample.sink import sink_of
+from fxdp.optim import DPOptimizer
+
+
+def test_per_sample_error_is_an_fxdp_error_and_a_runtime_error():
+    assert issubclass(fxdp.PerSampleError, fxdp.FxdpError)
+    assert issubclass(fxdp.PerSampleError, RuntimeError)  # code catching RuntimeError keeps working
+    assert fxdp.diagnostics.PerSampleError is fxdp.PerSampleError
+    assert "PerSampleError" in fxdp.__all__ and "PerSampleError" in fxdp.diagnostics.__all__
+
+
+class WrongShapeScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * self.s
+
+
+@fxdp.register_grad_sampler(WrongShapeScale)
+def _wrong_shape_rule(module, activations, backprops):
+    return {module.s: (activations[0] * backprops).sum(1)}  # (N,): the parameter's dimension summed away
+
+
+@pytest.mark.parametrize("mode", ["fx", "hooks"])
+def test_a_rule_returning_the_wrong_shape_names_the_layer(mode):
+    model = nn.Sequential(nn.Linear(3, 4), WrongShapeScale())
+    x = torch.randn(5, 3)
+    dp = fxdp.compile_for_dp(model, example_inputs=x, grad_sample_mode=mode)
+    with pytest.raises(fxdp.FxdpError) as info:
+        dp(x).sum().backward()
+    assert isinstance(info.value, fxdp.PerSampleError)
+    message = str(info.value)
+    assert "a per-sample rule returned shape (5,) for a parameter of WrongShapeScale of shape (4,)" in message
+    assert "Check the per-sample rule for WrongShapeScale." in message
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return x * self.w, x + self.w
+
+
+def test_a_hooked_layer_whose_second_output_reaches_the_loss_is_named():
+    dp = fxdp.GradSampleModule(nn.Sequential(TwoOutputs()), loss_reduction="sum", verify=False)
+    first, second = dp(torch.randn(3, 4))
+    with pytest.raises(fxdp.FxdpError) as info:
+        (first.sum() + second.sum()).backward()
+    assert "the loss depends on output #1 of module '0' (TwoOutputs)" in str(info.value)
+
+
+class NoisyScale(nn.Module):
+    """No registered rule, and random inside: the generic rule cannot re-run a sample alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return F.dropout(x * self.w, 0.5, training=True)
+
+
+def test_the_generic_rule_failing_on_a_random_op_names_the_module():
+    dp = fxdp.GradSampleModule(nn.Sequential(NoisyScale()), loss_reduction="sum", verify=False)
+    with pytest.raises(fxdp.FxdpError) as info:
+        dp(torch.randn(3, 4)).sum().backward()
+    assert isinstance(info.value, fxdp.PerSampleError)
+    message = str(info.value)
+    assert message.startswith("fxdp: the generic per-sample rule (torch.func) failed on NoisyScale (")
+    assert "random ops (dropout)" in message and "fxdp.register_grad_sampler" in message
+    assert info.value.__cause__ is not None
+
+
+def test_the_dp_optimizer_names_a_parameter_with_a_non_finite_per_sample_gradient():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(6, 3)
+    x[2, 1] = float("inf")
+    dp = fxdp.compile_for_dp(model, example_inputs=torch.randn(6, 3))
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
+                      expected_batch_size=6, sink=sink_of(dp),
+                      param_names={p: n for n, p in model.named_parameters()})
+    opt.zero_grad()
+    dp(x).sum().backward()
+    with pytest.raises(fxdp.FxdpError) as info:
+        opt.step()
+    assert isinstance(info.value, fxdp.PerSampleError)
+    assert "the per-sample gradient of parameter '0.weight' is not finite" in str(info.value)
+    assert "(first: sample 2)" in str(info.value)
+
+
+def test_stepping_twice_without_zero_grad_is_an_fxdp_error():
+    model = nn.Linear(3, 2)
+    dp = fxdp.compile_for_dp(model, example_inputs=torch.randn(4, 3))
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0,
+                      expected_batch_size=4, sink=sink_of(dp))
+    opt.zero_grad()
+    dp(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    dp(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(fxdp.PerSampleError, match=r"DPOptimizer.step\(\) was called again without optimizer.zero_grad"):
+        opt.step()
