@@ -114,3 +114,26 @@ def test_stepping_twice_without_zero_grad_is_an_fxdp_error():
     dp(torch.randn(4, 3)).sum().backward()
     with pytest.raises(fxdp.PerSampleError, match=r"DPOptimizer.step\(\) was called again without optimizer.zero_grad"):
         opt.step()
+
+
+def test_the_hooks_engine_refuses_tensor_keyword_arguments_with_an_fxdp_error():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3))
+
+        def forward(self, x, *, shift):
+            return x * self.scale + shift
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = Scaled()
+
+        def forward(self, x):
+            return self.layer(x, shift=torch.zeros(3))
+
+    wrapped = fxdp.GradSampleModule(Net())
+    with pytest.raises(fxdp.UnsupportedInputError, match="'layer'.*tensor keyword") as info:
+        wrapped(torch.randn(4, 3))
+    assert isinstance(info.value, TypeError) and isinstance(info.value, fxdp.FxdpError)

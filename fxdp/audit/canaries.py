@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from fxdp.diagnostics import PerSampleError
 from fxdp.grad_sample.sink import GradientSink, LayerCapture
 
 
@@ -74,7 +75,7 @@ class CanarySink(GradientSink):
     def _real_rows(self, norms: Dict[nn.Parameter, torch.Tensor]) -> int:
         sizes = {int(n.shape[0]) for n in norms.values()}
         if len(sizes) > 1:
-            raise RuntimeError(f"fxdp.audit: the model's sink reported different sample counts {sorted(sizes)} "
+            raise PerSampleError(f"fxdp.audit: the model's sink reported different sample counts {sorted(sizes)} "
                                "for different parameters; cannot line canary rows up with them")
         return sizes.pop() if sizes else 0
 

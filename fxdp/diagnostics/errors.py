@@ -57,6 +57,11 @@ class PerSampleError(FxdpError, RuntimeError):
     in backward, or when the DP optimizer read them); the message says which and what to do."""
 
 
+class UnsupportedInputError(FxdpError, TypeError):
+    """A model or layer was called with inputs an engine cannot locate the batch in (a non-tensor where the
+    batch was recorded, tensor keyword arguments under the hooks engine, an output without a tensor)."""
+
+
 class NotPrivateError(FxdpError, ValueError):
     """The model cannot be trained with DP-SGD as it is; ``findings`` says why and where."""
 

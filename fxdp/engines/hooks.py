@@ -36,7 +36,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
-from fxdp.diagnostics import Finding, Kind, PassReport, Severity
+from fxdp.diagnostics import Finding, Kind, PassReport, Severity, UnsupportedInputError
 from fxdp.engines import selfcheck
 from fxdp.engines.base import (
     GradSampleModuleBase,
@@ -56,7 +56,7 @@ def first_tensor_output(module_name: str, module: nn.Module, output: Any):
         return output, []
     leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
     if not leaves:
-        raise TypeError(
+        raise UnsupportedInputError(
             f"fxdp: module '{module_name}' ({type(module).__name__}) has trainable parameters but returned "
             f"{type(output).__name__}, which holds no tensor; the hooks engine needs a tensor output."
         )
@@ -194,7 +194,7 @@ class GradSampleModule(GradSampleModuleBase):
         if kwargs and find_grad_sampler(mod) is None:
             tensor_kwargs = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
             if tensor_kwargs:
-                raise TypeError(
+                raise UnsupportedInputError(
                     f"fxdp: module '{name}' ({type(mod).__name__}) was called with tensor keyword "
                     f"argument(s) {', '.join(repr(k) for k in tensor_kwargs)}; the hooks engine's "
                     "generic rule only knows where the batch is in positional inputs. Pass them "

@@ -31,7 +31,7 @@ import torch.fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fxdp.diagnostics import FxdpError
+from fxdp.diagnostics import FxdpError, UnsupportedInputError
 
 _MAX_SIGNATURES = 256  # analysed shape signatures kept per model (oldest dropped first)
 
@@ -83,7 +83,7 @@ class BatchSource:
     def size_of(self, inputs: Tuple[Any, ...]) -> int:
         x = inputs[self.input_index]
         if not isinstance(x, torch.Tensor):
-            raise TypeError(
+            raise UnsupportedInputError(
                 f"fxdp: model input {self.input_index} was recorded as the one carrying the batch, "
                 f"but it is a {type(x).__name__} at run time"
             )
