@@ -99,13 +99,8 @@ class GradSampleSink(GradientSink):
             grad_samples = {p: p.new_zeros((0, *p.shape)) for p in capture.params}
         else:
             grad_samples = capture.grad_samples()
-        task = torch._C._current_graph_task_id()
         with self._lock:
-            pending = self._pending.get(task)
-            if pending is None:
-                pending = self._pending[task] = {}
-                # runs once, when the autograd engine finishes this backward pass
-                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._publish(task))
+            pending = pending_of_this_backward(self)
             n, sums = pending.setdefault(capture.call, (capture.batch_size, {}))
             for p, g in grad_samples.items():
                 check_grad_sample(p, g, n, capture.module)
@@ -141,6 +136,18 @@ class GradSampleSink(GradientSink):
         for p in params:
             if hasattr(p, "grad_sample"):
                 p.grad_sample = None
+
+
+def pending_of_this_backward(sink) -> dict:
+    """The dict where ``sink`` keeps what the running backward pass delivered (``sink._pending[task]``).
+    The first call of a pass queues ``sink._publish(task)`` for when the autograd engine finishes it.
+    Call with ``sink._lock`` held."""
+    task = torch._C._current_graph_task_id()
+    pending = sink._pending.get(task)
+    if pending is None:
+        pending = sink._pending[task] = {}
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: sink._publish(task))
+    return pending
 
 
 def check_grad_sample(param: nn.Parameter, grad_sample: torch.Tensor, batch_size: Optional[int],

@@ -15,7 +15,7 @@ from fxdp.grad_sample.bookkeeping.uses import (
     _ConvWeight, _EmbeddingWeight, _LinearWeight, _Materialised, _Segment, _Summed, _Use, _same_batch,
     _tied_squared_norms,
 )
-from fxdp.grad_sample.sink import GradientSink, LayerCapture, check_grad_sample
+from fxdp.grad_sample.sink import GradientSink, LayerCapture, check_grad_sample, pending_of_this_backward
 
 
 class BookkeepingSink(GradientSink):
@@ -51,13 +51,8 @@ class BookkeepingSink(GradientSink):
 
     def add(self, capture: LayerCapture) -> None:
         uses = self._uses(capture)
-        task = torch._C._current_graph_task_id()
         with self._lock:
-            pending = self._pending.get(task)
-            if pending is None:
-                pending = self._pending[task] = {}
-                # runs once, when the autograd engine finishes this backward pass
-                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._publish(task))
+            pending = pending_of_this_backward(self)
             for p, use in uses.items():
                 pending.setdefault(p, []).append(use)
 
