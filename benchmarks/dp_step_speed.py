@@ -20,11 +20,9 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import sys
-import time
 import warnings
-from typing import Callable, Dict
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,13 +35,8 @@ import models  # noqa: E402
 import fxdp  # noqa: E402
 from fxdp.grad_sample.bookkeeping import BookkeepingSink  # noqa: E402
 
-# name -> (model factory, batch of inputs, batch size, classes); the sizes the issue names
-CASES = {
-    "mlp": (models.mlp, lambda n: torch.randn(n, 1, 28, 28), 256, 10),
-    "cnn": (models.mnist_cnn, lambda n: torch.randn(n, 1, 28, 28), 256, 10),
-    "resnet": (models.ResNetGN, lambda n: torch.randn(n, 3, 32, 32), 64, 10),
-    "transformer": (models.Transformer, lambda n: torch.randint(0, 1000, (n, 64)), 32, 2),
-}
+# name -> batch size; the sizes the issue names
+BATCH = {"mlp": 256, "cnn": 256, "resnet": 64, "transformer": 32}
 NOISE, CLIP, LR = 1.0, 1.0, 0.05
 OPACUS_MODES = ("hooks", "ghost", "functorch", "ew")
 
@@ -104,19 +97,6 @@ def opacus_step(mode: str):
     return make
 
 
-def median_ms(steps: Dict[str, Callable[[], None]], repeats: int) -> Dict[str, float]:
-    """Median milliseconds per step; the engines take turns, so drift in machine load hits all alike."""
-    for step in steps.values():  # warm-up
-        step()
-    times = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            t0 = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
-
-
 def peak_memory_mb(step: Callable[[], None]) -> float:
     """Peak of torch's CPU allocations during one step, above the level at its start (profiler events)."""
     from torch.profiler import ProfilerActivity, profile
@@ -143,7 +123,7 @@ def run(names, repeats, engines=None):
         makers = {k: v for k, v in makers.items() if k == "plain" or k in engines}
     rows = []
     for name in names:
-        factory, make_x, n, classes = CASES[name]
+        (factory, make_x, classes), n = models.CASES[name], BATCH[name]
         torch.manual_seed(0)
         model = factory()
         x, y = make_x(n), torch.randint(0, classes, (n,))
@@ -153,7 +133,7 @@ def run(names, repeats, engines=None):
                 steps[engine] = make(copy.deepcopy(model), x, y)
             except Exception as exc:  # reported in the table, never hidden
                 failed[engine] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}"
-        ms = median_ms(steps, repeats)
+        ms = models.median_ms(steps, repeats)
         memory = {engine: peak_memory_mb(step) for engine, step in steps.items()}
         for engine in makers:
             if engine in failed:
@@ -171,7 +151,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--models", default=",".join(CASES))
+    parser.add_argument("--models", default=",".join(BATCH))
     parser.add_argument("--engines", default="", help="comma-separated subset (plain always runs), default all")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

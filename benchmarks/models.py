@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import statistics
+import time
+from typing import Callable, Dict
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -90,3 +94,26 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(self.ln(x).mean(dim=1))
+
+
+# name -> (model factory, a batch of n inputs, number of classes); each benchmark picks its batch sizes
+CASES = {
+    "mlp": (mlp, lambda n: torch.randn(n, 1, 28, 28), 10),
+    "cnn": (mnist_cnn, lambda n: torch.randn(n, 1, 28, 28), 10),
+    "resnet": (ResNetGN, lambda n: torch.randn(n, 3, 32, 32), 10),
+    "transformer": (Transformer, lambda n: torch.randint(0, 1000, (n, 64)), 2),
+}
+
+
+def median_ms(steps: Dict[str, Callable[[], None]], repeats: int, warmup: int = 1) -> Dict[str, float]:
+    """Median milliseconds per step; the engines take turns, so drift in machine load hits all alike."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}

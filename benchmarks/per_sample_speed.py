@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -27,12 +25,7 @@ import models  # noqa: E402
 
 import fxdp  # noqa: E402
 
-CASES = {
-    "mlp": (models.mlp, lambda n: torch.randn(n, 1, 28, 28), 256, 10),
-    "cnn": (models.mnist_cnn, lambda n: torch.randn(n, 1, 28, 28), 128, 10),
-    "resnet": (models.ResNetGN, lambda n: torch.randn(n, 3, 32, 32), 32, 10),
-    "transformer": (models.Transformer, lambda n: torch.randint(0, 1000, (n, 64)), 32, 2),
-}
+BATCH = {"mlp": 256, "cnn": 128, "resnet": 32, "transformer": 32}
 
 
 def _make_step(model, x, y, clear):
@@ -47,20 +40,6 @@ def _make_step(model, x, y, clear):
     return step
 
 
-def _median_times(steps, repeats):
-    """Median milliseconds per step; the engines take turns, so drift in machine load hits all alike."""
-    for step in steps.values():  # warm-up
-        step()
-        step()
-    times = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            t0 = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
-
-
 def run(names, repeats):
     try:
         import opacus
@@ -69,7 +48,7 @@ def run(names, repeats):
         print("opacus is not installed: only fxdp is timed (pip install opacus to compare)")
     rows = []
     for name in names:
-        factory, make_x, n, classes = CASES[name]
+        (factory, make_x, classes), n = models.CASES[name], BATCH[name]
         torch.manual_seed(0)
         model = factory()
         x, y = make_x(n), torch.randint(0, classes, (n,))
@@ -81,7 +60,7 @@ def run(names, repeats):
         if opacus is not None:
             op_model = opacus.GradSampleModule(copy.deepcopy(model))
             steps["opacus"] = _make_step(op_model, x, y, lambda: op_model.zero_grad(set_to_none=True))
-        ms = _median_times(steps, repeats)
+        ms = models.median_ms(steps, repeats, warmup=2)
         row = [name, n, f"{ms['plain']:.1f}", f"{ms['fxdp']:.1f} ({fxdp.report(fx_model).mode})",
                f"{ms['fxdp'] / ms['plain']:.2f}"]
         if opacus is not None:
@@ -97,6 +76,6 @@ def run(names, repeats):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--models", default=",".join(CASES))
+    parser.add_argument("--models", default=",".join(BATCH))
     args = parser.parse_args()
     run(args.models.split(","), args.repeats)
