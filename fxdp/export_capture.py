@@ -7,9 +7,9 @@ those models. What changes for the passes:
 
 - the graph calls ATen ops (``torch.ops.aten.linear.default``), not torch functions, Tensor methods
   and layers; their batch rules are in :mod:`fxdp.passes.batch_rules.aten`;
-- every dimension of every input tensor is dynamic (``Dim.AUTO``), so the graph runs for other batch
-  sizes (and sequence lengths, where the model allows); the sizes it does build in are checked at every
-  forward by export's own guard, which raises :class:`ExportShapeError` here;
+- the batch dimension of every input tensor is dynamic (``Dim.AUTO``), so the graph runs for other
+  batch sizes; the sizes it builds in (sequence lengths, image sizes) are checked at every forward by
+  export's own guard, which raises :class:`ExportShapeError` here;
 - each node's ``stack_trace`` holds the Python frames that dispatched it: ``meta.SOURCE`` is the
   innermost one outside torch and fxdp (a line of the user's code, or of the library the model comes
   from, as for torchvision models);
@@ -24,7 +24,10 @@ The model's output keeps its type (a ``ModelOutput``): export's pytree code gene
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -76,12 +79,14 @@ def _positional_and_keyword(model: nn.Module, example_inputs) -> Tuple[tuple, Di
     return (example_inputs,), {}
 
 
-def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: Dict[str, Any]):
-    """Every dimension of every tensor input dynamic (``Dim.AUTO``: export keeps what the code allows)."""
+def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: Dict[str, Any], batch_dim: int):
+    """The batch dimension of every tensor input dynamic (``Dim.AUTO``: export keeps it dynamic where the
+    code allows, and finds which inputs share it). Other sizes stay as the example inputs have them:
+    making them dynamic too doubles the time export takes."""
     from torch.export import Dim
 
     def dims(value):
-        return {d: Dim.AUTO for d in range(value.dim())} if isinstance(value, torch.Tensor) else None
+        return {batch_dim: Dim.AUTO} if isinstance(value, torch.Tensor) and value.dim() > batch_dim else None
 
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
     spec = {}
@@ -90,13 +95,14 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: Dict[str, Any]):
     return spec
 
 
-def capture(model: nn.Module, example_inputs) -> torch.fx.GraphModule:
+def capture(model: nn.Module, example_inputs, batch_dim: int = 0) -> torch.fx.GraphModule:
     """``model`` as a GraphModule of ATen ops, captured by ``torch.export`` (non-strict) on
     ``example_inputs``, re-rooted on ``model`` (its parameters and layers are the model's own), with
     source locations and stock layers folded back. Raises what torch.export raises."""
     args, kwargs = _positional_and_keyword(model, example_inputs)
-    exported = torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs),
-                                   strict=False)
+    with _quiet_export():
+        exported = torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs, batch_dim),
+                                       strict=False)
     captured = exported.module()
     graph = captured.graph
     _drop_metadata_asserts(graph)
@@ -111,6 +117,28 @@ def capture(model: nn.Module, example_inputs) -> torch.fx.GraphModule:
     gm.training = model.training
     gm.recompile()
     return gm
+
+
+# torch loggers that report a failing export (its error, which the report shows, says it all)
+_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch.export", "torch._export", "torch._dynamo",
+                   "torch._subclasses.fake_tensor")
+
+
+@contextlib.contextmanager
+def _quiet_export():
+    """A failing export prints its partial graph to stderr and logs warnings; the compile report says why
+    it failed instead. The loggers' levels are raised for the duration and restored after (nothing else
+    about logging is touched), and stderr is kept for the duration."""
+    loggers = [logging.getLogger(name) for name in _EXPORT_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _drop_metadata_asserts(graph: torch.fx.Graph) -> None:
@@ -256,7 +284,28 @@ def _match_batch_norm(node, get, owners):
     return (found, (node.args[0],)) if same else None
 
 
+def _cell_matcher(cls, nonlinearity=None):
+    """aten.gru_cell / lstm_cell / rnn_*_cell(input, hx, w_ih, w_hh, b_ih, b_hh) of an nn.*Cell."""
+    def match(node, get, owners):
+        w_ih = get(_arg(node, 2, "w_ih"))
+        found = _owner(owners, w_ih, cls)
+        if not found:
+            return None
+        m = found[1]
+        same = (m.weight_ih is w_ih and m.weight_hh is get(_arg(node, 3, "w_hh"))
+                and m.bias_ih is get(_arg(node, 4, "b_ih")) and m.bias_hh is get(_arg(node, 5, "b_hh"))
+                and (nonlinearity is None or m.nonlinearity == nonlinearity))
+        hx = node.args[1]
+        return (found, (node.args[0], tuple(hx) if isinstance(hx, (list, tuple)) else hx)) if same else None
+
+    return match
+
+
 _FOLDS = {
+    aten.gru_cell.default: _cell_matcher(nn.GRUCell),
+    aten.lstm_cell.default: _cell_matcher(nn.LSTMCell),
+    aten.rnn_tanh_cell.default: _cell_matcher(nn.RNNCell, "tanh"),
+    aten.rnn_relu_cell.default: _cell_matcher(nn.RNNCell, "relu"),
     aten.linear.default: _match_linear,
     aten.embedding.default: _match_embedding,
     aten.layer_norm.default: _match_layer_norm,
@@ -282,8 +331,7 @@ def fold_layers(graph: torch.fx.Graph, model: nn.Module, owners=None) -> List[st
     folded = []
     reached = set()  # nodes computed from a model input: a layer applied to anything else (position
     for node in graph.nodes:  # embeddings of arange(T)) stays an op the per_sample pass folds into its consumer
-        if node.op == "placeholder" or (any(a in reached for a in node.all_input_nodes)
-                                        and node.target is not aten.sym_size.int):
+        if node.op == "placeholder" or any(a in reached for a in node.all_input_nodes):
             reached.add(node)
     for node in list(graph.nodes):
         match = _FOLDS.get(node.target) if node.op == "call_function" else None

@@ -154,13 +154,14 @@ def _unused_optional_inputs(model: nn.Module, example_inputs) -> Dict[str, None]
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def trace(model: nn.Module, example_inputs=None) -> TraceResult:
+def trace(model: nn.Module, example_inputs=None, batch_dim: int = 0) -> TraceResult:
     """Trace ``model`` into a GraphModule, or say why it cannot be traced and where.
 
     torch.fx first; when it fails and ``example_inputs`` are given, torch.export (non-strict) captures
     the model on them (:mod:`fxdp.export_capture`); ``front_end`` says which graph this is and
     ``error`` why torch.fx failed. With ``example_inputs``, inputs that default to None and are not
-    among them are traced as None."""
+    among them are traced as None. ``batch_dim``: where the batch sits in the inputs (dynamic in the
+    captured graph)."""
     tracer = DPTracer()
     fixed = _unused_optional_inputs(model, example_inputs) if example_inputs is not None else {}
     try:
@@ -170,7 +171,7 @@ def trace(model: nn.Module, example_inputs=None) -> TraceResult:
         if example_inputs is None:
             return TraceResult(None, exc, location)
         try:
-            exported = export_capture.capture(model, example_inputs)
+            exported = export_capture.capture(model, example_inputs, batch_dim)
         except Exception as export_exc:  # noqa: BLE001 - export's failures are reported outcomes too
             return TraceResult(None, exc, location, export_error=export_exc)
         return TraceResult(exported, exc, location, front_end=export_capture.FRONT_END)
