@@ -47,7 +47,7 @@ from fxdp.passes.batch_dim import batched_input_names, bind_inputs, propagate_ba
 from fxdp.passes.inplace import remove_inplace_ops
 from fxdp.passes.per_sample import batch_source, insert_per_sample_ops, one_sample_layouts, update_site_layouts
 from fxdp.passes.validate import validate_graph
-from fxdp.tracing import OutputType, make_copyable, trace
+from fxdp.tracing import OutputType, copy_graph_module, make_copyable, trace
 from fxdp.diagnostics.errors import expect_module
 
 _REPORT_ATTR = "fxdp_report"
@@ -214,7 +214,7 @@ def compile_for_dp(
                                                     notes=_bookkeeping_notes(sink, engine)))
         return wrapped
 
-    analysed = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # re-analysed by the guards for new shapes
+    analysed = copy_graph_module(gm)  # re-analysed by the guards for new shapes
     sink = sink if sink is not None else GradSampleSink()  # one per compiled model: its DP-aware ops deliver here
     gm = _run("per_sample", insert_per_sample_ops, gm, reports, loss_reduction=loss_reduction, batch_dim=batch_dim,
               sink=sink)

@@ -25,6 +25,7 @@ The model's output keeps its type (a ``ModelOutput``): export's pytree code gene
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import inspect
 import io
 import logging
@@ -44,31 +45,50 @@ aten = torch.ops.aten
 FRONT_END = "torch.export"
 
 
+def _op_overload(namespace: str, name: str, overload: str):
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+
+def _reduce_op_overload(op):
+    return _op_overload, (op.namespace, op._opname, op._overloadname)
+
+
+# a compiled model's sites hold the ATen ops they call; pickle names them (torch's OpOverload has no reduce)
+copyreg.pickle(torch._ops.OpOverload, _reduce_op_overload)
+
+
 class ExportShapeError(FxdpError, ValueError):
     """A model captured with torch.export was called with inputs whose shapes its graph cannot run
     (a size the model's code made fixed at capture time)."""
 
 
 class ExportShapeGuard(nn.Module):
-    """Runs torch.export's check of the input shapes and turns its failure into an fxdp error."""
+    """Checks at every forward that the inputs have the sizes the captured graph holds: every size of
+    every tensor input as in the example inputs, but the batch dimension, which all batched inputs
+    share. (torch.export's own check is a closure that cannot be pickled; this one can.)"""
 
-    def __init__(self, check: nn.Module, model_name: str):
+    def __init__(self, names: List[str], shapes: List[Optional[Tuple[Optional[int], ...]]], batch_dim: int,
+                 model_name: str):
         super().__init__()
-        self.check = check
-        self.model_name = model_name
+        self.names, self.shapes, self.batch_dim, self.model_name = names, shapes, batch_dim, model_name
 
-    def forward(self, *inputs):
-        try:
-            self.check(*inputs)
-        except Exception as exc:  # export raises AssertionError / RuntimeError naming the size
-            shapes = ", ".join(str(tuple(x.shape)) for x in inputs if isinstance(x, torch.Tensor))
-            raise ExportShapeError(
-                f"fxdp: {self.model_name} was captured with torch.export (torch.fx could not trace it), and its "
-                f"graph holds sizes the model's code fixed for the example inputs; inputs of shapes {shapes} break "
-                f"them ({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}). Compile "
-                "again with example_inputs of the shapes you train with (e.g. pad every batch to one sequence "
-                "length)."
-            ) from exc
+    def forward(self, *inputs) -> None:
+        batch = None
+        for name, expected, x in zip(self.names, self.shapes, inputs):
+            if expected is None or not isinstance(x, torch.Tensor):
+                continue
+            fits = x.dim() == len(expected) and all(e is None or e == s for e, s in zip(expected, x.shape))
+            if fits and expected[self.batch_dim] is None:
+                fits = batch is None or x.shape[self.batch_dim] == batch
+                batch = x.shape[self.batch_dim]
+            if not fits:
+                want = tuple("N" if e is None else e for e in expected)
+                raise ExportShapeError(
+                    f"fxdp: {self.model_name} was captured with torch.export (torch.fx could not trace it), and the "
+                    f"graph holds the sizes the model's code took from the example inputs: input '{name}' must have "
+                    f"shape {want} (N: the batch size, shared by the batched inputs), but it has "
+                    f"{tuple(x.shape)}. Compile again with example_inputs of the shapes you train with (e.g. pad "
+                    "every batch to one sequence length).")
 
 
 def _positional_and_keyword(model: nn.Module, example_inputs) -> Tuple[tuple, Dict[str, Any]]:
@@ -110,6 +130,8 @@ def capture(model: nn.Module, example_inputs, batch_dim: int = 0) -> torch.fx.Gr
     fold_layers(graph, model, owners)
     for node in graph.nodes:
         node.meta[meta.SOURCE] = location_from_stack_trace(node.meta.get("stack_trace"))
+    _replace_export_guard(graph, args, kwargs, batch_dim, type(model).__name__)
+    graph._tracer_cls, graph._tracer_extras = None, {}  # export's tracer cannot re-trace the code of a copy
     gm = torch.fx.GraphModule(_root(model, captured, graph), graph, type(model).__name__)
     for attr in ("_in_spec", "_out_spec"):  # export's generated code flattens inputs and rebuilds outputs
         if hasattr(captured, attr):
@@ -149,6 +171,29 @@ def _drop_metadata_asserts(graph: torch.fx.Graph) -> None:
             graph.erase_node(node)
 
 
+_GUARD = "fxdp_input_shapes"
+
+
+def _replace_export_guard(graph: torch.fx.Graph, args, kwargs, batch_dim: int, model_name: str) -> None:
+    """export's guard call (``_guards_fn``) becomes a call of an :class:`ExportShapeGuard` of the example
+    inputs' shapes, right after the inputs (before any size is used)."""
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            graph.erase_node(node)
+    leaves = pytree.tree_leaves((args, kwargs))
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(leaves) != len(placeholders):
+        return  # inputs export flattened otherwise: no guard rather than a wrong one (export's specs check them)
+    first = next((x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > batch_dim), None)
+    n = None if first is None else first.shape[batch_dim]
+    shapes = [tuple(None if d == batch_dim and s == n else s for d, s in enumerate(x.shape))
+              if isinstance(x, torch.Tensor) else None for x in leaves]
+    graph.owning_module.add_module(_GUARD, ExportShapeGuard([str(p.target) for p in placeholders], shapes, batch_dim,
+                                                            model_name))
+    with graph.inserting_after(placeholders[-1]):
+        graph.call_module(_GUARD, tuple(placeholders))
+
+
 def _root(model: nn.Module, captured: torch.fx.GraphModule, graph: torch.fx.Graph) -> Dict[str, Any]:
     """Every attribute the graph reads, taken from the user's model (export's own objects otherwise:
     its guard, lifted constants)."""
@@ -159,8 +204,6 @@ def _root(model: nn.Module, captured: torch.fx.GraphModule, graph: torch.fx.Grap
         value = _attribute(model, node.target)
         if value is None:
             value = _attribute(captured, node.target)
-        if node.op == "call_module" and node.target == "_guards_fn":
-            value = ExportShapeGuard(value, type(model).__name__)
         root[node.target] = value
     return root
 

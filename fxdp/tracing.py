@@ -14,10 +14,12 @@ of the user's code that created it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import operator
 import pickle
+import warnings
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -217,21 +219,32 @@ class CompiledGraphModule(torch.fx.GraphModule):
         body = self.__dict__.copy()
         original = body.pop("_graph")
         graph = torch.fx.Graph()
-        graph._codegen = copy.deepcopy(original._codegen)  # torch.export's: flattens inputs, rebuilds outputs
+        with _quiet_pytree_specs():
+            graph._codegen = copy.deepcopy(original._codegen)  # torch.export's: flattens inputs, rebuilds outputs
         graph.output(graph.graph_copy(original, {}))
         for node in graph.nodes:  # analysis results (fake tensors) are not needed to run, nor picklable
             node.meta = {k: v for k, v in node.meta.items() if _picklable(v)}
         return (_rebuild_compiled, (body, graph, type(self).__mro__[1].__name__))
 
     def __deepcopy__(self, memo):
-        res = super().__deepcopy__(memo)
-        copied = copy.deepcopy(self.__dict__, memo)  # the objects the copy already holds, via memo
+        with _quiet_pytree_specs():
+            res = super().__deepcopy__(memo)
+            copied = copy.deepcopy(self.__dict__, memo)  # the objects the copy already holds, via memo
         for key, value in copied.items():
             if key in _HOOK_DICTS or key not in res.__dict__:
                 res.__dict__[key] = value
         res.training = self.training
         _relink(res)
         return res
+
+
+@contextlib.contextmanager
+def _quiet_pytree_specs():
+    """Copying torch.export's pytree specs (in a captured graph's code generator) warns about a check
+    torch itself makes (``isinstance(treespec, LeafSpec)``, deprecated); the user can do nothing about it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
+        yield
 
 
 def _picklable(value) -> bool:
@@ -243,6 +256,11 @@ def _picklable(value) -> bool:
 
 
 def _rebuild_compiled(body, graph, class_name):
+    with _quiet_pytree_specs():
+        return _rebuild(body, graph, class_name)
+
+
+def _rebuild(body, graph, class_name):
     holder = nn.Module()
     holder.__dict__.update(body)
     gm = make_copyable(torch.fx.GraphModule(holder, graph, class_name))
@@ -259,6 +277,19 @@ def _relink(gm: torch.fx.GraphModule) -> None:
         relink = getattr(value, "fxdp_relink", None)
         if callable(relink):
             relink(gm)
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule running a copy of ``gm``'s graph on the same parameters and layers, with what the
+    graph's code reads besides them (torch.export's input and output specs); it copies and pickles as
+    compiled models do."""
+    with _quiet_pytree_specs():
+        graph = copy.deepcopy(gm.graph)
+    copied = torch.fx.GraphModule(gm, graph, type(gm).__name__)
+    for attr in ("_in_spec", "_out_spec"):
+        if hasattr(gm, attr):
+            setattr(copied, attr, getattr(gm, attr))
+    return make_copyable(copied)
 
 
 def make_copyable(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

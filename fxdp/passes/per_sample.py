@@ -167,7 +167,8 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
                         "per-sample data", "use the parameter directly in the op that consumes the input (e.g. "
                         f"`x @ self.w.t()` as `F.linear(x, self.w)`); {_WHOLE_MODEL}", severity=Severity.WARNING))
                 continue
-            target = node.target if isinstance(node.target, str) else torch.typename(node.target)
+            target = node.target if isinstance(node.target, str) else (
+                str(node.target) if isinstance(node.target, torch._ops.OpOverload) else torch.typename(node.target))
             rule, call, fn = "generic", runtime.per_sample_function, node.target
             what = f"'{node.name}' using {', '.join(repr(p.target) for p in arg_params)}"
             if node.name in folded:
