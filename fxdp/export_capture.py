@@ -128,6 +128,7 @@ def capture(model: nn.Module, example_inputs, batch_dim: int = 0) -> torch.fx.Gr
     _drop_metadata_asserts(graph)
     owners = _parameter_owners(model)
     fold_layers(graph, model, owners)
+    fold_registered_layers(graph, model)
     for node in graph.nodes:
         node.meta[meta.SOURCE] = location_from_stack_trace(node.meta.get("stack_trace"))
     _replace_export_guard(graph, args, kwargs, batch_dim, type(model).__name__)
@@ -399,3 +400,50 @@ def _drop_counter_update(graph, holder, module) -> None:
         if (node.op == "call_function" and node.target is aten.add_.Tensor and not node.users
                 and _value(holder, node.args[0]) is counter and counter is not None):
             graph.erase_node(node)
+
+
+# ------------------------------------------------------------------------------------------------
+# Folding the calls of layers with a per-sample rule registered for their type (your own layers)
+# ------------------------------------------------------------------------------------------------
+
+
+def fold_registered_layers(graph: torch.fx.Graph, model: nn.Module) -> List[str]:
+    """Each call of a layer (not a torch.nn one: those are matched op by op) whose type has a per-sample
+    rule registered with ``fxdp.register_grad_sampler`` becomes a ``call_module`` node again, so its rule
+    serves it: the nodes the call recorded (``nn_module_stack``) are replaced by one call of the layer,
+    when they read exactly one value from outside (besides the layer's own parameters and buffers) and
+    one of them is used outside. Other calls keep their ATen ops, which the generic rule serves."""
+    from fxdp.grad_sample.registry import find_grad_sampler  # the registry of per-sample rules
+
+    layers = {name: m for name, m in model.named_modules()
+              if name and find_grad_sampler(m) is not None and not type(m).__module__.startswith("torch.nn")}
+    calls: Dict[str, List[torch.fx.Node]] = {}  # one call of a layer -> its nodes, in graph order
+    for node in graph.nodes:
+        for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
+            if path in layers and node.op == "call_function":
+                calls.setdefault(key, []).append(node)
+                break  # the outermost registered layer owns the node
+    holder = graph.owning_module
+    folded = []
+    for key, nodes in calls.items():
+        path = nodes[0].meta["nn_module_stack"][key][0]
+        own = {id(t) for t in list(layers[path].parameters()) + list(layers[path].buffers())}
+        inside = set(nodes)
+        outside_inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside
+                          and not (a.op == "get_attr" and id(_value(holder, a)) in own)}
+        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        if len(outside_inputs) != 1 or len(outputs) != 1:
+            continue
+        (x,), (out,) = outside_inputs, outputs
+        with graph.inserting_before(out):
+            call = graph.call_module(path, (x,))
+        call.meta.update(out.meta)
+        out.replace_all_uses_with(call)
+        for n in reversed(nodes):
+            if not n.users:
+                graph.erase_node(n)
+        folded.append(path)
+    for node in list(graph.nodes):  # the layer's parameters, read by nothing now
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    return folded

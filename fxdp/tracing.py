@@ -167,7 +167,8 @@ def trace(model: nn.Module, example_inputs=None, batch_dim: int = 0) -> TraceRes
     tracer = DPTracer()
     fixed = _unused_optional_inputs(model, example_inputs) if example_inputs is not None else {}
     try:
-        graph = tracer.trace(model, concrete_args=fixed or None)
+        with _state_restored(model):
+            graph = tracer.trace(model, concrete_args=fixed or None)
     except Exception as exc:  # any Python the tracer cannot follow is a reported outcome
         location = location_from_traceback(exc.__traceback__)
         if example_inputs is None:
@@ -183,6 +184,19 @@ def trace(model: nn.Module, example_inputs=None, batch_dim: int = 0) -> TraceRes
     returned = tracer.last_value_type
     output_type = returned if returned is not None and issubclass(returned, dict) and returned is not dict else None
     return TraceResult(gm, fixed_to_none=tuple(fixed), output_type=output_type, front_end="torch.fx")
+
+
+@contextlib.contextmanager
+def _state_restored(model: nn.Module):
+    """Symbolic tracing runs ``forward`` with proxies: ``self.count += 1`` stores a Proxy in the buffer.
+    Every module's buffers and parameters are put back as they were afterwards."""
+    saved = [(m, dict(m._buffers), dict(m._parameters)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, buffers, params in saved:
+            m._buffers.update(buffers)
+            m._parameters.update(params)
 
 
 class OutputType:

@@ -149,3 +149,66 @@ def test_bookkeeping_norms_on_a_captured_graph_match_the_materialised_ones():
     fxdp.compile_for_dp(twin, example_inputs=_x(), loss_reduction="sum")(_x()).sum().backward()
     for p, q in zip(params, twin.parameters()):
         torch.testing.assert_close(norms[p], q.grad_sample.flatten(1).pow(2).sum(1))
+
+
+class CountsCalls(LoopOverTime):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1  # a buffer written in forward (an in-place ATen op in the captured graph)
+        return super().forward(x)
+
+
+def test_buffer_writes_in_a_captured_graph_are_refused():
+    with pytest.raises(fxdp.NotPrivateError) as info:
+        fxdp.compile_for_dp(CountsCalls(), example_inputs=_x())
+    finding = next(f for f in info.value.findings if f.kind is Kind.CANNOT_BE_PRIVATE)
+    assert finding.op == "aten.add_.Tensor" and "writes into buffer `calls` in place" in finding.message
+    assert finding.location.line == _line_of(CountsCalls.forward, "self.calls += 1")
+
+
+class ReluInPlace(LoopOverTime):
+    def forward(self, x):
+        return torch.relu_(super().forward(x) * 2)
+
+
+def test_in_place_aten_ops_are_rewritten_out_of_place():
+    torch.manual_seed(0)
+    model = ReluInPlace()
+    compiled = fxdp.compile_for_dp(model, example_inputs=_x(), loss_reduction="sum")
+    change = next(c for c in fxdp.report(compiled).changes if c.pass_name == "inplace")
+    assert (change.op, change.location.line) == ("aten.relu_.default → aten.relu.default",
+                                                 _line_of(ReluInPlace.forward, "torch.relu_"))
+    _check_against_batches_of_one(model, compiled, _x())
+
+
+class Doubled(nn.Module):
+    """A layer of the user's, with a per-sample rule of the user's."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, 8) / 3)
+
+    def forward(self, h):
+        return 2 * (h @ self.weight.t())
+
+
+def test_a_layer_with_a_registered_rule_keeps_its_rule_in_a_captured_graph():
+    from fxdp.grad_sample.registry import GRAD_SAMPLERS
+
+    saved = GRAD_SAMPLERS.snapshot()
+    try:
+        @fxdp.register_grad_sampler(Doubled)
+        def doubled_rule(layer, activations, backprops):
+            return {layer.weight: 2 * torch.einsum("no,ni->noi", backprops, activations[0])}
+
+        torch.manual_seed(0)
+        model = LoopOverTime()
+        model.out = Doubled()
+        compiled = fxdp.compile_for_dp(model, example_inputs=_x(), loss_reduction="sum")
+        assert {site.target: site.rule for site in compiled.fxdp_batch.sites}["out"] == "Doubled"
+        _check_against_batches_of_one(model, compiled, _x())
+    finally:
+        GRAD_SAMPLERS.restore(saved)

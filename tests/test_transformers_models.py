@@ -161,3 +161,23 @@ def test_vit_per_sample_gradients_in_the_graph_engine(attn):
     _assert_graph_engine(compiled)
     assert type(compiled(**inputs)).__name__ == "ImageClassifierOutput"
     _assert_per_sample_gradients(model, compiled, inputs, lambda out, inputs: _summed(out))
+
+
+def test_a_captured_model_runs_other_batch_sizes():
+    """Compiled on 3 samples, a causal LM trains on batches of 4 and 1 (Poisson sampling varies N)."""
+    model = _build(_gpt2, "sdpa")
+    example = {"input_ids": _token_ids(), "attention_mask": _padded_mask()}
+    compiled = fxdp.compile_for_dp(model, example_inputs=example)
+    for n in (4, 1):
+        inputs = {"input_ids": torch.randint(1, VOCAB, (n, T), generator=torch.Generator().manual_seed(n)),
+                  "attention_mask": torch.cat([_padded_mask(), _padded_mask()])[:n]}
+        assert compiled(**inputs).logits.shape == (n, T, VOCAB)
+        _assert_per_sample_gradients(model, compiled, inputs, _causal_lm_loss)
+
+
+def test_without_example_inputs_the_report_says_to_give_them():
+    model = _build(_bert, "sdpa")
+    report = fxdp.inspect(model)
+    assert report.engine == "hooks" and report.front_end is None
+    assert report.fallback_reason.startswith("the model cannot be traced by torch.fx (")
+    assert report.fallback_reason.endswith("pass example_inputs to let fxdp capture it with torch.export instead")
