@@ -16,8 +16,11 @@ those models. What changes for the passes:
 - the graph is re-rooted on the user's model: its parameters, buffers and layers are the model's own;
 - calls of stock layers are folded back into ``call_module`` nodes where that is exact
   (:func:`fold_layers`): ``aten.linear(x, fc.weight, fc.bias)`` of an ``nn.Linear`` becomes a call of
-  ``fc``, so the hand-written per-sample rules and book-keeping serve it. Other uses of parameters stay
-  functional calls and the per_sample pass gives them the generic rule.
+  ``fc``, so the hand-written per-sample rules and book-keeping serve it, and an ``nn.Dropout``'s
+  ``aten.dropout`` a call of the layer, which follows ``train()``/``eval()``. Other uses of parameters
+  stay functional calls and the per_sample pass gives them the generic rule; functional dropout (inside
+  attention) keeps the mode the model had when it was captured (evaluate with the model itself, which
+  shares its parameters with the compiled one).
 
 The model's output keeps its type (a ``ModelOutput``): export's pytree code generation rebuilds it.
 """
@@ -37,7 +40,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxdp import meta
-from fxdp.diagnostics import FxdpError
+from fxdp.diagnostics import ExportShapeError
 from fxdp.diagnostics.source import location_from_stack_trace
 
 aten = torch.ops.aten
@@ -55,11 +58,6 @@ def _reduce_op_overload(op):
 
 # a compiled model's sites hold the ATen ops they call; pickle names them (torch's OpOverload has no reduce)
 copyreg.pickle(torch._ops.OpOverload, _reduce_op_overload)
-
-
-class ExportShapeError(FxdpError, ValueError):
-    """A model captured with torch.export was called with inputs whose shapes its graph cannot run
-    (a size the model's code made fixed at capture time)."""
 
 
 class ExportShapeGuard(nn.Module):
@@ -345,7 +343,22 @@ def _cell_matcher(cls, nonlinearity=None):
     return match
 
 
+def _match_dropout(node, get, owners, model=None):
+    """aten.dropout(x, p, train) recorded inside an nn.Dropout: a call of it follows its train/eval mode."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack or model is None:
+        return None
+    path = list(stack.values())[-1][0]
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        return None
+    same = _stock(module, nn.Dropout) and module.p == _arg(node, 1, "p") and module.training == _arg(node, 2, "train")
+    return ((path, module), (node.args[0],)) if same else None
+
+
 _FOLDS = {
+    aten.dropout.default: _match_dropout,
     aten.gru_cell.default: _cell_matcher(nn.GRUCell),
     aten.lstm_cell.default: _cell_matcher(nn.LSTMCell),
     aten.rnn_tanh_cell.default: _cell_matcher(nn.RNNCell, "tanh"),
@@ -379,7 +392,8 @@ def fold_layers(graph: torch.fx.Graph, model: nn.Module, owners=None) -> List[st
             reached.add(node)
     for node in list(graph.nodes):
         match = _FOLDS.get(node.target) if node.op == "call_function" else None
-        found = match(node, get, owners) if match else None
+        found = (match(node, get, owners, model) if match is _match_dropout else match(node, get, owners)) \
+            if match else None
         if found is None or found[1][0] not in reached:
             continue
         (name, module), args = found

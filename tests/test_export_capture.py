@@ -12,7 +12,7 @@ from torch import nn
 
 import fxdp
 from fxdp.diagnostics import Kind
-from fxdp.export_capture import ExportShapeError
+from fxdp import ExportShapeError
 from fxdp.grad_sample.bookkeeping import BookkeepingSink
 from fxdp.passes.batch_rules import keeps_layout, restore_batch_rules, snapshot_batch_rules
 
@@ -212,3 +212,17 @@ def test_a_layer_with_a_registered_rule_keeps_its_rule_in_a_captured_graph():
         _check_against_batches_of_one(model, compiled, _x())
     finally:
         GRAD_SAMPLERS.restore(saved)
+
+
+class WithDropout(LoopOverTime):
+    def __init__(self):
+        super().__init__(post=nn.Dropout(0.5))
+
+
+def test_a_dropout_layer_follows_train_and_eval_in_a_captured_graph():
+    model = WithDropout()
+    compiled = fxdp.compile_for_dp(model, example_inputs=_x())
+    assert "post" in {n.target for n in compiled.graph.nodes if n.op == "call_module"}
+    compiled.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(_x()), model.eval()(_x()))
