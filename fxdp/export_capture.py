@@ -8,8 +8,8 @@ those models. What changes for the passes:
 - the graph calls ATen ops (``torch.ops.aten.linear.default``), not torch functions, Tensor methods
   and layers; their batch rules are in :mod:`fxdp.passes.batch_rules.aten`;
 - the batch dimension of every input tensor is dynamic (``Dim.AUTO``), so the graph runs for other
-  batch sizes; the sizes it builds in (sequence lengths, image sizes) are checked at every forward by
-  export's own guard, which raises :class:`ExportShapeError` here;
+  batch sizes; the sizes it builds in (sequence lengths, image sizes) are checked at every forward by an
+  :class:`ExportShapeGuard`, which raises :class:`~fxdp.diagnostics.ExportShapeError`;
 - each node's ``stack_trace`` holds the Python frames that dispatched it: ``meta.SOURCE`` is the
   innermost one outside torch and fxdp (a line of the user's code, or of the library the model comes
   from, as for torchvision models);
@@ -20,7 +20,9 @@ those models. What changes for the passes:
   ``aten.dropout`` a call of the layer, which follows ``train()``/``eval()``. Other uses of parameters
   stay functional calls and the per_sample pass gives them the generic rule; functional dropout (inside
   attention) keeps the mode the model had when it was captured (evaluate with the model itself, which
-  shares its parameters with the compiled one).
+  shares its parameters with the compiled one). A layer of yours with a per-sample rule registered
+  (``fxdp.register_grad_sampler``) is folded back from the ops its call recorded
+  (:func:`fold_registered_layers`), so its rule serves it too.
 
 The model's output keeps its type (a ``ModelOutput``): export's pytree code generation rebuilds it.
 """
@@ -176,13 +178,13 @@ _GUARD = "fxdp_input_shapes"
 def _replace_export_guard(graph: torch.fx.Graph, args, kwargs, batch_dim: int, model_name: str) -> None:
     """export's guard call (``_guards_fn``) becomes a call of an :class:`ExportShapeGuard` of the example
     inputs' shapes, right after the inputs (before any size is used)."""
-    for node in list(graph.nodes):
-        if node.op == "call_module" and node.target == "_guards_fn":
-            graph.erase_node(node)
     leaves = pytree.tree_leaves((args, kwargs))
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(leaves) != len(placeholders):
-        return  # inputs export flattened otherwise: no guard rather than a wrong one (export's specs check them)
+        return  # inputs export flattened otherwise: export's own guard stays (such a model does not pickle)
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            graph.erase_node(node)
     first = next((x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > batch_dim), None)
     n = None if first is None else first.shape[batch_dim]
     shapes = [tuple(None if d == batch_dim and s == n else s for d, s in enumerate(x.shape))
