@@ -11,6 +11,7 @@ import torch.fx
 from torch import nn
 
 from fxdp import meta
+from fxdp.grad_sample.bookkeeping.recurrent import plan_recurrent
 from fxdp.grad_sample.conv import conv_grad_sample
 from fxdp.grad_sample.embedding import embedding_grad_sample
 from fxdp.grad_sample.linear import linear_grad_sample
@@ -72,9 +73,7 @@ def plan_layer(
         return LayerPlan(name, "materialise", "no (A, G) pair delivered: the layer's rule materialises")
     a, g = list(activation_shapes[0]), list(backprop_shape)
     if recurrent_rule_applies(module):  # its projections, each a Linear layer on a sequence
-        from fxdp.grad_sample.bookkeeping.recurrent import plan_recurrent
-
-        return plan_recurrent(module, a, prefer, plan_layer)
+        return LayerPlan(name, *plan_recurrent(module, a, prefer, plan_layer))
     if _own_rule(module, nn.Linear, linear_grad_sample):
         if len(a) < 2 or a[:-1] != g[:-1] or a[-1] != module.in_features or g[-1] != module.out_features:
             return LayerPlan(name, "materialise", f"input {tuple(a)} / output gradient {tuple(g)} not (N, *, d) -> (N, *, p)")

@@ -3,22 +3,21 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from torch import nn
 
 from fxdp.grad_sample.recurrent import projections
 
 
-def plan_recurrent(module: nn.Module, input_shape: Sequence[int], prefer, plan_layer):
-    """One plan for an ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` whose batch-first input has ``input_shape``
-    ``(N, T, d)``: its method is the projections' (``ghost`` or ``per_sample``; ``mixed`` when they differ),
-    its reason lists each projection's choice, its costs are their sums (per direction)."""
-    from fxdp.grad_sample.bookkeeping.plans import LayerPlan  # plans imports this module lazily
-
-    name = type(module).__name__
+def plan_recurrent(module: nn.Module, input_shape: Sequence[int], prefer,
+                   plan_layer) -> Tuple[str, str, Optional[int], Optional[int]]:
+    """``(method, reason, ghost cost, per-sample cost)`` of an ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` whose
+    batch-first input has ``input_shape`` ``(N, T, d)``, each projection planned by ``plan_layer`` as a Linear
+    layer: the method is the projections' (``ghost`` or ``per_sample``; ``mixed`` when they differ), the reason
+    lists each projection's choice, the costs are their sums (per direction)."""
     if len(input_shape) != 3:
-        return LayerPlan(name, "materialise", f"input {tuple(input_shape)} is not a batch of sequences (N, T, d)")
+        return "materialise", f"input {tuple(input_shape)} is not a batch of sequences (N, T, d)", None, None
     n, t = input_shape[0], input_shape[1]
     parts: List[str] = []
     methods, ghost, per_sample = set(), 0, 0
@@ -33,4 +32,4 @@ def plan_recurrent(module: nn.Module, input_shape: Sequence[int], prefer, plan_l
                          f"{plan.ghost_cost or 0:,} vs per-sample {plan.per_sample_cost or 0:,})")
     method = methods.pop() if len(methods) == 1 else "mixed"
     reason = f"projections over T={t} steps as Linear layers on sequences: " + "; ".join(parts)
-    return LayerPlan(name, method, reason, ghost, per_sample)
+    return method, reason, ghost, per_sample
