@@ -104,9 +104,8 @@ class _Rows:
             starts.append(starts[-1] + size)
         self.steps = list(zip(starts, batch_sizes))
         if not padded:
-            sizes = torch.tensor(batch_sizes)
-            time = torch.repeat_interleave(torch.arange(self.t), sizes)
-            slot = torch.cat([torch.arange(size) for size in batch_sizes])
+            active = torch.arange(self.n) < torch.tensor(batch_sizes).unsqueeze(1)  # (T, N): step t, slot j
+            time, slot = active.nonzero(as_tuple=True)  # row-major: the packed order
             sample = slot if sorted_indices is None else sorted_indices.cpu()[slot]
             self.position = (sample * self.t + time).to(device)
 
