@@ -537,9 +537,11 @@ class PackedLastState(nn.Module):
         return self.out(h[-1])
 
 
-def test_a_loss_on_the_last_state_of_a_packed_rnn_is_an_error_not_a_wrong_gradient():
-    model = PackedLastState()
-    compiled = fxdp.compile_for_dp(model, example_inputs=(torch.randn(N, 5, 3), torch.tensor([2, 5, 3, 4])))
-    out = compiled(torch.randn(N, 5, 3), torch.tensor([2, 5, 3, 4]))
-    with pytest.raises(RuntimeError, match="output #"):
-        out.sum().backward()
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_loss_on_the_last_state_of_a_packed_rnn_gets_correct_per_sample_gradients(reduction):
+    # the hooks engine runs stock recurrent layers step by step (fxdp.grad_sample.recurrent): every output,
+    # the last state too, reaches the per-sample gradients (before, a loss on it was refused)
+    torch.manual_seed(15)
+    compiled = assert_grad_samples_match(PackedLastState(), (torch.randn(N, 5, 3), torch.tensor([2, 5, 3, 4])),
+                                         loss_reduction=reduction, atol=1e-9, rtol=1e-7)
+    assert compiled.grad_sample_layers["rnn"] == "recurrent rule"
