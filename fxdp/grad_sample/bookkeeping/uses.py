@@ -64,8 +64,10 @@ class _LinearWeight(_Use):
         return torch.bmm(self.g.transpose(1, 2), self.a)
 
     def clipped_sum(self, c):
-        g = self.g * c.to(self.g.dtype).view(-1, 1, 1)
-        return g.flatten(0, 1).t().mm(self.a.flatten(0, 1))
+        # G^T diag(c) A: the factors scale the narrower of A and G (fewer multiplications, a smaller copy)
+        c = c.to(self.g.dtype).view(-1, 1, 1)
+        a, g = (self.a * c, self.g) if self.a.shape[-1] <= self.g.shape[-1] else (self.a, self.g * c)
+        return g.flatten(0, 1).t().mm(a.flatten(0, 1))
 
 
 def _gram_dot(a_k, a_l, g_k, g_l) -> torch.Tensor:
