@@ -163,3 +163,26 @@ def test_noise_is_added_once_with_the_scaled_std_and_the_clipped_sum_on_top():
     diff = (grads[1] - grads[0]) * batch / (sigma * CLIP)
     assert diff.numel() > 1800 and abs(float(diff.mean())) < 0.1 and abs(float(diff.std()) - 1) < 0.05
     assert grads[0].abs().max() > 0
+
+
+LONG = [  # the ghost norm splits 32 or more positions in two halves (odd counts too)
+    ("linear-33-positions", lambda: Head(nn.Linear(5, 6), 33 * 6), lambda n: torch.randn(n, 33, 5)),
+    ("linear-64-positions", lambda: Head(nn.Linear(4, 3), 64 * 3), lambda n: torch.randn(n, 8, 8, 4)),
+    ("conv2d-36-positions", lambda: Head(nn.Conv2d(3, 4, 3, padding=1), 4 * 36), lambda n: torch.randn(n, 3, 6, 6)),
+    ("conv1d-groups-40-positions", lambda: Head(nn.Conv1d(4, 6, 3, stride=2, groups=2), 6 * 40),
+     lambda n: torch.randn(n, 4, 81)),
+]
+
+
+@pytest.mark.parametrize("name,make,make_x", LONG, ids=[k[0] for k in LONG])
+def test_ghost_norms_of_long_sequences(name, make, make_x):
+    torch.manual_seed(0)
+    model, x = make().double(), make_x(4).double()
+    expected, R = expected_grad_samples(model, x)
+    book = BookkeepingSink("ghost")
+    got, dp = private_grads(copy.deepcopy(model), x, R, sink=book, clipping="per_layer", loss_reduction="mean",
+                            n_params=len(expected))
+    assert book.plans[dp.layer].method == "ghost"
+    want, _ = clipped_reference(expected, "per_layer", "mean", len(x))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], msg=lambda m: f"{k}: {m}")
