@@ -72,6 +72,11 @@ class ExportShapeGuard(nn.Module):
         super().__init__()
         self.names, self.shapes, self.batch_dim, self.model_name = names, shapes, batch_dim, model_name
 
+    def describe(self) -> str:
+        """``input_ids (N, 7), attention_mask (N, 7)``: the shapes the graph runs (N: any batch size)."""
+        return ", ".join(f"{name} {tuple('N' if e is None else e for e in shape)}".replace("'", "")
+                         for name, shape in zip(self.names, self.shapes) if shape is not None)
+
     def forward(self, *inputs) -> None:
         batch = None
         for name, expected, x in zip(self.names, self.shapes, inputs):
