@@ -168,7 +168,7 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
     leaves, layouts = _expand_broadcast(leaves, layouts, n)
     args, kwargs = pytree.tree_unflatten(leaves, spec)
     arg_params = [i for i, leaf in enumerate(leaves) if isinstance(leaf, nn.Parameter) and leaf.requires_grad]
-    if not arg_params and n > 0 and recurrent_rule_applies(module):
+    if not arg_params and n > 0 and recurrent_rule_applies(module) and any(p.requires_grad for p in module.parameters()):
         out = _recurrent_call(module, site, n, leaves, layouts, args, kwargs)
         if out is not None:
             return out
