@@ -224,7 +224,8 @@ def _recurrent_call(module: nn.Module, site: PerSampleSite, n: int, leaves, layo
         return None
     batch_at = 0 if module.batch_first else 1
     tensors = [lay for leaf, lay in zip(leaves, layouts) if isinstance(leaf, torch.Tensor)]
-    if str(tensors[0]) != f"batch@{batch_at}" or any(str(lay) != "batch@1" for lay in tensors[1:]):
+    if (str(tensors[0]) != f"batch@{batch_at}" or any(str(lay) != "batch@1" for lay in tensors[1:])
+            or x.shape[batch_at] != n):
         return None
     forward = forward_call(site)
     return recurrent_forward(module, x, call.get("hx"), deliver=lambda capture: _deliver(site, capture, forward),

@@ -132,22 +132,25 @@ class GRULayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h0, w_ih, w_hh, b_ih, b_hh, steps: Steps, reverse: bool, record: Recorder,
                 param_grads: bool):
-        hidden = w_hh.shape[1]
+        hidden, n = w_hh.shape[1], h0.shape[0]
         gates = _project(x, w_ih, b_ih)  # (L, 3h): gx, then r, z, n in place
-        rows = x.shape[0]
+        rows, sizes = x.shape[0], [size for _, size in steps]
         out, h_prev, gh_n = (x.new_empty(rows, hidden) for _ in range(3))
         h = h0.clone()
         w_hh_t = w_hh.t()
-        for start, size in _order(steps, reverse):
-            span = slice(start, start + size)
-            g_t, h_b = gates[span], h[:size]
-            h_prev[span] = h_b
-            gh = _project(h_b, w_hh, b_hh) if b_hh is not None else h_b.mm(w_hh_t)
-            rz = g_t[:, :2 * hidden].add_(gh[:, :2 * hidden]).sigmoid_()
-            gh_n[span] = gh[:, 2 * hidden:]
-            n = g_t[:, 2 * hidden:].addcmul_(rz[:, :hidden], gh[:, 2 * hidden:]).tanh_()
-            h_b.sub_(n).mul_(rz[:, hidden:]).add_(n)  # h = n + z * (h_prev - n)
-            out[span] = h_b
+        out_s, hp_s, ghn_s, rz_s, new_s = (t.split(sizes) for t in (out, h_prev, gh_n, gates[:, :2 * hidden],
+                                                                     gates[:, 2 * hidden:]))
+        r_s, z_s = gates[:, :hidden].split(sizes), gates[:, hidden:2 * hidden].split(sizes)
+        for k in _order(range(len(sizes)), reverse):
+            size = sizes[k]
+            h_b = h if size == n else h[:size]
+            hp_s[k].copy_(h_b)
+            gh = torch.addmm(b_hh, h_b, w_hh_t) if b_hh is not None else h_b.mm(w_hh_t)
+            rz_s[k].add_(gh[:, :2 * hidden]).sigmoid_()
+            ghn_s[k].copy_(gh[:, 2 * hidden:])
+            new = new_s[k].addcmul_(r_s[k], ghn_s[k]).tanh_()
+            h_b.sub_(new).mul_(z_s[k]).add_(new)  # h = n + z * (h_prev - n)
+            out_s[k].copy_(h_b)
         ctx.save_for_backward(x, w_ih, w_hh, gates, h_prev, gh_n)
         ctx.steps, ctx.reverse, ctx.record, ctx.param_grads = steps, reverse, record, param_grads
         return out, h
@@ -155,23 +158,29 @@ class GRULayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_hn):
         x, w_ih, w_hh, gates, h_prev, gh_n = ctx.saved_tensors
-        hidden = w_hh.shape[1]
-        r, z, n = gates.chunk(3, 1)
-        by_dh_n = n.square().neg_().add_(1).mul_(1 - z)  # d n_pre / d h
-        by_dh_z = torch.addcmul(z, z, z, value=-1).mul_(h_prev - n)  # d z_pre / d h
+        hidden, n = w_hh.shape[1], d_hn.shape[0]
+        r, z, new = gates.chunk(3, 1)
+        by_dh_n = new.square().neg_().add_(1).mul_(1 - z)  # d n_pre / d h
+        by_dh_z = torch.addcmul(z, z, z, value=-1).mul_(h_prev - new)  # d z_pre / d h
         by_dn_r = torch.addcmul(r, r, r, value=-1).mul_(gh_n)  # d r_pre / d n_pre
         g_ih, g_hh = torch.empty_like(gates), torch.empty_like(gates)
         dh = d_hn.clone()
-        for start, size in _order(ctx.steps, not ctx.reverse):
-            span = slice(start, start + size)
-            dh_b, gi, gh = dh[:size], g_ih[span], g_hh[span]
-            dh_b.add_(d_out[span])
-            torch.mul(dh_b, by_dh_n[span], out=gi[:, 2 * hidden:])
-            torch.mul(dh_b, by_dh_z[span], out=gi[:, hidden:2 * hidden])
-            torch.mul(gi[:, 2 * hidden:], by_dn_r[span], out=gi[:, :hidden])
-            gh[:, :2 * hidden] = gi[:, :2 * hidden]
-            torch.mul(gi[:, 2 * hidden:], r[span], out=gh[:, 2 * hidden:])  # n_pre = gx_n + r * gh_n
-            dh_b.mul_(z[span]).addmm_(gh, w_hh)
+        sizes = [size for _, size in ctx.steps]
+        d_out_s, n_s, z_s, rr_s, r_s, zz_s, gh_s = (
+            t.split(sizes) for t in (d_out, by_dh_n, by_dh_z, by_dn_r, r, z, g_hh))
+        gi_r, gi_z, gi_n, gi_rz = (g_ih[:, a:b].split(sizes) for a, b in (
+            (0, hidden), (hidden, 2 * hidden), (2 * hidden, 3 * hidden), (0, 2 * hidden)))
+        gh_rz, gh_n_s = g_hh[:, :2 * hidden].split(sizes), g_hh[:, 2 * hidden:].split(sizes)
+        for k in _order(range(len(sizes)), not ctx.reverse):
+            size = sizes[k]
+            dh_b = dh if size == n else dh[:size]
+            dh_b.add_(d_out_s[k])
+            torch.mul(dh_b, n_s[k], out=gi_n[k])
+            torch.mul(dh_b, z_s[k], out=gi_z[k])
+            torch.mul(gi_n[k], rr_s[k], out=gi_r[k])
+            gh_rz[k].copy_(gi_rz[k])
+            torch.mul(gi_n[k], r_s[k], out=gh_n_s[k])  # n_pre = gx_n + r * gh_n
+            dh_b.mul_(zz_s[k]).addmm_(gh_s[k], w_hh)
         if ctx.record is not None:
             ctx.record(g_ih, g_hh, h_prev, x)
         dx = g_ih.mm(w_ih) if ctx.needs_input_grad[0] else None
@@ -184,15 +193,17 @@ class RNNLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h0, w_ih, w_hh, b_ih, b_hh, steps: Steps, reverse: bool, record: Recorder,
                 param_grads: bool, relu: bool):
+        n, sizes = h0.shape[0], [size for _, size in steps]
         out = _project(x, w_ih, _bias(b_ih, b_hh))  # (L, h): pre-activations, then h in place
         h_prev = torch.empty_like(out)
         h = h0.clone()
         w_hh_t = w_hh.t()
-        for start, size in _order(steps, reverse):
-            span = slice(start, start + size)
-            h_b, o_t = h[:size], out[span]
-            h_prev[span] = h_b
-            o_t.addmm_(h_b, w_hh_t)
+        out_s, hp_s = out.split(sizes), h_prev.split(sizes)
+        for k in _order(range(len(sizes)), reverse):
+            size = sizes[k]
+            h_b = h if size == n else h[:size]
+            hp_s[k].copy_(h_b)
+            o_t = out_s[k].addmm_(h_b, w_hh_t)
             o_t.relu_() if relu else o_t.tanh_()
             h_b.copy_(o_t)
         ctx.save_for_backward(x, w_ih, w_hh, out, h_prev)
@@ -202,15 +213,17 @@ class RNNLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_hn):
         x, w_ih, w_hh, out, h_prev = ctx.saved_tensors
+        n, sizes = d_hn.shape[0], [size for _, size in ctx.steps]
         slope = (out > 0).to(out.dtype) if ctx.relu else out.square().neg_().add_(1)
         grad = torch.empty_like(out)
         dh = d_hn.clone()
-        for start, size in _order(ctx.steps, not ctx.reverse):
-            span = slice(start, start + size)
-            dh_b, g_t = dh[:size], grad[span]
-            dh_b.add_(d_out[span])
-            torch.mul(dh_b, slope[span], out=g_t)
-            torch.mm(g_t, w_hh, out=dh_b)
+        d_out_s, slope_s, grad_s = (t.split(sizes) for t in (d_out, slope, grad))
+        for k in _order(range(len(sizes)), not ctx.reverse):
+            size = sizes[k]
+            dh_b = dh if size == n else dh[:size]
+            dh_b.add_(d_out_s[k])
+            torch.mul(dh_b, slope_s[k], out=grad_s[k])
+            torch.mm(grad_s[k], w_hh, out=dh_b)
         if ctx.record is not None:
             ctx.record(grad, grad, h_prev, x)
         dx = grad.mm(w_ih) if ctx.needs_input_grad[0] else None
