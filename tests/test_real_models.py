@@ -464,7 +464,11 @@ def _torchvision_model(name):
                                          norm_layer=functools.partial(nn.GroupNorm, 1))
     if name == "convnext_tiny":
         return tv.models.convnext_tiny(num_classes=3, stochastic_depth_prob=0.0)
-    return tv.models.swin_t(num_classes=3, stochastic_depth_prob=0.0)
+    # swin_t fixes its stochastic depth at 0.2: the same architecture, built with swin_t's settings and depth 0
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    return SwinTransformer(patch_size=[4, 4], embed_dim=96, depths=[2, 2, 6, 2], num_heads=[3, 6, 12, 24],
+                           window_size=[7, 7], stochastic_depth_prob=0.0, num_classes=3)
 
 
 @pytest.mark.parametrize("name", ["efficientnet_b0", "convnext_tiny", "swin_t"])
