@@ -22,7 +22,8 @@ from fxdp.grad_sample.sink import GradSampleSink
 from per_sample_reference import expected_grad_samples
 
 N, T, D, H = 3, 4, 3, 4
-KINDS = {"lstm": (nn.LSTM, {}), "gru": (nn.GRU, {}), "rnn": (nn.RNN, {}), "rnn_relu": (nn.RNN, {"nonlinearity": "relu"})}
+KINDS = {"lstm": (nn.LSTM, {}), "gru": (nn.GRU, {}), "rnn": (nn.RNN, {}),
+         "rnn_relu": (nn.RNN, {"nonlinearity": "relu"})}
 LENGTHS = {"padded": None, "packed_sorted": [4, 3, 1], "packed_unsorted": [2, 4, 3]}
 
 
@@ -112,8 +113,9 @@ def _check_layer(kind, inputs, batch_first, layers, bidirectional, bias, with_st
     per_sample = [torch.stack([row[j] for row in rows]) for j in range(len(params))]
     materialising, book = GradSampleSink(), BookkeepingSink(method)
     for sink in (materialising, book):
-        _loss(*recurrent_forward(rnn, _feed(x, lengths, batch_first, enforce), hx, deliver=sink.add, loss_reduction="sum",
-                                 param_grads=sink is materialising), weights, batch_first).backward()
+        out = recurrent_forward(rnn, _feed(x, lengths, batch_first, enforce), hx, deliver=sink.add,
+                                loss_reduction="sum", param_grads=sink is materialising)
+        _loss(*out, weights, batch_first).backward()
     norms = book.squared_norms(params)
     factors = {p: torch.rand(N) for p in params}
     sums = book.clipped_sums(params, factors)
@@ -266,7 +268,8 @@ def test_each_projection_is_planned_from_static_shapes_and_reported():
     # long sequences of narrow layers: materialising the per-sample gradient is cheaper, and the plan says so
     narrow = fxdp.compile_for_dp(Classifier(8, 8), example_inputs=torch.randn(2, 20, 8), sink=BookkeepingSink())
     line = next(n for n in fxdp.report(narrow).notes if "'lstm'" in n)
-    assert "'lstm' (LSTM): per_sample" in line and "weight_hh_l0 per_sample (d=8, p=32: ghost 16,000 vs per-sample 5,120)" in line
+    assert "'lstm' (LSTM): per_sample" in line
+    assert "weight_hh_l0 per_sample (d=8, p=32: ghost 16,000 vs per-sample 5,120)" in line
 
 
 def test_a_recurrent_layer_called_twice_and_a_frozen_projection():
@@ -304,8 +307,9 @@ def test_private_training_with_a_stock_lstm_keeps_the_users_module_and_checkpoin
     x, y = torch.randn(8, T, D), torch.randint(0, 2, (8,))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
     engine = fxdp.PrivacyEngine()
-    private, optimizer, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                                     data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0)
+    private, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+        noise_multiplier=1.0, max_grad_norm=1.0)
     with torch.no_grad():
         torch.testing.assert_close(private(x), reference(x))
     for xb, yb in loader:

@@ -2,6 +2,7 @@
 
 - ``registry``: the one registry, :func:`register_grad_sampler` / :func:`find_grad_sampler`;
 - one module per layer family with hand-written rules: ``linear``, ``conv``, ``embedding``, ``norms``;
+- ``recurrent``: stock LSTM / GRU / RNN run step by step, one Linear-like capture per projection;
 - ``generic``: THE generic rule for everything else (vmap of a vjp, a loop where vmap cannot run);
 - ``accumulate``: :func:`compute_grad_samples` (rule lookup, generic fallback, loss reduction),
   :func:`zero_grad_sample`, and the captures engines hand their sink;

@@ -168,7 +168,7 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
     leaves, layouts = _expand_broadcast(leaves, layouts, n)
     args, kwargs = pytree.tree_unflatten(leaves, spec)
     arg_params = [i for i, leaf in enumerate(leaves) if isinstance(leaf, nn.Parameter) and leaf.requires_grad]
-    if not arg_params and n > 0 and recurrent_rule_applies(module):
+    if not arg_params and n > 0 and recurrent_rule_applies(module) and any(p.requires_grad for p in module.parameters()):
         out = _recurrent_call(module, site, n, leaves, layouts, args, kwargs)
         if out is not None:
             return out
@@ -224,7 +224,8 @@ def _recurrent_call(module: nn.Module, site: PerSampleSite, n: int, leaves, layo
         return None
     batch_at = 0 if module.batch_first else 1
     tensors = [lay for leaf, lay in zip(leaves, layouts) if isinstance(leaf, torch.Tensor)]
-    if str(tensors[0]) != f"batch@{batch_at}" or any(str(lay) != "batch@1" for lay in tensors[1:]):
+    if (str(tensors[0]) != f"batch@{batch_at}" or any(str(lay) != "batch@1" for lay in tensors[1:])
+            or x.shape[batch_at] != n):
         return None
     forward = forward_call(site)
     return recurrent_forward(module, x, call.get("hx"), deliver=lambda capture: _deliver(site, capture, forward),

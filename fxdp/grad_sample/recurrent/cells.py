@@ -63,26 +63,32 @@ class LSTMLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h0, c0, w_ih, w_hh, b_ih, b_hh, steps: Steps, reverse: bool, record: Recorder,
                 param_grads: bool):
-        hidden = w_hh.shape[1]
+        hidden, n = w_hh.shape[1], h0.shape[0]
+        cell = slice(2 * hidden, 3 * hidden)
+        # tanh(a) = 2 sigmoid(2a) - 1, and sigmoid is the cheaper kernel: the cell gate's rows are doubled
+        # so that one sigmoid per step serves all four gates
         gates = _project(x, w_ih, _bias(b_ih, b_hh))  # (L, 4h): i, f, g, o; activated in place below
-        rows = x.shape[0]
+        gates[:, cell].mul_(2)
+        w_hh_t = w_hh.clone()
+        w_hh_t[cell].mul_(2)
+        w_hh_t = w_hh_t.t()
+        rows, sizes = x.shape[0], [size for _, size in steps]
         out, h_prev, c_prev, tanh_c = (x.new_empty(rows, hidden) for _ in range(4))
         h, c = h0.clone(), c0.clone()
-        w_hh_t = w_hh.t()
-        for start, size in _order(steps, reverse):
-            span = slice(start, start + size)
-            g_t, h_b, c_b = gates[span], h[:size], c[:size]
-            h_prev[span] = h_b
-            c_prev[span] = c_b
-            g_t.addmm_(h_b, w_hh_t)
-            g_t[:, :2 * hidden].sigmoid_()
-            g_t[:, 2 * hidden:3 * hidden].tanh_()
-            g_t[:, 3 * hidden:].sigmoid_()
-            i, f, g, o = g_t.chunk(4, 1)
-            c_b.mul_(f).addcmul_(i, g)
-            torch.tanh(c_b, out=tanh_c[span])
-            torch.mul(o, tanh_c[span], out=h_b)
-            out[span] = h_b
+        # every step's rows as views, made once (slicing in the loop costs more than the small ops)
+        g_s, out_s, hp_s, cp_s, tc_s = (t.split(sizes) for t in (gates, out, h_prev, c_prev, tanh_c))
+        i_s, f_s, c_gate_s, o_s = (t.split(sizes) for t in gates.chunk(4, 1))
+        for k in _order(range(len(sizes)), reverse):
+            size = sizes[k]
+            h_b, c_b = (h, c) if size == n else (h[:size], c[:size])
+            hp_s[k].copy_(h_b)
+            cp_s[k].copy_(c_b)
+            g_s[k].addmm_(h_b, w_hh_t).sigmoid_()
+            c_gate_s[k].mul_(2).sub_(1)
+            c_b.mul_(f_s[k]).addcmul_(i_s[k], c_gate_s[k])
+            torch.tanh(c_b, out=tc_s[k])
+            torch.mul(o_s[k], tc_s[k], out=h_b)
+            out_s[k].copy_(h_b)
         ctx.save_for_backward(x, w_ih, w_hh, gates, h_prev, c_prev, tanh_c)
         ctx.steps, ctx.reverse, ctx.record, ctx.param_grads = steps, reverse, record, param_grads
         return out, h, c
@@ -90,25 +96,30 @@ class LSTMLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_hn, d_cn):
         x, w_ih, w_hh, gates, h_prev, c_prev, tanh_c = ctx.saved_tensors
-        hidden = w_hh.shape[1]
+        hidden, n, rows = w_hh.shape[1], d_hn.shape[0], gates.shape[0]
         i, f, g, o = gates.chunk(4, 1)
         # what every step needs, computed once for all rows
         through_c = tanh_c.square().neg_().add_(1).mul_(o)  # d h / d c at fixed o
         slope = torch.addcmul(gates, gates, gates, value=-1)  # sigmoid'(pre) = s (1 - s) for i, f, o ...
         torch.mul(g, g, out=slope[:, 2 * hidden:3 * hidden]).neg_().add_(1)  # ... tanh'(pre) = 1 - g^2 for g
-        by_dc = torch.stack([g, c_prev, i], 1)  # dL/di, dL/df, dL/dg are dc times these
+        # dL/d pre of i, f, g is dc times (g, c_prev, i) times the slope; of o, dh times tanh(c) times the slope
+        by_dc = torch.stack([g, c_prev, i], 1).mul_(slope[:, :3 * hidden].view(rows, 3, hidden))
+        by_dh = slope[:, 3 * hidden:].mul(tanh_c)
         grad = torch.empty_like(gates)
         dh, dc = d_hn.clone(), d_cn.clone()
-        for start, size in _order(ctx.steps, not ctx.reverse):
-            span = slice(start, start + size)
-            dh_b, dc_b, g_t = dh[:size], dc[:size], grad[span]
-            dh_b.add_(d_out[span])
-            dc_b.addcmul_(dh_b, through_c[span])
-            torch.mul(by_dc[span], dc_b.unsqueeze(1), out=g_t[:, :3 * hidden].view(size, 3, hidden))
-            torch.mul(dh_b, tanh_c[span], out=g_t[:, 3 * hidden:])
-            g_t.mul_(slope[span])
-            torch.mm(g_t, w_hh, out=dh_b)
-            dc_b.mul_(f[span])
+        sizes = [size for _, size in ctx.steps]
+        d_out_s, through_s, by_dc_s, by_dh_s, f_s, grad_s = (
+            t.split(sizes) for t in (d_out, through_c, by_dc, by_dh, f, grad))
+        grad_dc_s, grad_dh_s = grad.view(rows, 4, hidden)[:, :3].split(sizes), grad[:, 3 * hidden:].split(sizes)
+        for k in _order(range(len(sizes)), not ctx.reverse):
+            size = sizes[k]
+            dh_b, dc_b = (dh, dc) if size == n else (dh[:size], dc[:size])
+            dh_b.add_(d_out_s[k])
+            dc_b.addcmul_(dh_b, through_s[k])
+            torch.mul(by_dc_s[k], dc_b.unsqueeze(1), out=grad_dc_s[k])
+            torch.mul(dh_b, by_dh_s[k], out=grad_dh_s[k])
+            torch.mm(grad_s[k], w_hh, out=dh_b)
+            dc_b.mul_(f_s[k])
         if ctx.record is not None:
             ctx.record(grad, grad, h_prev, x)
         dx = grad.mm(w_ih) if ctx.needs_input_grad[0] else None
@@ -121,22 +132,25 @@ class GRULayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h0, w_ih, w_hh, b_ih, b_hh, steps: Steps, reverse: bool, record: Recorder,
                 param_grads: bool):
-        hidden = w_hh.shape[1]
+        hidden, n = w_hh.shape[1], h0.shape[0]
         gates = _project(x, w_ih, b_ih)  # (L, 3h): gx, then r, z, n in place
-        rows = x.shape[0]
+        rows, sizes = x.shape[0], [size for _, size in steps]
         out, h_prev, gh_n = (x.new_empty(rows, hidden) for _ in range(3))
         h = h0.clone()
         w_hh_t = w_hh.t()
-        for start, size in _order(steps, reverse):
-            span = slice(start, start + size)
-            g_t, h_b = gates[span], h[:size]
-            h_prev[span] = h_b
-            gh = _project(h_b, w_hh, b_hh) if b_hh is not None else h_b.mm(w_hh_t)
-            rz = g_t[:, :2 * hidden].add_(gh[:, :2 * hidden]).sigmoid_()
-            gh_n[span] = gh[:, 2 * hidden:]
-            n = g_t[:, 2 * hidden:].addcmul_(rz[:, :hidden], gh[:, 2 * hidden:]).tanh_()
-            h_b.sub_(n).mul_(rz[:, hidden:]).add_(n)  # h = n + z * (h_prev - n)
-            out[span] = h_b
+        out_s, hp_s, ghn_s, rz_s, new_s = (t.split(sizes) for t in (out, h_prev, gh_n, gates[:, :2 * hidden],
+                                                                     gates[:, 2 * hidden:]))
+        r_s, z_s = gates[:, :hidden].split(sizes), gates[:, hidden:2 * hidden].split(sizes)
+        for k in _order(range(len(sizes)), reverse):
+            size = sizes[k]
+            h_b = h if size == n else h[:size]
+            hp_s[k].copy_(h_b)
+            gh = torch.addmm(b_hh, h_b, w_hh_t) if b_hh is not None else h_b.mm(w_hh_t)
+            rz_s[k].add_(gh[:, :2 * hidden]).sigmoid_()
+            ghn_s[k].copy_(gh[:, 2 * hidden:])
+            new = new_s[k].addcmul_(r_s[k], ghn_s[k]).tanh_()
+            h_b.sub_(new).mul_(z_s[k]).add_(new)  # h = n + z * (h_prev - n)
+            out_s[k].copy_(h_b)
         ctx.save_for_backward(x, w_ih, w_hh, gates, h_prev, gh_n)
         ctx.steps, ctx.reverse, ctx.record, ctx.param_grads = steps, reverse, record, param_grads
         return out, h
@@ -144,23 +158,29 @@ class GRULayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_hn):
         x, w_ih, w_hh, gates, h_prev, gh_n = ctx.saved_tensors
-        hidden = w_hh.shape[1]
-        r, z, n = gates.chunk(3, 1)
-        by_dh_n = n.square().neg_().add_(1).mul_(1 - z)  # d n_pre / d h
-        by_dh_z = torch.addcmul(z, z, z, value=-1).mul_(h_prev - n)  # d z_pre / d h
+        hidden, n = w_hh.shape[1], d_hn.shape[0]
+        r, z, new = gates.chunk(3, 1)
+        by_dh_n = new.square().neg_().add_(1).mul_(1 - z)  # d n_pre / d h
+        by_dh_z = torch.addcmul(z, z, z, value=-1).mul_(h_prev - new)  # d z_pre / d h
         by_dn_r = torch.addcmul(r, r, r, value=-1).mul_(gh_n)  # d r_pre / d n_pre
         g_ih, g_hh = torch.empty_like(gates), torch.empty_like(gates)
         dh = d_hn.clone()
-        for start, size in _order(ctx.steps, not ctx.reverse):
-            span = slice(start, start + size)
-            dh_b, gi, gh = dh[:size], g_ih[span], g_hh[span]
-            dh_b.add_(d_out[span])
-            torch.mul(dh_b, by_dh_n[span], out=gi[:, 2 * hidden:])
-            torch.mul(dh_b, by_dh_z[span], out=gi[:, hidden:2 * hidden])
-            torch.mul(gi[:, 2 * hidden:], by_dn_r[span], out=gi[:, :hidden])
-            gh[:, :2 * hidden] = gi[:, :2 * hidden]
-            torch.mul(gi[:, 2 * hidden:], r[span], out=gh[:, 2 * hidden:])  # n_pre = gx_n + r * gh_n
-            dh_b.mul_(z[span]).addmm_(gh, w_hh)
+        sizes = [size for _, size in ctx.steps]
+        d_out_s, n_s, z_s, rr_s, r_s, zz_s, gh_s = (
+            t.split(sizes) for t in (d_out, by_dh_n, by_dh_z, by_dn_r, r, z, g_hh))
+        gi_r, gi_z, gi_n, gi_rz = (g_ih[:, a:b].split(sizes) for a, b in (
+            (0, hidden), (hidden, 2 * hidden), (2 * hidden, 3 * hidden), (0, 2 * hidden)))
+        gh_rz, gh_n_s = g_hh[:, :2 * hidden].split(sizes), g_hh[:, 2 * hidden:].split(sizes)
+        for k in _order(range(len(sizes)), not ctx.reverse):
+            size = sizes[k]
+            dh_b = dh if size == n else dh[:size]
+            dh_b.add_(d_out_s[k])
+            torch.mul(dh_b, n_s[k], out=gi_n[k])
+            torch.mul(dh_b, z_s[k], out=gi_z[k])
+            torch.mul(gi_n[k], rr_s[k], out=gi_r[k])
+            gh_rz[k].copy_(gi_rz[k])
+            torch.mul(gi_n[k], r_s[k], out=gh_n_s[k])  # n_pre = gx_n + r * gh_n
+            dh_b.mul_(zz_s[k]).addmm_(gh_s[k], w_hh)
         if ctx.record is not None:
             ctx.record(g_ih, g_hh, h_prev, x)
         dx = g_ih.mm(w_ih) if ctx.needs_input_grad[0] else None
@@ -173,15 +193,17 @@ class RNNLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h0, w_ih, w_hh, b_ih, b_hh, steps: Steps, reverse: bool, record: Recorder,
                 param_grads: bool, relu: bool):
+        n, sizes = h0.shape[0], [size for _, size in steps]
         out = _project(x, w_ih, _bias(b_ih, b_hh))  # (L, h): pre-activations, then h in place
         h_prev = torch.empty_like(out)
         h = h0.clone()
         w_hh_t = w_hh.t()
-        for start, size in _order(steps, reverse):
-            span = slice(start, start + size)
-            h_b, o_t = h[:size], out[span]
-            h_prev[span] = h_b
-            o_t.addmm_(h_b, w_hh_t)
+        out_s, hp_s = out.split(sizes), h_prev.split(sizes)
+        for k in _order(range(len(sizes)), reverse):
+            size = sizes[k]
+            h_b = h if size == n else h[:size]
+            hp_s[k].copy_(h_b)
+            o_t = out_s[k].addmm_(h_b, w_hh_t)
             o_t.relu_() if relu else o_t.tanh_()
             h_b.copy_(o_t)
         ctx.save_for_backward(x, w_ih, w_hh, out, h_prev)
@@ -191,15 +213,17 @@ class RNNLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_hn):
         x, w_ih, w_hh, out, h_prev = ctx.saved_tensors
+        n, sizes = d_hn.shape[0], [size for _, size in ctx.steps]
         slope = (out > 0).to(out.dtype) if ctx.relu else out.square().neg_().add_(1)
         grad = torch.empty_like(out)
         dh = d_hn.clone()
-        for start, size in _order(ctx.steps, not ctx.reverse):
-            span = slice(start, start + size)
-            dh_b, g_t = dh[:size], grad[span]
-            dh_b.add_(d_out[span])
-            torch.mul(dh_b, slope[span], out=g_t)
-            torch.mm(g_t, w_hh, out=dh_b)
+        d_out_s, slope_s, grad_s = (t.split(sizes) for t in (d_out, slope, grad))
+        for k in _order(range(len(sizes)), not ctx.reverse):
+            size = sizes[k]
+            dh_b = dh if size == n else dh[:size]
+            dh_b.add_(d_out_s[k])
+            torch.mul(dh_b, slope_s[k], out=grad_s[k])
+            torch.mm(grad_s[k], w_hh, out=dh_b)
         if ctx.record is not None:
             ctx.record(grad, grad, h_prev, x)
         dx = grad.mm(w_ih) if ctx.needs_input_grad[0] else None
