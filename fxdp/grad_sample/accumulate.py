@@ -72,14 +72,20 @@ def layer_capture(
     if batch_size == 0:  # an empty batch (Poisson sampling): no rows; rules' reshape(n, -1) cannot take it
         return LayerCapture(0, lambda: {p: p.new_zeros((0, *p.shape)) for p in params}, params=params)
 
-    def summed():  # the rules' G, formed only when per-sample gradients are asked for
-        return backprops * backprops_scale if backprops_scale != 1.0 else backprops
+    def summed(compute) -> Dict[nn.Parameter, torch.Tensor]:
+        """``compute(G)`` for the summed loss's G. Per-sample gradients are linear in G, so the factor scales
+        whichever is smaller: G, or the per-sample gradients (a norm layer's are (N, C), its G (N, C, H, W))."""
+        if backprops_scale == 1.0 or not isinstance(backprops, torch.Tensor):
+            return compute(backprops)
+        if batch_size * sum(p.numel() for p in params) < backprops.numel():
+            return {p: g * backprops_scale for p, g in compute(backprops).items()}
+        return compute(backprops * backprops_scale)
 
     rule = None if generic else find_grad_sampler(module)
     if rule is not None:
         def grad_samples() -> Dict[nn.Parameter, torch.Tensor]:
             with torch.enable_grad():  # backward hooks run with grad mode off: the CPU LSTM has no backward there
-                return {p: g for p, g in rule(module, activations, summed()).items() if p.requires_grad}
+                return {p: g for p, g in summed(lambda g: rule(module, activations, g)).items() if p.requires_grad}
 
         tensors = tuple(a for a in activations if isinstance(a, torch.Tensor))
         return LayerCapture(batch_size, grad_samples, module, tensors, backprops, params,
@@ -87,7 +93,7 @@ def layer_capture(
 
     def generic() -> Dict[nn.Parameter, torch.Tensor]:
         with torch.enable_grad():
-            return generic_grad_sampler(module, activations, summed(), batch_dim=batch_dim, kwargs=kwargs)
+            return summed(lambda g: generic_grad_sampler(module, activations, g, batch_dim=batch_dim, kwargs=kwargs))
 
     return LayerCapture(batch_size, generic, params=params)
 
