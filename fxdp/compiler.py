@@ -38,6 +38,7 @@ from fxdp.engines import (
 from fxdp.engines.base import user_hooks
 from fxdp.engines.hooks import fallback_self_check
 from fxdp.engines.whole_model import whole_model_op
+from fxdp.export_capture import ExportShapeError
 from fxdp.engines.wrappers import AlreadyCompiledError, unwrap_or_refuse  # noqa: F401  (re-exported)
 from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.bookkeeping import BookkeepingSink, describe_plans, plan_graph
@@ -70,7 +71,7 @@ def _run(name: str, fn: Callable[..., PassResult], gm: torch.fx.GraphModule, rep
 
 def _analyse(model: nn.Module, example_inputs, batch_dim: int, strict: bool, batch_inputs=None):
     """Trace and run the analysis passes. Returns (graph module or None, trace result, pass reports)."""
-    traced = trace(model, example_inputs)
+    traced = trace(model, example_inputs, batch_dim)
     if not traced.ok:
         return None, traced, []
     reports: List[PassReport] = []
@@ -86,12 +87,20 @@ def _make_report(model, traced, reports, engine="fx", fallback_reason=None, fall
     if traced.fixed_to_none:
         notes = [*notes, f"traced with {', '.join(traced.fixed_to_none)} = None (they default to None and "
                          "example_inputs does not give them); give them in example_inputs to use them"]
+    front_end_reason = None
     if not traced.ok:
         fallback_reason = f"the model cannot be traced by torch.fx ({traced.reason})"
+        if traced.export_error is not None:
+            fallback_reason += f", nor captured by torch.export ({traced.export_reason})"
+        elif traced.error is not None:
+            fallback_reason += "; pass example_inputs to let fxdp capture it with torch.export instead"
         fallback_location = traced.location
         engine = "hooks"
+    elif traced.error is not None:  # captured by the second front end: say why the first failed, and where
+        where = f" at {traced.location}" if traced.location else ""
+        front_end_reason = f"torch.fx could not trace the model{where} ({traced.reason})"
     return CompileReport(type(model).__name__, traced.ok, tuple(reports), fallback_reason, fallback_location,
-                         engine, tuple(notes))
+                         engine, tuple(notes), traced.front_end, front_end_reason)
 
 
 _NO_INPUTS_NOTE = ("batch_dim: not run (no example_inputs); compile_for_dp runs it on the first batch, "
@@ -286,6 +295,8 @@ def _reanalyse(guard: runtime.BatchSource, inputs) -> None:
         result = propagate_batch_dim(ctx.analysed, tuple(inputs), batch_dim=ctx.batch_dim, strict=ctx.strict,
                                      batch_inputs=ctx.batch_inputs)
     except BatchDimAnalysisError as exc:
+        if isinstance(exc.__cause__, ExportShapeError):  # a captured graph's sizes do not fit: its own error
+            raise exc.__cause__
         if not first and exc.__cause__ is not None and not isinstance(exc.__cause__, FxdpError):
             # an op of an analysed model fails on these inputs: the error its own forward raises
             raise exc.__cause__
@@ -315,7 +326,8 @@ def _reanalyse(guard: runtime.BatchSource, inputs) -> None:
         reports = [*[p for p in previous.passes if p.name not in ("batch_dim", "per_sample")], result.report,
                    PassReport("per_sample", tuple(changes), previous.pass_report("per_sample").findings)]
         notes = [n for n in previous.notes if n != _NO_INPUTS_NOTE] + ["batch_dim: run on the first batch"]
-        setattr(ctx.compiled, _REPORT_ATTR, CompileReport(previous.model, True, tuple(reports), notes=tuple(notes)))
+        setattr(ctx.compiled, _REPORT_ATTR, dataclasses.replace(previous, passes=tuple(reports), notes=tuple(notes),
+                                                                fallback_reason=None, fallback_location=None))
     _pin_batch_inputs(guard, inputs)
 
 
