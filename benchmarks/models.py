@@ -121,15 +121,18 @@ CASES = {
 }
 
 
-def median_ms(steps: Dict[str, Callable[[], None]], repeats: int, warmup: int = 1) -> Dict[str, float]:
-    """Median milliseconds per step; the engines take turns, so drift in machine load hits all alike."""
+def median_ms(steps: Dict[str, Callable[[], None]], repeats: int, warmup: int = 1,
+              clock: Callable[[], float] = time.perf_counter) -> Dict[str, float]:
+    """Median milliseconds per step; the engines take turns, so drift in machine load hits all alike.
+    ``clock=time.thread_time``: the calling thread's CPU time (one intra-op thread), which other jobs on a
+    shared machine disturb far less than wall time."""
     for step in steps.values():
         for _ in range(warmup):
             step()
     times = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             step()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}

@@ -186,3 +186,31 @@ def test_ghost_norms_of_long_sequences(name, make, make_x):
     want, _ = clipped_reference(expected, "per_layer", "mean", len(x))
     for k in want:
         torch.testing.assert_close(got[k], want[k], msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+@pytest.mark.parametrize("method", ["ghost", "per_sample"])
+def test_tied_linear_in_a_compiled_model_both_norm_forms(method, loss_reduction):
+    """The cross terms of a parameter used twice, with G as the compiled model delivers it (a mean loss's G
+    carries 1/N, folded into the norms)."""
+    torch.manual_seed(0)
+    model, x = TiedAndFrozen().double(), torch.randn(5, 3, 4).double()
+    expected, R = expected_grad_samples(model, x)
+    book = BookkeepingSink(method)
+    got, _ = private_grads(copy.deepcopy(model), x, R, sink=book, clipping="flat", loss_reduction=loss_reduction,
+                           n_params=len(expected))
+    want, _ = clipped_reference(expected, "flat", loss_reduction, len(x))
+    assert book.tied  # the shared layer's weight and bias were seen twice in one backward pass
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], msg=lambda m: f"{k}: {m}")
+
+
+def test_a_capture_forms_the_summed_loss_gradient_once_when_read():
+    from fxdp.grad_sample.sink import LayerCapture
+
+    g = torch.arange(6.0).view(2, 3)
+    capture = LayerCapture(2, dict, backprops=g, backprops_scale=2.0)
+    assert capture.backprops_unscaled is g and capture.backprops_scale == 2.0
+    torch.testing.assert_close(capture.backprops, g * 2)
+    assert capture.backprops is capture.backprops and capture.backprops_scale == 1.0  # formed once
+    assert torch.equal(g, torch.arange(6.0).view(2, 3))  # the delivered tensor is not changed in place

@@ -60,26 +60,40 @@ def layer_capture(
     batch_dim: int = 0,
     kwargs: Optional[Mapping[str, Any]] = None,
     generic: bool = False,
+    backprops_scale: float = 1.0,
 ) -> LayerCapture:
     """What a layer hands its model's sink: ``activations`` and ``backprops`` are batch first, the
-    backprops those of a summed loss. With a hand-written rule (unless ``generic``) the capture carries
-    the layer, A and G (the rule sees neither ``kwargs`` nor ``batch_dim``); otherwise only the generic
-    rule's thunk, which re-runs each sample with the batch at ``batch_dim`` (the layer's own layout)."""
+    backprops those of a summed loss once multiplied by ``backprops_scale`` (left to the capture: see
+    :class:`~fxdp.grad_sample.sink.LayerCapture`). With a hand-written rule (unless ``generic``) the
+    capture carries the layer, A and G (the rule sees neither ``kwargs`` nor ``batch_dim``); otherwise only
+    the generic rule's thunk, which re-runs each sample with the batch at ``batch_dim`` (the layer's own
+    layout)."""
     params = tuple(p for p in module.parameters() if p.requires_grad)
     if batch_size == 0:  # an empty batch (Poisson sampling): no rows; rules' reshape(n, -1) cannot take it
         return LayerCapture(0, lambda: {p: p.new_zeros((0, *p.shape)) for p in params}, params=params)
+
+    def summed(compute) -> Dict[nn.Parameter, torch.Tensor]:
+        """``compute(G)`` for the summed loss's G. Per-sample gradients are linear in G, so the factor scales
+        whichever is smaller: G, or the per-sample gradients (a norm layer's are (N, C), its G (N, C, H, W))."""
+        if backprops_scale == 1.0 or not isinstance(backprops, torch.Tensor):
+            return compute(backprops)
+        if batch_size * sum(p.numel() for p in params) < backprops.numel():
+            return {p: g * backprops_scale for p, g in compute(backprops).items()}
+        return compute(backprops * backprops_scale)
+
     rule = None if generic else find_grad_sampler(module)
     if rule is not None:
         def grad_samples() -> Dict[nn.Parameter, torch.Tensor]:
             with torch.enable_grad():  # backward hooks run with grad mode off: the CPU LSTM has no backward there
-                return {p: g for p, g in rule(module, activations, backprops).items() if p.requires_grad}
+                return {p: g for p, g in summed(lambda g: rule(module, activations, g)).items() if p.requires_grad}
 
         tensors = tuple(a for a in activations if isinstance(a, torch.Tensor))
-        return LayerCapture(batch_size, grad_samples, module, tensors, backprops, params)
+        return LayerCapture(batch_size, grad_samples, module, tensors, backprops, params,
+                            backprops_scale=backprops_scale)
 
     def generic() -> Dict[nn.Parameter, torch.Tensor]:
         with torch.enable_grad():
-            return generic_grad_sampler(module, activations, backprops, batch_dim=batch_dim, kwargs=kwargs)
+            return summed(lambda g: generic_grad_sampler(module, activations, g, batch_dim=batch_dim, kwargs=kwargs))
 
     return LayerCapture(batch_size, generic, params=params)
 

@@ -40,9 +40,15 @@ def check_loss_reduction(loss_reduction: str) -> None:
         raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
 
 
+def summed_loss_scale(loss_reduction: str, batch_size: int) -> float:
+    """What the output gradient of a loss reduced this way is multiplied by to be a summed loss's: a
+    mean's backprops carry ``1/N``."""
+    return float(batch_size) if loss_reduction == "mean" else 1.0
+
+
 def summed_loss_backprops(backprops, loss_reduction: str, batch_size: int):
-    """The output gradient of a summed loss: a mean's backprops carry ``1/N``, undone here (the one
-    place it is). ``backprops`` may be a tensor or a sequence of them (``None`` entries stay)."""
+    """The output gradient of a summed loss (see :func:`summed_loss_scale`). ``backprops`` may be a tensor
+    or a sequence of them (``None`` entries stay)."""
     if loss_reduction != "mean":
         return backprops
     if isinstance(backprops, torch.Tensor):

@@ -34,7 +34,12 @@ from fxdp.diagnostics.errors import PerSampleError
 
 @dataclass
 class LayerCapture:
-    """What one DP-aware op saw in one backward pass."""
+    """What one DP-aware op saw in one backward pass.
+
+    ``backprops`` always reads as G of the *summed* loss. A producer may hand the output gradient as it
+    came (a mean loss's, carrying ``1/N``) with ``backprops_scale=N``: the first read of ``backprops`` then
+    forms the product (once), while a reader that folds the factor into its own arithmetic reads
+    ``backprops_unscaled`` and ``backprops_scale`` instead and saves a copy of G per layer."""
 
     batch_size: int
     grad_samples: Callable[[], Dict[nn.Parameter, torch.Tensor]]  # -> {p: (N, *p.shape)}, summed loss
@@ -43,6 +48,25 @@ class LayerCapture:
     backprops: Optional[torch.Tensor] = None  # G: gradient of the summed loss w.r.t. the output, batch first
     params: Sequence[nn.Parameter] = field(default_factory=tuple)  # the trainable parameters it covers
     call: int = 0  # the model's forward call it belongs to: two calls before one backward are different samples
+    backprops_scale: float = 1.0  # G of the summed loss = backprops_unscaled * backprops_scale
+
+    @property
+    def backprops_unscaled(self) -> Optional[torch.Tensor]:
+        return self._backprops
+
+
+def _summed_loss_backprops(capture: LayerCapture) -> Optional[torch.Tensor]:
+    if capture.backprops_scale != 1.0 and capture._backprops is not None:
+        capture._backprops, capture.backprops_scale = capture._backprops * capture.backprops_scale, 1.0
+    return capture._backprops
+
+
+def _set_backprops(capture: LayerCapture, value: Optional[torch.Tensor]) -> None:
+    capture._backprops = value
+
+
+# ``backprops`` is a dataclass field (so the constructor takes it) read through this property.
+LayerCapture.backprops = property(_summed_loss_backprops, _set_backprops)
 
 
 class GradientSink(abc.ABC):

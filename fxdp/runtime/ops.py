@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 from fxdp.diagnostics.errors import PerSampleError
 from fxdp.grad_sample.accumulate import layer_capture
 from fxdp.grad_sample.bookkeeping import call_without_param_grads
-from fxdp.grad_sample.generic import layout_grad_samples, summed_loss_backprops
+from fxdp.grad_sample.generic import layout_grad_samples, summed_loss_backprops, summed_loss_scale
 from fxdp.grad_sample.recurrent import recurrent_forward, recurrent_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.grad_sample.sink import GradientSink, LayerCapture
@@ -193,8 +193,11 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
         forward = forward_call(site)
 
         def record(grads) -> None:
-            backprops = summed_loss_backprops(out_layouts[0].to_batch_first(grads[0], n), site.loss_reduction, n)
-            _deliver(site, layer_capture(module, activations, backprops, batch_size=n), forward)
+            # G as it came, with the factor that makes it a summed loss's: a sink that folds the factor
+            # into its norms and clip factors saves a copy of G (see LayerCapture)
+            backprops = out_layouts[0].to_batch_first(grads[0], n)
+            _deliver(site, layer_capture(module, activations, backprops, batch_size=n,
+                                         backprops_scale=summed_loss_scale(site.loss_reduction, n)), forward)
 
     else:
         # generic rule: the layer as a function of its parameters, each sample alone

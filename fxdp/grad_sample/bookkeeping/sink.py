@@ -57,9 +57,12 @@ class BookkeepingSink(GradientSink):
                 pending.setdefault(p, []).append(use)
 
     def _uses(self, capture: LayerCapture) -> Dict[nn.Parameter, _Use]:
-        module, g = capture.module, capture.backprops
+        # G as delivered and the factor that makes it the summed loss's (folded into norms and clip factors
+        # below, not multiplied into a copy of G); capture.backprops would form the product
+        module, unscaled, scale = capture.module, capture.backprops_unscaled, capture.backprops_scale
         acts = [a for a in capture.activations if isinstance(a, torch.Tensor)]
-        plan = plan_layer(module, [a.shape for a in acts], None if g is None else g.shape, self.method)
+        shape = None if unscaled is None else unscaled.shape
+        plan = plan_layer(module, [a.shape for a in acts], shape, self.method)
         if module is not None:
             self.plans[module] = plan
         params = [p for p in capture.params if p.requires_grad]
@@ -71,25 +74,26 @@ class BookkeepingSink(GradientSink):
                     check_grad_sample(p, gs, capture.batch_size, module)
                     out[p] = _Materialised(gs.detach())
             return out
-        a, g = acts[0].detach(), g.detach()
-        if a.shape[0] != capture.batch_size or g.shape[0] != capture.batch_size:
+        a, g_raw = acts[0].detach(), unscaled.detach()
+        if a.shape[0] != capture.batch_size or g_raw.shape[0] != capture.batch_size:
             raise PerSampleError(
-                f"fxdp: {plan.layer} delivered input {tuple(a.shape)} and output gradient {tuple(g.shape)} for a "
-                f"batch of {capture.batch_size}; where the batch sits was recorded wrongly"
+                f"fxdp: {plan.layer} delivered input {tuple(a.shape)} and output gradient {tuple(g_raw.shape)} for "
+                f"a batch of {capture.batch_size}; where the batch sits was recorded wrongly"
             )
         out: Dict[nn.Parameter, _Use] = {}
         for p in params:
             if p is bias and isinstance(module, nn.Linear):  # summed over the middle positions (G itself on (N, p))
-                out[p] = _Summed(g if g.dim() == 2 else g.reshape(g.shape[0], -1, g.shape[-1]).sum(1))
+                n, width = g_raw.shape[0], g_raw.shape[-1]
+                out[p] = _Summed(g_raw if g_raw.dim() == 2 else g_raw.reshape(n, -1, width).sum(1), scale)
             elif p is bias:  # a Conv: summed over the spatial positions
-                out[p] = _Summed(g.flatten(2).sum(2))
+                out[p] = _Summed(g_raw.flatten(2).sum(2), scale)
             elif isinstance(module, nn.Linear):
-                out[p] = _LinearWeight(a, g, plan.method)
+                out[p] = _LinearWeight(a, g_raw, plan.method, scale)
             elif isinstance(module, _CONVS):
-                out[p] = _ConvWeight(module, a, g, plan.method)
-            else:
-                out[p] = _EmbeddingWeight(module, a, g)
-            if plan.method == "per_sample" and p.numel() <= a[0].numel() + g[0].numel():
+                out[p] = _ConvWeight(module, a, g_raw, plan.method, scale)
+            else:  # an Embedding's G is (N, T, D), small next to its table: scaled once here
+                out[p] = _EmbeddingWeight(module, a, g_raw * scale if scale != 1.0 else g_raw)
+            if plan.method == "per_sample" and p.numel() <= a[0].numel() + g_raw[0].numel():
                 # its per-sample gradient is formed for the norm anyway and is smaller than A and G: keep it
                 # now (A and G are freed as backward goes on) and clip by a weighted sum, not a product
                 out[p] = _Materialised(out[p].grad_samples())

@@ -17,9 +17,11 @@ from fxdp.grad_sample.conv import _pad_activations, conv_grad_sample
 
 class _Use:
     """What one capture contributed to one parameter: enough for its norm, its clipped sum and, if asked,
-    its per-sample gradient."""
+    its per-sample gradient. ``scale``: the factor G still carries to be a summed loss's (a mean loss's
+    ``N``), folded into norms (``scale^2``) and clip factors instead of copying G."""
 
     batch_size: int
+    scale: float = 1.0
 
     def squared_norms(self) -> torch.Tensor:  # (N,), this use alone
         return self.grad_samples().flatten(1).pow(2).sum(1)
@@ -44,28 +46,29 @@ class _Materialised(_Use):
 
 
 class _LinearWeight(_Use):
-    """Weight of a Linear layer: per-sample gradient ``G_i^T A_i`` with A (N, T, d), G (N, T, p)."""
+    """Weight of a Linear layer: per-sample gradient ``scale * G_i^T A_i`` with A (N, T, d), G (N, T, p)."""
 
-    def __init__(self, a: torch.Tensor, g: torch.Tensor, method: str):
+    def __init__(self, a: torch.Tensor, g: torch.Tensor, method: str, scale: float = 1.0):
         n = g.shape[0]
         self.a = a.reshape(n, -1, a.shape[-1]).to(g.dtype)
         self.g = g.reshape(n, -1, g.shape[-1])
-        self.method = method
+        self.method, self.scale = method, scale
         self.batch_size = n
 
     def squared_norms(self):
         if self.method == "outer":
-            return self.a.pow(2).sum((1, 2)) * self.g.pow(2).sum((1, 2))
+            return self.a.pow(2).sum((1, 2)) * self.g.pow(2).sum((1, 2)) * self.scale ** 2
         if self.method == "ghost":
-            return _ghost_norms(self.a, self.g)
+            return _ghost_norms(self.a, self.g) * self.scale ** 2
         return self.grad_samples().pow(2).sum((1, 2))
 
     def grad_samples(self):
-        return torch.bmm(self.g.transpose(1, 2), self.a)
+        gs = torch.bmm(self.g.transpose(1, 2), self.a)
+        return gs * self.scale if self.scale != 1.0 else gs
 
     def clipped_sum(self, c):
         # G^T diag(c) A: the factors scale the narrower of A and G (fewer multiplications, a smaller copy)
-        c = c.to(self.g.dtype).view(-1, 1, 1)
+        c = (c * self.scale).to(self.g.dtype).view(-1, 1, 1)
         a, g = (self.a * c, self.g) if self.a.shape[-1] <= self.g.shape[-1] else (self.a, self.g * c)
         return g.flatten(0, 1).t().mm(a.flatten(0, 1))
 
@@ -89,28 +92,33 @@ def _ghost_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 class _Summed(_Use):
-    """A bias: its per-sample gradient is G summed over every non-batch, non-channel position."""
+    """A bias: its per-sample gradient is ``scale *`` G summed over every non-batch, non-channel position."""
 
-    def __init__(self, per_sample: torch.Tensor):
+    def __init__(self, per_sample: torch.Tensor, scale: float = 1.0):
         self.gs = per_sample  # (N, p), already materialised: as small as the bias
+        self.scale = scale
         self.batch_size = per_sample.shape[0]
 
     def grad_samples(self):
-        return self.gs
+        return self.gs * self.scale if self.scale != 1.0 else self.gs
+
+    def squared_norms(self):
+        return self.gs.pow(2).sum(1) * self.scale ** 2
 
     def clipped_sum(self, c):
-        return c.to(self.gs.dtype) @ self.gs
+        return (c * self.scale).to(self.gs.dtype) @ self.gs
 
 
 class _ConvWeight(_Use):
     """Weight of a Conv layer, from its input A (N, C_in, *S) and output gradient G (N, C_out, *L)."""
 
-    def __init__(self, module: nn.Module, a: torch.Tensor, g: torch.Tensor, method: str):
-        self.module, self.a, self.g, self.method = module, a.to(g.dtype), g, method
+    def __init__(self, module: nn.Module, a: torch.Tensor, g: torch.Tensor, method: str, scale: float = 1.0):
+        self.module, self.a, self.g, self.method, self.scale = module, a.to(g.dtype), g, method, scale
         self.batch_size = g.shape[0]
 
     def grad_samples(self):
-        return conv_grad_sample(self.module, [self.a], self.g)[self.module.weight]
+        gs = conv_grad_sample(self.module, [self.a], self.g)[self.module.weight]
+        return gs * self.scale if self.scale != 1.0 else gs
 
     def squared_norms(self):
         if self.method != "ghost":
@@ -118,12 +126,12 @@ class _ConvWeight(_Use):
         n, groups = self.batch_size, self.module.groups
         u = _patches(self.module, self.a)  # (N * groups, L, k * C_in / groups)
         g = self.g.reshape(n * groups, -1, u.shape[1]).transpose(1, 2)  # (N * groups, L, C_out / groups)
-        return _ghost_norms(u, g).view(n, groups).sum(1)
+        return _ghost_norms(u, g).view(n, groups).sum(1) * self.scale ** 2
 
     def clipped_sum(self, c):
         m = self.module
         x, padding = _pad_activations(m, self.a)
-        g = self.g * c.to(self.g.dtype).view(-1, *[1] * (self.g.dim() - 1))
+        g = self.g * (c * self.scale).to(self.g.dtype).view(-1, *[1] * (self.g.dim() - 1))
         _, weight_grad, _ = torch.ops.aten.convolution_backward(
             g, x, m.weight.detach(), None, list(m.stride), list(padding), list(m.dilation),
             False, [0] * len(padding), m.groups, [False, True, False],
@@ -210,7 +218,7 @@ def _tied_squared_norms(uses: List[_Use], prefer: Optional[str]) -> torch.Tensor
         d, p = uses[0].a.shape[-1], uses[0].g.shape[-1]
         ghost, per_sample = sum(t) ** 2 * (d + p), (sum(t) + 1) * d * p
         if prefer == "ghost" or (prefer != "per_sample" and ghost <= per_sample):
-            return sum(_gram_dot(k.a, l.a, k.g, l.g) for k in uses for l in uses)
+            return sum(_gram_dot(k.a, l.a, k.g, l.g) * (k.scale * l.scale) for k in uses for l in uses)
     if all(isinstance(u, _EmbeddingWeight) for u in uses):
         return _grouped_squared_norms(uses, uses[0].batch_size)
     total = uses[0].grad_samples()

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from fxdp.grad_sample.accumulate import layer_capture
-from fxdp.grad_sample.generic import summed_loss_backprops
+from fxdp.grad_sample.generic import summed_loss_scale
 from fxdp.grad_sample.recurrent.cells import GRULayer, LSTMLayer, RNNLayer
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.grad_sample.sink import LayerCapture
@@ -124,8 +124,9 @@ def _recorder(suffix_views, rows: _Rows, deliver: Callable[[LayerCapture], None]
         for view, a, g in ((ih, x, g_ih), (hh, h_prev, g_hh)):
             if not any(p is not None and p.requires_grad for p in (view.weight, view.bias)):
                 continue
-            g = summed_loss_backprops(rows.to_batch_first(g), loss_reduction, rows.n)
-            deliver(layer_capture(view, [rows.to_batch_first(a)], g, batch_size=rows.n))
+            # G as it came and the mean's factor, which a book-keeping sink folds into norms (see LayerCapture)
+            deliver(layer_capture(view, [rows.to_batch_first(a)], rows.to_batch_first(g), batch_size=rows.n,
+                                  backprops_scale=summed_loss_scale(loss_reduction, rows.n)))
 
     return record
 
