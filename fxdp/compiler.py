@@ -27,6 +27,7 @@ from fxdp.diagnostics import (
     PassReport,
     PassResult,
     Severity,
+    UnsupportedInputError,
 )
 from fxdp.engines import (
     ExpandedWeightsGradSampleModule,
@@ -90,7 +91,9 @@ def _make_report(model, traced, reports, engine="fx", fallback_reason=None, fall
     front_end_reason = None
     if not traced.ok:
         fallback_reason = f"the model cannot be traced by torch.fx ({traced.reason})"
-        if traced.export_error is not None:
+        if isinstance(traced.error, UnsupportedInputError):  # its inputs, not its code, keep it out of a graph
+            fallback_reason = traced.reason
+        elif traced.export_error is not None:
             fallback_reason += f", nor captured by torch.export ({traced.export_reason})"
         elif traced.error is not None:
             fallback_reason += "; pass example_inputs to let fxdp capture it with torch.export instead"

@@ -26,8 +26,10 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.fx
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 from fxdp import export_capture, meta
+from fxdp.diagnostics.errors import UnsupportedInputError
 from fxdp.diagnostics.source import SourceLocation, location_from_stack_trace, location_from_traceback
 from fxdp.grad_sample.registry import find_grad_sampler
 
@@ -156,6 +158,18 @@ def _unused_optional_inputs(model: nn.Module, example_inputs) -> Dict[str, None]
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
+def _packed_input(example_inputs) -> Optional[str]:
+    """Which example input is a PackedSequence ("input 0", "input 'x'"), if one is."""
+    if isinstance(example_inputs, PackedSequence):
+        return "the example input"
+    items = example_inputs.items() if isinstance(example_inputs, dict) else (
+        enumerate(example_inputs) if isinstance(example_inputs, (list, tuple)) else ())
+    for key, value in items:
+        if isinstance(value, PackedSequence):
+            return f"example input {key!r}"
+    return None
+
+
 def trace(model: nn.Module, example_inputs=None, batch_dim: int = 0) -> TraceResult:
     """Trace ``model`` into a GraphModule, or say why it cannot be traced and where.
 
@@ -164,6 +178,11 @@ def trace(model: nn.Module, example_inputs=None, batch_dim: int = 0) -> TraceRes
     ``error`` why torch.fx failed. With ``example_inputs``, inputs that default to None and are not
     among them are traced as None. ``batch_dim``: where the batch sits in the inputs (dynamic in the
     captured graph)."""
+    packed = _packed_input(example_inputs)
+    if packed is not None:  # no graph can say which packed row is whose: the hooks engine maps them
+        return TraceResult(None, UnsupportedInputError(
+            f"fxdp: {packed} is a PackedSequence: its rows interleave the samples by time step, which the "
+            "graph's batch analysis cannot follow; the hooks engine maps each packed row to its sample instead"))
     tracer = DPTracer()
     fixed = _unused_optional_inputs(model, example_inputs) if example_inputs is not None else {}
     try:

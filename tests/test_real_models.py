@@ -545,3 +545,33 @@ def test_a_loss_on_the_last_state_of_a_packed_rnn_gets_correct_per_sample_gradie
     compiled = assert_grad_samples_match(PackedLastState(), (torch.randn(N, 5, 3), torch.tensor([2, 5, 3, 4])),
                                          loss_reduction=reduction, atol=1e-9, rtol=1e-7)
     assert compiled.grad_sample_layers["rnn"] == "recurrent rule"
+
+
+class TakesPacked(nn.Module):
+    def __init__(self, cls):
+        super().__init__()
+        self.rnn, self.out = cls(3, 5), nn.Linear(5, 2)
+
+    def forward(self, packed):
+        _, state = self.rnn(packed)
+        h = state[0] if isinstance(state, tuple) else state
+        return self.out(h[-1])
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_a_packed_sequence_given_to_the_model_runs_on_the_hooks_engine_with_correct_gradients(cls):
+    torch.manual_seed(15)
+    model = TakesPacked(cls).double()
+    reference = copy.deepcopy(model)  # before fxdp hooks into the model
+    x, lengths = torch.randn(6, 3, 3, dtype=torch.float64), torch.tensor([4, 6, 2])
+    packed = pack_padded_sequence(x, lengths, enforce_sorted=False)
+    compiled = fxdp.compile_for_dp(model, (packed,), loss_reduction="sum")
+    report = fxdp.report(compiled)
+    assert report.engine == "hooks" and "example input 0 is a PackedSequence" in report.fallback_reason
+    with pytest.warns(UserWarning, match="could not verify"):
+        compiled(packed).pow(2).sum().backward()
+    for i, length in enumerate(lengths.tolist()):
+        alone = copy.deepcopy(reference)
+        alone(pack_padded_sequence(x[:length, i:i + 1], [length])).pow(2).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), alone.parameters()):
+            torch.testing.assert_close(p.grad_sample[i], q.grad, atol=1e-10, rtol=1e-8, msg=name)
