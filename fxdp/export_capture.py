@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxdp import meta
-from fxdp.diagnostics import ExportShapeError
+from fxdp.diagnostics import ExportModeError, ExportShapeError
 from fxdp.diagnostics.source import location_from_stack_trace
 
 aten = torch.ops.aten
@@ -96,6 +96,58 @@ class ExportShapeGuard(nn.Module):
                     "every batch to one sequence length).")
 
 
+class CapturedModeGuard(nn.Module):
+    """Refuses a forward in eval mode of a graph captured in training mode whose dropout is not a layer's
+    (the ``dropout_p`` of attention, ``F.dropout(x, p, self.training)``): the capture recorded it switched
+    on, and ``eval()`` cannot switch it off, so the outputs would silently stay dropped out."""
+
+    def __init__(self, sites: List[str], model_name: str):
+        super().__init__()
+        self.sites, self.model_name = sites, model_name
+
+    def forward(self, *inputs) -> None:
+        if not self.training:
+            raise ExportModeError(
+                f"fxdp: {self.model_name} was captured with torch.export in training mode, and its graph keeps "
+                f"dropout on that eval() cannot switch off: {'; '.join(self.sites)}. Evaluate with the model you "
+                "compiled (it shares its parameters with the compiled one), or build it with that dropout at 0.")
+
+
+def _dropout_p(node) -> float:
+    """The drop probability a captured ATen call applies (0 when none or in eval mode)."""
+    if node.op != "call_function":
+        return 0.0
+    if node.target in _DROPOUTS:
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.0)
+        return float(p) if train and isinstance(p, (int, float)) else 0.0
+    if node.target is aten.scaled_dot_product_attention.default:
+        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        return float(p) if isinstance(p, (int, float)) else 0.0
+    return 0.0
+
+
+_DROPOUTS = (aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default,
+             aten.alpha_dropout.default, aten.feature_alpha_dropout.default)
+_MODE_GUARD = "fxdp_captured_mode"
+
+
+def _guard_captured_dropout(graph: torch.fx.Graph, model_name: str) -> None:
+    """Dropout left in the graph after folding (not an nn.Dropout's) gets a :class:`CapturedModeGuard`."""
+    sites = []
+    for node in graph.nodes:
+        p = _dropout_p(node)
+        if p > 0:
+            where = location_from_stack_trace(node.meta.get("stack_trace"))
+            sites.append(f"node '{node.name}' (p={p:g}{f', at {where}' if where else ''})")
+    if not sites:
+        return
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    graph.owning_module.add_module(_MODE_GUARD, CapturedModeGuard(sites, model_name))
+    with graph.inserting_after(placeholders[-1] if placeholders else next(iter(graph.nodes))):
+        graph.call_module(_MODE_GUARD, ())
+
+
 def _positional_and_keyword(model: nn.Module, example_inputs) -> Tuple[tuple, Dict[str, Any]]:
     if isinstance(example_inputs, dict):
         return (), dict(example_inputs)
@@ -137,6 +189,7 @@ def capture(model: nn.Module, example_inputs, batch_dim: int = 0) -> torch.fx.Gr
     for node in graph.nodes:
         node.meta[meta.SOURCE] = location_from_stack_trace(node.meta.get("stack_trace"))
     _replace_export_guard(graph, args, kwargs, batch_dim, type(model).__name__)
+    _guard_captured_dropout(graph, type(model).__name__)
     graph._tracer_cls, graph._tracer_extras = None, {}  # export's tracer cannot re-trace the code of a copy
     gm = torch.fx.GraphModule(_root(model, captured, graph), graph, type(model).__name__)
     for attr in ("_in_spec", "_out_spec"):  # export's generated code flattens inputs and rebuilds outputs

@@ -228,3 +228,38 @@ def test_a_dropout_layer_follows_train_and_eval_in_a_captured_graph():
     compiled.eval()
     with torch.no_grad():
         torch.testing.assert_close(compiled(_x()), model.eval()(_x()))
+
+
+class AttentionWithDropout(nn.Module):
+    """Dropout as attention code writes it: a probability that depends on ``self.training``, not a layer."""
+
+    def __init__(self, p=0.5, where="sdpa"):
+        super().__init__()
+        self.qkv, self.p, self.where = nn.Linear(4, 12), p, where
+
+    def forward(self, x):
+        for _ in range(x.shape[1] // x.shape[1]):  # torch.fx cannot trace this; torch.export can
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+        p = self.p if self.training else 0.0
+        if self.where == "sdpa":
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p)
+        return torch.nn.functional.dropout(q @ k.transpose(1, 2), p, self.training) @ v
+
+
+@pytest.mark.parametrize("where", ["sdpa", "functional"])
+def test_eval_of_a_graph_captured_with_dropout_on_is_refused_naming_the_dropout(where):
+    model = AttentionWithDropout(where=where)
+    compiled = fxdp.compile_for_dp(model, (_x(),))
+    assert fxdp.report(compiled).front_end == "torch.export"
+    compiled(_x()).sum().backward()  # training: dropout on, as captured
+    compiled.eval()
+    with pytest.raises(fxdp.ExportModeError, match=r"captured with torch.export in training mode.*p=0\.5.*test_export_capture"):
+        compiled(_x())
+
+
+def test_a_graph_captured_with_dropout_zero_evaluates():
+    model = AttentionWithDropout(p=0.0)
+    compiled = fxdp.compile_for_dp(model, (_x(),))
+    compiled.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(_x()), model.eval()(_x()))

@@ -68,6 +68,11 @@ class ExportShapeError(FxdpError, ValueError):
     graph cannot run: a size the model's code took from the example inputs (a sequence length)."""
 
 
+class ExportModeError(FxdpError, RuntimeError):
+    """A model captured with torch.export in training mode, whose graph keeps dropout that is not a layer
+    (inside attention) switched on, was called in eval mode: its outputs would still be dropped out."""
+
+
 class NotPrivateError(FxdpError, ValueError):
     """The model cannot be trained with DP-SGD as it is; ``findings`` says why and where."""
 
