@@ -86,12 +86,20 @@ def _make_report(model, traced, reports, engine="fx", fallback_reason=None, fall
     if traced.fixed_to_none:
         notes = [*notes, f"traced with {', '.join(traced.fixed_to_none)} = None (they default to None and "
                          "example_inputs does not give them); give them in example_inputs to use them"]
+    front_end_reason = None
     if not traced.ok:
         fallback_reason = f"the model cannot be traced by torch.fx ({traced.reason})"
+        if traced.export_error is not None:
+            fallback_reason += f", nor captured by torch.export ({traced.export_reason})"
+        elif traced.error is not None:
+            fallback_reason += "; pass example_inputs to let fxdp capture it with torch.export instead"
         fallback_location = traced.location
         engine = "hooks"
+    elif traced.error is not None:  # captured by the second front end: say why the first failed, and where
+        where = f" at {traced.location}" if traced.location else ""
+        front_end_reason = f"torch.fx could not trace the model{where} ({traced.reason})"
     return CompileReport(type(model).__name__, traced.ok, tuple(reports), fallback_reason, fallback_location,
-                         engine, tuple(notes))
+                         engine, tuple(notes), traced.front_end, front_end_reason)
 
 
 _NO_INPUTS_NOTE = ("batch_dim: not run (no example_inputs); compile_for_dp runs it on the first batch, "
@@ -315,7 +323,8 @@ def _reanalyse(guard: runtime.BatchSource, inputs) -> None:
         reports = [*[p for p in previous.passes if p.name not in ("batch_dim", "per_sample")], result.report,
                    PassReport("per_sample", tuple(changes), previous.pass_report("per_sample").findings)]
         notes = [n for n in previous.notes if n != _NO_INPUTS_NOTE] + ["batch_dim: run on the first batch"]
-        setattr(ctx.compiled, _REPORT_ATTR, CompileReport(previous.model, True, tuple(reports), notes=tuple(notes)))
+        setattr(ctx.compiled, _REPORT_ATTR, dataclasses.replace(previous, passes=tuple(reports), notes=tuple(notes),
+                                                                fallback_reason=None, fallback_location=None))
     _pin_batch_inputs(guard, inputs)
 
 

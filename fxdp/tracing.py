@@ -1,11 +1,15 @@
-"""Symbolic tracing that remembers, for every node, the line of the user's code that created it.
+"""The front ends: torch.fx symbolic tracing first, torch.export second; every node remembers the line
+of the user's code that created it.
 
 - Modules with a per-sample rule (and the usual ``torch.nn`` layers) stay leaves: the graph calls
   them whole, so the per_sample pass can apply their rule.
 - Augmented assignment (``out += x``) and item assignment (``x[m] = v``) on traced tensors are
   recorded as ``operator.iadd`` / ``operator.setitem`` nodes instead of being silently turned into
   out-of-place ops (``+=``) or failing (``[]=``); the inplace pass then rewrites and reports them.
-- A model that cannot be traced is not an error: :func:`trace` returns the error and the user's line.
+- A model that torch.fx cannot trace is captured with ``torch.export`` (non-strict) when example inputs
+  are given (:mod:`fxdp.export_capture`: a graph of ATen ops, the batch dimension dynamic).
+- A model neither can capture is not an error: :func:`trace` returns both errors and the user's line
+  (the compiler then falls back to the hooks engine).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from fxdp import meta
+from fxdp import export_capture, meta
 from fxdp.diagnostics.source import SourceLocation, location_from_stack_trace, location_from_traceback
 from fxdp.grad_sample.registry import find_grad_sampler
 
@@ -108,6 +112,8 @@ class TraceResult:
     fixed_to_none: Tuple[str, ...] = ()  # optional inputs traced as None
     # a dict subclass forward returns (a ModelOutput-like OrderedDict): the graph returns a plain dict
     output_type: Optional[type] = None
+    front_end: Optional[str] = None  # "torch.fx" or "torch.export" (fxdp.export_capture); None: no graph
+    export_error: Optional[BaseException] = None  # why torch.export failed too (error: why torch.fx failed)
 
     @property
     def ok(self) -> bool:
@@ -117,8 +123,16 @@ class TraceResult:
     def reason(self) -> Optional[str]:
         if self.error is None:
             return None
-        first_line = str(self.error).strip().splitlines()[0] if str(self.error).strip() else ""
-        return f"{type(self.error).__name__}: {first_line}"
+        return _one_line(self.error)
+
+    @property
+    def export_reason(self) -> Optional[str]:
+        return None if self.export_error is None else _one_line(self.export_error)
+
+
+def _one_line(error: BaseException) -> str:
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {first_line}"
 
 
 def _unused_optional_inputs(model: nn.Module, example_inputs) -> Dict[str, None]:
@@ -143,19 +157,29 @@ def _unused_optional_inputs(model: nn.Module, example_inputs) -> Dict[str, None]
 def trace(model: nn.Module, example_inputs=None) -> TraceResult:
     """Trace ``model`` into a GraphModule, or say why it cannot be traced and where.
 
-    With ``example_inputs``, inputs that default to None and are not among them are traced as None."""
+    torch.fx first; when it fails and ``example_inputs`` are given, torch.export (non-strict) captures
+    the model on them (:mod:`fxdp.export_capture`); ``front_end`` says which graph this is and
+    ``error`` why torch.fx failed. With ``example_inputs``, inputs that default to None and are not
+    among them are traced as None."""
     tracer = DPTracer()
     fixed = _unused_optional_inputs(model, example_inputs) if example_inputs is not None else {}
     try:
         graph = tracer.trace(model, concrete_args=fixed or None)
     except Exception as exc:  # any Python the tracer cannot follow is a reported outcome
-        return TraceResult(None, exc, location_from_traceback(exc.__traceback__))
+        location = location_from_traceback(exc.__traceback__)
+        if example_inputs is None:
+            return TraceResult(None, exc, location)
+        try:
+            exported = export_capture.capture(model, example_inputs)
+        except Exception as export_exc:  # noqa: BLE001 - export's failures are reported outcomes too
+            return TraceResult(None, exc, location, export_error=export_exc)
+        return TraceResult(exported, exc, location, front_end=export_capture.FRONT_END)
     name = type(model).__name__
     gm = torch.fx.GraphModule(tracer.root, graph, name)
     gm.training = model.training  # not gm.train(): that would also reset the user's submodules' modes
     returned = tracer.last_value_type
     output_type = returned if returned is not None and issubclass(returned, dict) and returned is not dict else None
-    return TraceResult(gm, fixed_to_none=tuple(fixed), output_type=output_type)
+    return TraceResult(gm, fixed_to_none=tuple(fixed), output_type=output_type, front_end="torch.fx")
 
 
 class OutputType:
@@ -190,8 +214,10 @@ class CompiledGraphModule(torch.fx.GraphModule):
     # sites refer to them by name): the graph itself is saved instead.
     def __reduce__(self):
         body = self.__dict__.copy()
+        original = body.pop("_graph")
         graph = torch.fx.Graph()
-        graph.output(graph.graph_copy(body.pop("_graph"), {}))
+        graph._codegen = copy.deepcopy(original._codegen)  # torch.export's: flattens inputs, rebuilds outputs
+        graph.output(graph.graph_copy(original, {}))
         for node in graph.nodes:  # analysis results (fake tensors) are not needed to run, nor picklable
             node.meta = {k: v for k, v in node.meta.items() if _picklable(v)}
         return (_rebuild_compiled, (body, graph, type(self).__mro__[1].__name__))

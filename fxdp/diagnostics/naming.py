@@ -24,6 +24,8 @@ def op_name(op) -> str:
         return f"nn.{op.__name__}" if op.__module__.startswith("torch.nn") else op.__name__
     if isinstance(op, str):  # a call_method target or a call_module path
         return op
+    if isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(op)  # an ATen op of a graph torch.export captured: aten.view.default
     name = getattr(op, "__name__", None) or repr(op)
     if getattr(operator, name, None) is op:
         return f"operator.{name}"

@@ -31,6 +31,10 @@ class CompileReport:
     fallback_location: Optional[SourceLocation] = None
     engine: str = "fx"  # one of ENGINES
     notes: Tuple[str, ...] = field(default=())
+    # the front end that built the graph: "torch.fx" (symbolic tracing), "torch.export" (captured when
+    # torch.fx failed; front_end_reason says why it failed), None when there is no graph (hooks)
+    front_end: Optional[str] = None
+    front_end_reason: Optional[str] = None
 
     @property
     def mode(self) -> str:
@@ -57,7 +61,11 @@ class CompileReport:
 
     def __str__(self) -> str:
         lines = [f"fxdp compile report for {self.model}"]
-        if self.traced:
+        if self.traced and self.front_end not in (None, "torch.fx"):
+            lines.append(f"traced: yes ({self.front_end}); engine: {self.engine}")
+            if self.front_end_reason:
+                lines.append(f"front end: {self.front_end}, because {self.front_end_reason}")
+        elif self.traced:
             lines.append(f"traced: yes (torch.fx); engine: {self.engine}")
         else:
             lines.append("traced: no, falling back to the hooks engine (GradSampleModule)")

@@ -38,10 +38,14 @@ _WHOLE_MODEL = "fxdp runs the whole model as one op (engine fx+whole-model) inst
 
 
 def _inputs_reach(graph: torch.fx.Graph) -> Set[torch.fx.Node]:
-    """Nodes whose value depends on a model input (the others are parameters and constants)."""
+    """Nodes whose value depends on a model input (the others are parameters and constants).
+
+    The sizes of an input in a graph torch.export captured (``aten.sym_size.int``) do not count: what is
+    computed from sizes alone (position ids from ``arange(T)``) is the same for every sample."""
     reached: Set[torch.fx.Node] = set()
     for node in graph.nodes:
-        if node.op == "placeholder" or any(a in reached for a in node.all_input_nodes):
+        if node.op == "placeholder" or (any(a in reached for a in node.all_input_nodes)
+                                        and node.target is not torch.ops.aten.sym_size.int):
             reached.add(node)
     return reached
 

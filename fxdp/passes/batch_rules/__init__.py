@@ -23,6 +23,8 @@ The package, one file per family, each registering its own ops next to its rules
 - :mod:`.layers`: convolution, pooling, normalisation, losses, recurrent and attention layers;
 - :mod:`.torchvision`: the functions torchvision's models wrap for fx (stochastic depth, Swin's
   window attention), registered by dotted name;
+- :mod:`.aten`: ATen ops (graphs captured by torch.export): each gets the rule of the torch function or
+  Tensor method of its name, and the few whose arguments differ have their own;
 - :mod:`.nodes`: what the generic interpreter asks about a node besides its rule (facts such as
   ``x.size(0)``, elements of tuple outputs, in-place writes).
 
@@ -41,6 +43,7 @@ from fxdp.passes.batch_rules import contractions as _contractions  # noqa: F401
 from fxdp.passes.batch_rules import layers as _layers  # noqa: F401
 from fxdp.passes.batch_rules import indexing as _indexing  # noqa: F401
 from fxdp.passes.batch_rules import torchvision as _torchvision  # noqa: F401
+from fxdp.passes.batch_rules import aten as _aten  # noqa: F401
 from fxdp.passes.batch_rules.contractions import contraction, parse_einsum
 from fxdp.passes.batch_rules.core import (
     BatchRule,

@@ -131,6 +131,8 @@ _OP_RULES: Dict[Any, BatchRule] = {}  # functions, getattr, Tensor method names
 # classes (nn.Module types): MRO lookup, not for subclasses that override forward
 _LAYER_RULES: TypeRegistry[BatchRule] = TypeRegistry(unless_overridden="forward")
 _NAMES: Dict[Any, str] = {}  # display names of registered torch functions ("torch.sum", "F.softmax")
+# rules derived for ops nobody registered (an ATen op gets the rule of its torch equivalent, .aten)
+_RESOLVERS: List[Callable[[Any], Optional[BatchRule]]] = []
 
 
 def register_batch_rule(ops, *, subclasses: bool = False):
@@ -167,7 +169,16 @@ def find_batch_rule(op) -> Optional[BatchRule]:
         return None
     if rule is None and callable(op) and not isinstance(op, str):
         rule = _OP_RULES.get(_dotted_name(op))
+    for resolve in _RESOLVERS if rule is None else ():
+        rule = resolve(op)
+        if rule is not None:
+            break
     return rule
+
+
+def add_rule_resolver(resolve: Callable[[Any], Optional[BatchRule]]) -> None:
+    """``resolve(op) -> rule or None`` is asked for ops that have no registered rule (after them)."""
+    _RESOLVERS.append(resolve)
 
 
 def _dotted_name(fn) -> str:
@@ -195,6 +206,8 @@ def op_name(op) -> str:
         return f"nn.{op.__name__}" if op.__module__.startswith("torch.nn") else op.__name__
     if isinstance(op, str):
         return op
+    if isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(op)  # aten.view.default
     try:
         known = _NAMES.get(op)
     except TypeError:

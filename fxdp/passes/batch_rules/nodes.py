@@ -27,10 +27,11 @@ import torch
 import torch.fx
 
 from fxdp.layout import BATCHED, UNKNOWN_LAYOUT, BatchLayout
+from fxdp.passes.batch_rules.aten import canonical_target
 from fxdp.passes.batch_rules.core import Facts, _norm_dim, mirror
 
 # ops that keep "this is torch.arange(N), each sample's own index" when applied to it
-_INDEX_PRESERVING = {"unsqueeze", "view", "reshape", "expand", "contiguous", "to", "long", "int",
+_INDEX_PRESERVING = {"unsqueeze", "view", "reshape", "expand", "contiguous", "to", "long", "int", "clone", "alias",
                      torch.unsqueeze, torch.reshape, operator.getitem}
 
 
@@ -43,10 +44,10 @@ def record_facts(n: torch.fx.Node, args, layouts: Mapping[torch.fx.Node, Any], f
 
     ``args``: the node's argument values; ``layouts``: the layouts of the nodes computed so far.
     """
-    t = n.target
+    op, t = canonical_target(n)  # an ATen node as the fx node it stands for (aten.sym_size.int: x.size(d))
     first = n.args[0] if n.args else None
     lay = layouts.get(first) if isinstance(first, torch.fx.Node) else None
-    if n.op == "call_method" and t == "size" and isinstance(args[0], torch.Tensor):
+    if op == "call_method" and t == "size" and isinstance(args[0], torch.Tensor):
         d = args[1] if len(args) > 1 else n.kwargs.get("dim")
         if d is None:
             facts.shapes[n] = lay
@@ -55,13 +56,13 @@ def record_facts(n: torch.fx.Node, args, layouts: Mapping[torch.fx.Node, Any], f
     elif (n.op == "call_function" and t is builtins.getattr and args[1] == "shape"
           and isinstance(args[0], torch.Tensor)):
         facts.shapes[n] = lay
-    elif n.op == "call_function" and t is operator.getitem and first in facts.shapes and isinstance(args[1], int):
+    elif op == "call_function" and t is operator.getitem and first in facts.shapes and isinstance(args[1], int):
         shape_of = facts.shapes[first]
         if _is_batched(shape_of) and _norm_dim(args[1], len(args[0])) == shape_of.dim:
             facts.batch_size.add(n)
-    elif n.op == "call_function" and t is builtins.len and _is_batched(lay) and lay.dim == 0:
+    elif op == "call_function" and t is builtins.len and _is_batched(lay) and lay.dim == 0:
         facts.batch_size.add(n)
-    elif n.op == "call_function" and t is torch.arange:
+    elif op == "call_function" and t is torch.arange:
         a = list(n.args)
         step_one = n.kwargs.get("step", a[2] if len(a) > 2 else 1) == 1
         end = a[0] if len(a) == 1 else (a[1] if len(a) > 1 and args[0] == 0 else n.kwargs.get("end"))
@@ -72,7 +73,7 @@ def record_facts(n: torch.fx.Node, args, layouts: Mapping[torch.fx.Node, Any], f
 def reads_facts(n: torch.fx.Node, inputs: Iterable[torch.fx.Node], facts: Facts) -> bool:
     """True when the node computes with a recorded batch size or shape (``inputs``: its input nodes)."""
     return any(isinstance(a, torch.fx.Node) and (a in facts.batch_size or a in facts.shapes)
-               for a in inputs) or n.target is torch.arange
+               for a in inputs) or canonical_target(n)[1] is torch.arange
 
 
 def selects_element(n: torch.fx.Node, args) -> bool:
@@ -113,4 +114,14 @@ def is_inplace(n: torch.fx.Node) -> bool:
 
 def keeps_sample_index(n: torch.fx.Node) -> bool:
     """Applied to ``torch.arange(N)``, this op's result still indexes each sample's own rows."""
-    return n.op != "call_module" and n.target in _INDEX_PRESERVING
+    op, target = canonical_target(n)
+    if target is operator.getitem and op == "call_function" and n.target is not operator.getitem:
+        return _full_slice(n)  # aten.slice.Tensor: only x[:] keeps every sample's index
+    return op != "call_module" and target in _INDEX_PRESERVING
+
+
+def _full_slice(n: torch.fx.Node) -> bool:
+    start = n.args[2] if len(n.args) > 2 else n.kwargs.get("start")
+    end = n.args[3] if len(n.args) > 3 else n.kwargs.get("end")
+    step = n.args[4] if len(n.args) > 4 else n.kwargs.get("step", 1)
+    return start in (None, 0) and (end is None or (isinstance(end, int) and end >= 2 ** 62)) and step == 1
