@@ -47,7 +47,8 @@ LABELS: Tuple[str, ...] = tuple(FAMILIES)
 PAD, CLS = 0, 1  # token ids reserved before the hashed words
 NUM_RESERVED = 2
 MIN_WORDS = 5  # shorter texts ("Return self.") say little about their module
-CHUNK_WORDS = 24  # longer docstrings are cut into samples of at most this many words
+CHUNK_WORDS = 16  # longer docstrings are cut into samples of at most this many words
+MAX_TOKENS = 48  # CLS and the first 47 tokens of a sample (punctuation marks are tokens too)
 TOKEN_PATTERN = re.compile(r"[a-z]+|[0-9]+|[^\sa-z0-9]")
 
 
@@ -78,7 +79,7 @@ class HashingTokenizer:
     ``vocab_size - NUM_RESERVED`` buckets; a sequence starts with ``CLS``. Fixed in advance, so the
     same on every machine and independent of any text it is applied to."""
 
-    def __init__(self, vocab_size: int = 4096, max_length: int = 64):
+    def __init__(self, vocab_size: int = 4096, max_length: int = MAX_TOKENS):
         if vocab_size <= NUM_RESERVED:
             raise ValueError(f"vocab_size must exceed the {NUM_RESERVED} reserved ids, got {vocab_size}")
         self.vocab_size = vocab_size
