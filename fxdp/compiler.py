@@ -38,6 +38,7 @@ from fxdp.engines import (
 from fxdp.engines.base import user_hooks
 from fxdp.engines.hooks import fallback_self_check
 from fxdp.engines.whole_model import whole_model_op
+from fxdp.export_capture import ExportShapeError
 from fxdp.engines.wrappers import AlreadyCompiledError, unwrap_or_refuse  # noqa: F401  (re-exported)
 from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.bookkeeping import BookkeepingSink, describe_plans, plan_graph
@@ -46,7 +47,7 @@ from fxdp.passes.batch_dim import batched_input_names, bind_inputs, propagate_ba
 from fxdp.passes.inplace import remove_inplace_ops
 from fxdp.passes.per_sample import batch_source, insert_per_sample_ops, one_sample_layouts, update_site_layouts
 from fxdp.passes.validate import validate_graph
-from fxdp.tracing import OutputType, make_copyable, trace
+from fxdp.tracing import OutputType, copy_graph_module, make_copyable, trace
 from fxdp.diagnostics.errors import expect_module
 
 _REPORT_ATTR = "fxdp_report"
@@ -70,7 +71,7 @@ def _run(name: str, fn: Callable[..., PassResult], gm: torch.fx.GraphModule, rep
 
 def _analyse(model: nn.Module, example_inputs, batch_dim: int, strict: bool, batch_inputs=None):
     """Trace and run the analysis passes. Returns (graph module or None, trace result, pass reports)."""
-    traced = trace(model, example_inputs)
+    traced = trace(model, example_inputs, batch_dim)
     if not traced.ok:
         return None, traced, []
     reports: List[PassReport] = []
@@ -213,7 +214,7 @@ def compile_for_dp(
                                                     notes=_bookkeeping_notes(sink, engine)))
         return wrapped
 
-    analysed = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # re-analysed by the guards for new shapes
+    analysed = copy_graph_module(gm)  # re-analysed by the guards for new shapes
     sink = sink if sink is not None else GradSampleSink()  # one per compiled model: its DP-aware ops deliver here
     gm = _run("per_sample", insert_per_sample_ops, gm, reports, loss_reduction=loss_reduction, batch_dim=batch_dim,
               sink=sink)
@@ -294,6 +295,8 @@ def _reanalyse(guard: runtime.BatchSource, inputs) -> None:
         result = propagate_batch_dim(ctx.analysed, tuple(inputs), batch_dim=ctx.batch_dim, strict=ctx.strict,
                                      batch_inputs=ctx.batch_inputs)
     except BatchDimAnalysisError as exc:
+        if isinstance(exc.__cause__, ExportShapeError):  # a captured graph's sizes do not fit: its own error
+            raise exc.__cause__
         if not first and exc.__cause__ is not None and not isinstance(exc.__cause__, FxdpError):
             # an op of an analysed model fails on these inputs: the error its own forward raises
             raise exc.__cause__

@@ -7,9 +7,9 @@ those models. What changes for the passes:
 
 - the graph calls ATen ops (``torch.ops.aten.linear.default``), not torch functions, Tensor methods
   and layers; their batch rules are in :mod:`fxdp.passes.batch_rules.aten`;
-- every dimension of every input tensor is dynamic (``Dim.AUTO``), so the graph runs for other batch
-  sizes (and sequence lengths, where the model allows); the sizes it does build in are checked at every
-  forward by export's own guard, which raises :class:`ExportShapeError` here;
+- the batch dimension of every input tensor is dynamic (``Dim.AUTO``), so the graph runs for other
+  batch sizes; the sizes it builds in (sequence lengths, image sizes) are checked at every forward by
+  export's own guard, which raises :class:`ExportShapeError` here;
 - each node's ``stack_trace`` holds the Python frames that dispatched it: ``meta.SOURCE`` is the
   innermost one outside torch and fxdp (a line of the user's code, or of the library the model comes
   from, as for torchvision models);
@@ -24,7 +24,11 @@ The model's output keeps its type (a ``ModelOutput``): export's pytree code gene
 
 from __future__ import annotations
 
+import contextlib
+import copyreg
 import inspect
+import io
+import logging
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -41,31 +45,50 @@ aten = torch.ops.aten
 FRONT_END = "torch.export"
 
 
+def _op_overload(namespace: str, name: str, overload: str):
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+
+def _reduce_op_overload(op):
+    return _op_overload, (op.namespace, op._opname, op._overloadname)
+
+
+# a compiled model's sites hold the ATen ops they call; pickle names them (torch's OpOverload has no reduce)
+copyreg.pickle(torch._ops.OpOverload, _reduce_op_overload)
+
+
 class ExportShapeError(FxdpError, ValueError):
     """A model captured with torch.export was called with inputs whose shapes its graph cannot run
     (a size the model's code made fixed at capture time)."""
 
 
 class ExportShapeGuard(nn.Module):
-    """Runs torch.export's check of the input shapes and turns its failure into an fxdp error."""
+    """Checks at every forward that the inputs have the sizes the captured graph holds: every size of
+    every tensor input as in the example inputs, but the batch dimension, which all batched inputs
+    share. (torch.export's own check is a closure that cannot be pickled; this one can.)"""
 
-    def __init__(self, check: nn.Module, model_name: str):
+    def __init__(self, names: List[str], shapes: List[Optional[Tuple[Optional[int], ...]]], batch_dim: int,
+                 model_name: str):
         super().__init__()
-        self.check = check
-        self.model_name = model_name
+        self.names, self.shapes, self.batch_dim, self.model_name = names, shapes, batch_dim, model_name
 
-    def forward(self, *inputs):
-        try:
-            self.check(*inputs)
-        except Exception as exc:  # export raises AssertionError / RuntimeError naming the size
-            shapes = ", ".join(str(tuple(x.shape)) for x in inputs if isinstance(x, torch.Tensor))
-            raise ExportShapeError(
-                f"fxdp: {self.model_name} was captured with torch.export (torch.fx could not trace it), and its "
-                f"graph holds sizes the model's code fixed for the example inputs; inputs of shapes {shapes} break "
-                f"them ({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}). Compile "
-                "again with example_inputs of the shapes you train with (e.g. pad every batch to one sequence "
-                "length)."
-            ) from exc
+    def forward(self, *inputs) -> None:
+        batch = None
+        for name, expected, x in zip(self.names, self.shapes, inputs):
+            if expected is None or not isinstance(x, torch.Tensor):
+                continue
+            fits = x.dim() == len(expected) and all(e is None or e == s for e, s in zip(expected, x.shape))
+            if fits and expected[self.batch_dim] is None:
+                fits = batch is None or x.shape[self.batch_dim] == batch
+                batch = x.shape[self.batch_dim]
+            if not fits:
+                want = tuple("N" if e is None else e for e in expected)
+                raise ExportShapeError(
+                    f"fxdp: {self.model_name} was captured with torch.export (torch.fx could not trace it), and the "
+                    f"graph holds the sizes the model's code took from the example inputs: input '{name}' must have "
+                    f"shape {want} (N: the batch size, shared by the batched inputs), but it has "
+                    f"{tuple(x.shape)}. Compile again with example_inputs of the shapes you train with (e.g. pad "
+                    "every batch to one sequence length).")
 
 
 def _positional_and_keyword(model: nn.Module, example_inputs) -> Tuple[tuple, Dict[str, Any]]:
@@ -76,12 +99,14 @@ def _positional_and_keyword(model: nn.Module, example_inputs) -> Tuple[tuple, Di
     return (example_inputs,), {}
 
 
-def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: Dict[str, Any]):
-    """Every dimension of every tensor input dynamic (``Dim.AUTO``: export keeps what the code allows)."""
+def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: Dict[str, Any], batch_dim: int):
+    """The batch dimension of every tensor input dynamic (``Dim.AUTO``: export keeps it dynamic where the
+    code allows, and finds which inputs share it). Other sizes stay as the example inputs have them:
+    making them dynamic too doubles the time export takes."""
     from torch.export import Dim
 
     def dims(value):
-        return {d: Dim.AUTO for d in range(value.dim())} if isinstance(value, torch.Tensor) else None
+        return {batch_dim: Dim.AUTO} if isinstance(value, torch.Tensor) and value.dim() > batch_dim else None
 
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
     spec = {}
@@ -90,20 +115,24 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: Dict[str, Any]):
     return spec
 
 
-def capture(model: nn.Module, example_inputs) -> torch.fx.GraphModule:
+def capture(model: nn.Module, example_inputs, batch_dim: int = 0) -> torch.fx.GraphModule:
     """``model`` as a GraphModule of ATen ops, captured by ``torch.export`` (non-strict) on
     ``example_inputs``, re-rooted on ``model`` (its parameters and layers are the model's own), with
     source locations and stock layers folded back. Raises what torch.export raises."""
     args, kwargs = _positional_and_keyword(model, example_inputs)
-    exported = torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs),
-                                   strict=False)
+    with _quiet_export():
+        exported = torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs, batch_dim),
+                                       strict=False)
     captured = exported.module()
     graph = captured.graph
     _drop_metadata_asserts(graph)
     owners = _parameter_owners(model)
     fold_layers(graph, model, owners)
+    fold_registered_layers(graph, model)
     for node in graph.nodes:
         node.meta[meta.SOURCE] = location_from_stack_trace(node.meta.get("stack_trace"))
+    _replace_export_guard(graph, args, kwargs, batch_dim, type(model).__name__)
+    graph._tracer_cls, graph._tracer_extras = None, {}  # export's tracer cannot re-trace the code of a copy
     gm = torch.fx.GraphModule(_root(model, captured, graph), graph, type(model).__name__)
     for attr in ("_in_spec", "_out_spec"):  # export's generated code flattens inputs and rebuilds outputs
         if hasattr(captured, attr):
@@ -113,12 +142,57 @@ def capture(model: nn.Module, example_inputs) -> torch.fx.GraphModule:
     return gm
 
 
+# torch loggers that report a failing export (its error, which the report shows, says it all)
+_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch.export", "torch._export", "torch._dynamo",
+                   "torch._subclasses.fake_tensor")
+
+
+@contextlib.contextmanager
+def _quiet_export():
+    """A failing export prints its partial graph to stderr and logs warnings; the compile report says why
+    it failed instead. The loggers' levels are raised for the duration and restored after (nothing else
+    about logging is touched), and stderr is kept for the duration."""
+    loggers = [logging.getLogger(name) for name in _EXPORT_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def _drop_metadata_asserts(graph: torch.fx.Graph) -> None:
     """``aten._assert_tensor_metadata`` checks dtypes export saw; they compute nothing and would count
     as uses of the values they check (a parameter's embedding would look used outside its site)."""
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is aten._assert_tensor_metadata.default and not node.users:
             graph.erase_node(node)
+
+
+_GUARD = "fxdp_input_shapes"
+
+
+def _replace_export_guard(graph: torch.fx.Graph, args, kwargs, batch_dim: int, model_name: str) -> None:
+    """export's guard call (``_guards_fn``) becomes a call of an :class:`ExportShapeGuard` of the example
+    inputs' shapes, right after the inputs (before any size is used)."""
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            graph.erase_node(node)
+    leaves = pytree.tree_leaves((args, kwargs))
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(leaves) != len(placeholders):
+        return  # inputs export flattened otherwise: no guard rather than a wrong one (export's specs check them)
+    first = next((x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > batch_dim), None)
+    n = None if first is None else first.shape[batch_dim]
+    shapes = [tuple(None if d == batch_dim and s == n else s for d, s in enumerate(x.shape))
+              if isinstance(x, torch.Tensor) else None for x in leaves]
+    graph.owning_module.add_module(_GUARD, ExportShapeGuard([str(p.target) for p in placeholders], shapes, batch_dim,
+                                                            model_name))
+    with graph.inserting_after(placeholders[-1]):
+        graph.call_module(_GUARD, tuple(placeholders))
 
 
 def _root(model: nn.Module, captured: torch.fx.GraphModule, graph: torch.fx.Graph) -> Dict[str, Any]:
@@ -131,8 +205,6 @@ def _root(model: nn.Module, captured: torch.fx.GraphModule, graph: torch.fx.Grap
         value = _attribute(model, node.target)
         if value is None:
             value = _attribute(captured, node.target)
-        if node.op == "call_module" and node.target == "_guards_fn":
-            value = ExportShapeGuard(value, type(model).__name__)
         root[node.target] = value
     return root
 
@@ -256,7 +328,28 @@ def _match_batch_norm(node, get, owners):
     return (found, (node.args[0],)) if same else None
 
 
+def _cell_matcher(cls, nonlinearity=None):
+    """aten.gru_cell / lstm_cell / rnn_*_cell(input, hx, w_ih, w_hh, b_ih, b_hh) of an nn.*Cell."""
+    def match(node, get, owners):
+        w_ih = get(_arg(node, 2, "w_ih"))
+        found = _owner(owners, w_ih, cls)
+        if not found:
+            return None
+        m = found[1]
+        same = (m.weight_ih is w_ih and m.weight_hh is get(_arg(node, 3, "w_hh"))
+                and m.bias_ih is get(_arg(node, 4, "b_ih")) and m.bias_hh is get(_arg(node, 5, "b_hh"))
+                and (nonlinearity is None or m.nonlinearity == nonlinearity))
+        hx = node.args[1]
+        return (found, (node.args[0], tuple(hx) if isinstance(hx, (list, tuple)) else hx)) if same else None
+
+    return match
+
+
 _FOLDS = {
+    aten.gru_cell.default: _cell_matcher(nn.GRUCell),
+    aten.lstm_cell.default: _cell_matcher(nn.LSTMCell),
+    aten.rnn_tanh_cell.default: _cell_matcher(nn.RNNCell, "tanh"),
+    aten.rnn_relu_cell.default: _cell_matcher(nn.RNNCell, "relu"),
     aten.linear.default: _match_linear,
     aten.embedding.default: _match_embedding,
     aten.layer_norm.default: _match_layer_norm,
@@ -282,8 +375,7 @@ def fold_layers(graph: torch.fx.Graph, model: nn.Module, owners=None) -> List[st
     folded = []
     reached = set()  # nodes computed from a model input: a layer applied to anything else (position
     for node in graph.nodes:  # embeddings of arange(T)) stays an op the per_sample pass folds into its consumer
-        if node.op == "placeholder" or (any(a in reached for a in node.all_input_nodes)
-                                        and node.target is not aten.sym_size.int):
+        if node.op == "placeholder" or any(a in reached for a in node.all_input_nodes):
             reached.add(node)
     for node in list(graph.nodes):
         match = _FOLDS.get(node.target) if node.op == "call_function" else None
@@ -308,3 +400,50 @@ def _drop_counter_update(graph, holder, module) -> None:
         if (node.op == "call_function" and node.target is aten.add_.Tensor and not node.users
                 and _value(holder, node.args[0]) is counter and counter is not None):
             graph.erase_node(node)
+
+
+# ------------------------------------------------------------------------------------------------
+# Folding the calls of layers with a per-sample rule registered for their type (your own layers)
+# ------------------------------------------------------------------------------------------------
+
+
+def fold_registered_layers(graph: torch.fx.Graph, model: nn.Module) -> List[str]:
+    """Each call of a layer (not a torch.nn one: those are matched op by op) whose type has a per-sample
+    rule registered with ``fxdp.register_grad_sampler`` becomes a ``call_module`` node again, so its rule
+    serves it: the nodes the call recorded (``nn_module_stack``) are replaced by one call of the layer,
+    when they read exactly one value from outside (besides the layer's own parameters and buffers) and
+    one of them is used outside. Other calls keep their ATen ops, which the generic rule serves."""
+    from fxdp.grad_sample.registry import find_grad_sampler  # the registry of per-sample rules
+
+    layers = {name: m for name, m in model.named_modules()
+              if name and find_grad_sampler(m) is not None and not type(m).__module__.startswith("torch.nn")}
+    calls: Dict[str, List[torch.fx.Node]] = {}  # one call of a layer -> its nodes, in graph order
+    for node in graph.nodes:
+        for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
+            if path in layers and node.op == "call_function":
+                calls.setdefault(key, []).append(node)
+                break  # the outermost registered layer owns the node
+    holder = graph.owning_module
+    folded = []
+    for key, nodes in calls.items():
+        path = nodes[0].meta["nn_module_stack"][key][0]
+        own = {id(t) for t in list(layers[path].parameters()) + list(layers[path].buffers())}
+        inside = set(nodes)
+        outside_inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside
+                          and not (a.op == "get_attr" and id(_value(holder, a)) in own)}
+        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        if len(outside_inputs) != 1 or len(outputs) != 1:
+            continue
+        (x,), (out,) = outside_inputs, outputs
+        with graph.inserting_before(out):
+            call = graph.call_module(path, (x,))
+        call.meta.update(out.meta)
+        out.replace_all_uses_with(call)
+        for n in reversed(nodes):
+            if not n.users:
+                graph.erase_node(n)
+        folded.append(path)
+    for node in list(graph.nodes):  # the layer's parameters, read by nothing now
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    return folded

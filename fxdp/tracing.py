@@ -14,10 +14,12 @@ of the user's code that created it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import operator
 import pickle
+import warnings
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -154,23 +156,25 @@ def _unused_optional_inputs(model: nn.Module, example_inputs) -> Dict[str, None]
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def trace(model: nn.Module, example_inputs=None) -> TraceResult:
+def trace(model: nn.Module, example_inputs=None, batch_dim: int = 0) -> TraceResult:
     """Trace ``model`` into a GraphModule, or say why it cannot be traced and where.
 
     torch.fx first; when it fails and ``example_inputs`` are given, torch.export (non-strict) captures
     the model on them (:mod:`fxdp.export_capture`); ``front_end`` says which graph this is and
     ``error`` why torch.fx failed. With ``example_inputs``, inputs that default to None and are not
-    among them are traced as None."""
+    among them are traced as None. ``batch_dim``: where the batch sits in the inputs (dynamic in the
+    captured graph)."""
     tracer = DPTracer()
     fixed = _unused_optional_inputs(model, example_inputs) if example_inputs is not None else {}
     try:
-        graph = tracer.trace(model, concrete_args=fixed or None)
+        with _state_restored(model):
+            graph = tracer.trace(model, concrete_args=fixed or None)
     except Exception as exc:  # any Python the tracer cannot follow is a reported outcome
         location = location_from_traceback(exc.__traceback__)
         if example_inputs is None:
             return TraceResult(None, exc, location)
         try:
-            exported = export_capture.capture(model, example_inputs)
+            exported = export_capture.capture(model, example_inputs, batch_dim)
         except Exception as export_exc:  # noqa: BLE001 - export's failures are reported outcomes too
             return TraceResult(None, exc, location, export_error=export_exc)
         return TraceResult(exported, exc, location, front_end=export_capture.FRONT_END)
@@ -180,6 +184,19 @@ def trace(model: nn.Module, example_inputs=None) -> TraceResult:
     returned = tracer.last_value_type
     output_type = returned if returned is not None and issubclass(returned, dict) and returned is not dict else None
     return TraceResult(gm, fixed_to_none=tuple(fixed), output_type=output_type, front_end="torch.fx")
+
+
+@contextlib.contextmanager
+def _state_restored(model: nn.Module):
+    """Symbolic tracing runs ``forward`` with proxies: ``self.count += 1`` stores a Proxy in the buffer.
+    Every module's buffers and parameters are put back as they were afterwards."""
+    saved = [(m, dict(m._buffers), dict(m._parameters)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, buffers, params in saved:
+            m._buffers.update(buffers)
+            m._parameters.update(params)
 
 
 class OutputType:
@@ -216,21 +233,32 @@ class CompiledGraphModule(torch.fx.GraphModule):
         body = self.__dict__.copy()
         original = body.pop("_graph")
         graph = torch.fx.Graph()
-        graph._codegen = copy.deepcopy(original._codegen)  # torch.export's: flattens inputs, rebuilds outputs
+        with _quiet_pytree_specs():
+            graph._codegen = copy.deepcopy(original._codegen)  # torch.export's: flattens inputs, rebuilds outputs
         graph.output(graph.graph_copy(original, {}))
         for node in graph.nodes:  # analysis results (fake tensors) are not needed to run, nor picklable
             node.meta = {k: v for k, v in node.meta.items() if _picklable(v)}
         return (_rebuild_compiled, (body, graph, type(self).__mro__[1].__name__))
 
     def __deepcopy__(self, memo):
-        res = super().__deepcopy__(memo)
-        copied = copy.deepcopy(self.__dict__, memo)  # the objects the copy already holds, via memo
+        with _quiet_pytree_specs():
+            res = super().__deepcopy__(memo)
+            copied = copy.deepcopy(self.__dict__, memo)  # the objects the copy already holds, via memo
         for key, value in copied.items():
             if key in _HOOK_DICTS or key not in res.__dict__:
                 res.__dict__[key] = value
         res.training = self.training
         _relink(res)
         return res
+
+
+@contextlib.contextmanager
+def _quiet_pytree_specs():
+    """Copying torch.export's pytree specs (in a captured graph's code generator) warns about a check
+    torch itself makes (``isinstance(treespec, LeafSpec)``, deprecated); the user can do nothing about it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
+        yield
 
 
 def _picklable(value) -> bool:
@@ -242,6 +270,11 @@ def _picklable(value) -> bool:
 
 
 def _rebuild_compiled(body, graph, class_name):
+    with _quiet_pytree_specs():
+        return _rebuild(body, graph, class_name)
+
+
+def _rebuild(body, graph, class_name):
     holder = nn.Module()
     holder.__dict__.update(body)
     gm = make_copyable(torch.fx.GraphModule(holder, graph, class_name))
@@ -258,6 +291,19 @@ def _relink(gm: torch.fx.GraphModule) -> None:
         relink = getattr(value, "fxdp_relink", None)
         if callable(relink):
             relink(gm)
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule running a copy of ``gm``'s graph on the same parameters and layers, with what the
+    graph's code reads besides them (torch.export's input and output specs); it copies and pickles as
+    compiled models do."""
+    with _quiet_pytree_specs():
+        graph = copy.deepcopy(gm.graph)
+    copied = torch.fx.GraphModule(gm, graph, type(gm).__name__)
+    for attr in ("_in_spec", "_out_spec"):
+        if hasattr(gm, attr):
+            setattr(copied, attr, getattr(gm, attr))
+    return make_copyable(copied)
 
 
 def make_copyable(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -503,7 +503,7 @@ def find_batch_dim_violations(model: nn.Module, example_inputs, batch_dim: int =
                               batch_inputs: Optional[Sequence[Union[str, int]]] = None) -> List[Finding]:
     """Trace ``model`` and return what the batch_dim pass finds: ops that mix samples (errors), ops that
     move the batch dimension (warnings) and per-sample ops it cannot verify, each with your source line."""
-    result = trace(model, example_inputs)
+    result = trace(model, example_inputs, batch_dim)
     if not result.ok:
         where = f" at {result.location} ({result.location.code})" if result.location else ""
         raise BatchDimAnalysisError(

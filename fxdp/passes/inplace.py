@@ -160,6 +160,8 @@ def find_inplace_op(node: Node, gm: Optional[torch.fx.GraphModule] = None) -> Op
                 return None
             return InplaceOp(node, node.args[0], "setitem", "operator.setitem", "index_assign",
                              "call_function", index_assign, node.args, {})
+        if isinstance(target, torch._ops.OpOverload):
+            return _aten_equivalent(node, target)
         name = getattr(target, "__name__", "")
         if name.endswith("_") and not name.startswith("_") and name not in _NOT_VALUE_WRITES:
             op = _function_equivalent(node, target, name)
@@ -236,6 +238,22 @@ def _function_equivalent(node: Node, target, name: str) -> Optional[InplaceOp]:
     return None
 
 
+def _aten_equivalent(node: Node, target) -> Optional[InplaceOp]:
+    """``aten.add_.Tensor(x, y)`` (graphs torch.export captured): the same overload of ``aten.add``."""
+    name = target.overloadpacket.__name__
+    if not name.endswith("_") or name.startswith("_") or name in _NOT_VALUE_WRITES:
+        return None
+    old = str(target)
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    new = getattr(packet, target._overloadname, None) if packet is not None else None
+    if new is None:
+        return InplaceOp(node, _first_input(node), "function", old, reason=f"`{old}` has no out-of-place equivalent")
+    op = InplaceOp(node, _first_input(node), "function", old, str(new), "call_function", new, node.args,
+                   dict(node.kwargs))
+    op.cast_to_mutated = name in _BOOL_RESULTS
+    return op
+
+
 def _out_argument(node: Node) -> Optional[InplaceOp]:
     """``torch.add(a, b, out=y)`` writes into ``y``."""
     out = node.kwargs.get("out")
@@ -257,6 +275,7 @@ _VIEW_NAMES = {
     "chunk", "unbind", "tensor_split", "hsplit", "vsplit", "dsplit", "real", "imag", "view_as_real",
     "view_as_complex", "to", "type", "type_as", "float", "double", "half", "bfloat16", "int", "long", "bool",
 }
+_ATEN_VIEW_NAMES = _VIEW_NAMES | {"slice", "alias", "_unsafe_view", "as_strided", "_reshape_alias"}
 _VIEW_ATTRIBUTES = {"T", "mT", "H", "mH", "data", "real", "imag"}
 _VIEW_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten)
 
@@ -270,6 +289,8 @@ def view_base(node: Node, gm: Optional[torch.fx.GraphModule] = None) -> Optional
             base = node.args[0]
         elif target is getattr:
             base = node.args[0] if node.args[1] in _VIEW_ATTRIBUTES else None
+        elif isinstance(target, torch._ops.OpOverload):  # aten.view.default, aten.slice.Tensor, ...
+            base = _first_input(node) if target.overloadpacket.__name__ in _ATEN_VIEW_NAMES else None
         elif getattr(target, "__name__", None) in _VIEW_NAMES and (
                 getattr(torch, target.__name__, None) is target
                 or getattr(torch.Tensor, target.__name__, None) is target):

@@ -38,14 +38,10 @@ _WHOLE_MODEL = "fxdp runs the whole model as one op (engine fx+whole-model) inst
 
 
 def _inputs_reach(graph: torch.fx.Graph) -> Set[torch.fx.Node]:
-    """Nodes whose value depends on a model input (the others are parameters and constants).
-
-    The sizes of an input in a graph torch.export captured (``aten.sym_size.int``) do not count: what is
-    computed from sizes alone (position ids from ``arange(T)``) is the same for every sample."""
+    """Nodes whose value depends on a model input (the others are parameters and constants)."""
     reached: Set[torch.fx.Node] = set()
     for node in graph.nodes:
-        if node.op == "placeholder" or (any(a in reached for a in node.all_input_nodes)
-                                        and node.target is not torch.ops.aten.sym_size.int):
+        if node.op == "placeholder" or any(a in reached for a in node.all_input_nodes):
             reached.add(node)
     return reached
 
@@ -171,7 +167,8 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
                         "per-sample data", "use the parameter directly in the op that consumes the input (e.g. "
                         f"`x @ self.w.t()` as `F.linear(x, self.w)`); {_WHOLE_MODEL}", severity=Severity.WARNING))
                 continue
-            target = node.target if isinstance(node.target, str) else torch.typename(node.target)
+            target = node.target if isinstance(node.target, str) else (
+                str(node.target) if isinstance(node.target, torch._ops.OpOverload) else torch.typename(node.target))
             rule, call, fn = "generic", runtime.per_sample_function, node.target
             what = f"'{node.name}' using {', '.join(repr(p.target) for p in arg_params)}"
             if node.name in folded:

@@ -1,0 +1,214 @@
+"""The second front end (fxdp/export_capture.py): models torch.fx cannot trace, captured by torch.export."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import fxdp
+from fxdp.diagnostics import Kind
+from fxdp.export_capture import ExportShapeError
+from fxdp.grad_sample.bookkeeping import BookkeepingSink
+from fxdp.passes.batch_rules import keeps_layout, restore_batch_rules, snapshot_batch_rules
+
+
+def _line_of(fn, text: str) -> int:
+    lines, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+class LoopOverTime(nn.Module):
+    """torch.fx cannot trace ``range(x.shape[1])``; torch.export unrolls the loop."""
+
+    def __init__(self, post=None):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+        self.out = nn.Linear(8, 2)
+        self.post = post
+
+    def forward(self, x):
+        h = x.new_zeros(x.shape[0], 8)
+        for t in range(x.shape[1]):  # the line torch.fx stops at
+            h = torch.tanh(self.inp(x[:, t]) + h) * self.scale
+        if self.post is not None:
+            h = self.post(h)
+        return self.out(h)
+
+
+class Centre(nn.Module):
+    def forward(self, h):
+        return h - h.mean(0)  # mixes samples
+
+
+def _x(n=3, t=4, seed=0):
+    return torch.randn(n, t, 4, generator=torch.Generator().manual_seed(seed))
+
+
+def _check_against_batches_of_one(model, compiled, x):
+    compiled(x).sum().backward()
+    for name, p in model.named_parameters():
+        rows = [torch.autograd.grad(model(x[i:i + 1]).sum(), p)[0] for i in range(len(x))]
+        torch.testing.assert_close(p.grad_sample, torch.stack(rows), msg=name)
+        del p.grad_sample
+    model.zero_grad()
+
+
+def test_a_model_torch_fx_cannot_trace_is_captured_by_torch_export():
+    torch.manual_seed(0)
+    model = LoopOverTime()
+    compiled = fxdp.compile_for_dp(model, example_inputs=_x(), loss_reduction="sum")
+    report = fxdp.report(compiled)
+    assert (report.engine, report.front_end) == ("fx", "torch.export")
+    where = f"{__file__}:{_line_of(LoopOverTime.forward, 'for t in range')}"
+    assert report.front_end_reason == (f"torch.fx could not trace the model at {where} (TypeError: "
+                                       "'_InplaceRecordingProxy' object cannot be interpreted as an integer)")
+    assert str(report).splitlines()[1:3] == [
+        "traced: yes (torch.export); engine: fx",
+        f"front end: torch.export, because {report.front_end_reason}"]
+    # the ATen calls of the stock layers are the layers again: their hand-written rules serve them
+    rules = {site.target: site.rule for site in compiled.fxdp_batch.sites}
+    assert rules["inp"] == "Linear" and rules["out"] == "Linear"
+    assert "aten.mul.Tensor" in rules and rules["aten.mul.Tensor"] == "generic"  # `* self.scale`
+    # the per_sample changes point at the user's lines
+    mul = next(c for c in report.changes if c.op == "per_sample_function")
+    assert mul.location.line == _line_of(LoopOverTime.forward, "torch.tanh")
+    _check_against_batches_of_one(model, compiled, _x())
+
+
+def test_other_batch_sizes_run_and_other_built_in_sizes_are_refused():
+    torch.manual_seed(0)
+    model = LoopOverTime()
+    compiled = fxdp.compile_for_dp(model, example_inputs=_x(n=3), loss_reduction="sum")
+    for n in (5, 1, 3):  # the batch dimension is dynamic in the captured graph
+        _check_against_batches_of_one(model, compiled, _x(n=n, seed=n))
+    with pytest.raises(ExportShapeError, match=r"LoopOverTime was captured with torch.export .* input 'x' must have "
+                                               r"shape \('N', 4, 4\) .* but it has \(3, 6, 4\)\. Compile again"):
+        compiled(_x(t=6))  # the loop was unrolled for 4 time steps
+
+
+def test_batchnorm_in_a_captured_graph_is_refused_as_in_traced_ones():
+    with pytest.raises(fxdp.NotPrivateError, match="BatchNorm1d"):
+        fxdp.compile_for_dp(LoopOverTime(post=nn.BatchNorm1d(8)).train(), example_inputs=_x())
+
+
+def test_mixing_in_a_captured_graph_is_refused_with_the_users_line():
+    with pytest.raises(fxdp.BatchMixingError) as info:
+        fxdp.compile_for_dp(LoopOverTime(post=Centre()), example_inputs=_x())
+    finding = next(f for f in info.value.findings if f.kind is Kind.MIXES_SAMPLES)
+    assert finding.op == "aten.mean.dim" and finding.location.line == _line_of(Centre.forward, "h.mean(0)")
+
+
+class SpecialOp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        for t in range(x.shape[1]):
+            x = x + torch.special.entr(self.fc(x[:, t])).unsqueeze(1)
+        return x
+
+
+def test_an_aten_op_without_a_rule_is_unverified_until_a_rule_is_registered():
+    x = torch.rand(3, 2, 4)
+    findings = fxdp.find_batch_dim_violations(SpecialOp(), x)
+    assert [(f.kind, f.op) for f in findings] == [(Kind.UNVERIFIED, "aten.special_entr.default")] * 1
+    saved = snapshot_batch_rules()
+    try:
+        fxdp.register_batch_rule(torch.ops.aten.special_entr.default)(keeps_layout)
+        assert fxdp.find_batch_dim_violations(SpecialOp(), x) == []
+    finally:
+        restore_batch_rules(saved)
+
+
+def test_captured_models_survive_copies_with_their_output_and_report():
+    torch.manual_seed(0)
+    model = LoopOverTime()
+    compiled = fxdp.compile_for_dp(model, example_inputs=_x(), loss_reduction="sum")
+    for copied in (copy.deepcopy(compiled), pickle.loads(pickle.dumps(compiled))):
+        torch.testing.assert_close(copied(_x()), compiled(_x()))
+        assert fxdp.report(copied).front_end == "torch.export"
+
+
+def test_bookkeeping_norms_on_a_captured_graph_match_the_materialised_ones():
+    torch.manual_seed(0)
+    model = LoopOverTime()
+    sink = BookkeepingSink()
+    compiled = fxdp.compile_for_dp(model, example_inputs=_x(), loss_reduction="sum", sink=sink)
+    compiled(_x()).sum().backward()
+    params = [p for p in model.parameters()]
+    norms = sink.squared_norms(params)
+    sink.clear(params)
+    twin = copy.deepcopy(model)
+    fxdp.compile_for_dp(twin, example_inputs=_x(), loss_reduction="sum")(_x()).sum().backward()
+    for p, q in zip(params, twin.parameters()):
+        torch.testing.assert_close(norms[p], q.grad_sample.flatten(1).pow(2).sum(1))
+
+
+class CountsCalls(LoopOverTime):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1  # a buffer written in forward (an in-place ATen op in the captured graph)
+        return super().forward(x)
+
+
+def test_buffer_writes_in_a_captured_graph_are_refused():
+    with pytest.raises(fxdp.NotPrivateError) as info:
+        fxdp.compile_for_dp(CountsCalls(), example_inputs=_x())
+    finding = next(f for f in info.value.findings if f.kind is Kind.CANNOT_BE_PRIVATE)
+    assert finding.op == "aten.add_.Tensor" and "writes into buffer `calls` in place" in finding.message
+    assert finding.location.line == _line_of(CountsCalls.forward, "self.calls += 1")
+
+
+class ReluInPlace(LoopOverTime):
+    def forward(self, x):
+        return torch.relu_(super().forward(x) * 2)
+
+
+def test_in_place_aten_ops_are_rewritten_out_of_place():
+    torch.manual_seed(0)
+    model = ReluInPlace()
+    compiled = fxdp.compile_for_dp(model, example_inputs=_x(), loss_reduction="sum")
+    change = next(c for c in fxdp.report(compiled).changes if c.pass_name == "inplace")
+    assert (change.op, change.location.line) == ("aten.relu_.default → aten.relu.default",
+                                                 _line_of(ReluInPlace.forward, "torch.relu_"))
+    _check_against_batches_of_one(model, compiled, _x())
+
+
+class Doubled(nn.Module):
+    """A layer of the user's, with a per-sample rule of the user's."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, 8) / 3)
+
+    def forward(self, h):
+        return 2 * (h @ self.weight.t())
+
+
+def test_a_layer_with_a_registered_rule_keeps_its_rule_in_a_captured_graph():
+    from fxdp.grad_sample.registry import GRAD_SAMPLERS
+
+    saved = GRAD_SAMPLERS.snapshot()
+    try:
+        @fxdp.register_grad_sampler(Doubled)
+        def doubled_rule(layer, activations, backprops):
+            return {layer.weight: 2 * torch.einsum("no,ni->noi", backprops, activations[0])}
+
+        torch.manual_seed(0)
+        model = LoopOverTime()
+        model.out = Doubled()
+        compiled = fxdp.compile_for_dp(model, example_inputs=_x(), loss_reduction="sum")
+        assert {site.target: site.rule for site in compiled.fxdp_batch.sites}["out"] == "Doubled"
+        _check_against_batches_of_one(model, compiled, _x())
+    finally:
+        GRAD_SAMPLERS.restore(saved)
