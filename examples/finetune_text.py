@@ -100,12 +100,10 @@ class DocstringClassifier(nn.Module):
 
 
 def example_inputs() -> dict:
-    """A batch of the shape the model is trained on (two samples, one padded), for the compiler:
-    only shapes and dtypes matter, so it is not drawn from the (private) training set."""
-    input_ids = torch.full((2, 16), text_data.PAD, dtype=torch.int64)
-    attention_mask = torch.zeros((2, 16), dtype=torch.int64)
-    input_ids[0, :16], attention_mask[0, :16] = text_data.CLS, 1
-    input_ids[1, :5], attention_mask[1, :5] = text_data.CLS, 1
+    """A batch of the shape the model is trained on (two samples, the second padded), for the compiler.
+    Only shapes and dtypes matter, so it is made up rather than drawn from the (private) training set."""
+    full, short = [(torch.full((length,), text_data.CLS), 0) for length in (text_data.MAX_TOKENS, 5)]
+    input_ids, attention_mask, _ = text_data.pad_batch([full, short])
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
@@ -139,7 +137,8 @@ def train(args: argparse.Namespace, on_epoch: Optional[Callable[[int, float, Opt
     model = DocstringClassifier(tokenizer.vocab_size, len(text_data.LABELS))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     # An ordinary loader: make_private replaces it by a Poisson loader with rate batch_size / N, and keeps
-    # its collate function, which pads each batch to its longest sequence.
+    # its collate function. That pads every sequence to MAX_TOKENS: the graph fxdp captures with
+    # torch.export has the sequence length of the example inputs built in.
     loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=args.non_private,
                         collate_fn=text_data.pad_batch)
     engine = None

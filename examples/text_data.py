@@ -48,7 +48,7 @@ PAD, CLS = 0, 1  # token ids reserved before the hashed words
 NUM_RESERVED = 2
 MIN_WORDS = 5  # shorter texts ("Return self.") say little about their module
 CHUNK_WORDS = 16  # longer docstrings are cut into samples of at most this many words
-MAX_TOKENS = 48  # CLS and the first 47 tokens of a sample (punctuation marks are tokens too)
+MAX_TOKENS = 32  # CLS and the first 31 tokens of a sample (punctuation marks are tokens too): 7% are cut
 TOKEN_PATTERN = re.compile(r"[a-z]+|[0-9]+|[^\sa-z0-9]")
 
 
@@ -62,7 +62,7 @@ class TextSplit:
 
 
 class TokenizedText(Dataset):
-    """One (token ids, label) pair per sample, unpadded; :func:`pad_batch` pads a batch."""
+    """One (token ids, label) pair per sample, unpadded; :func:`pad_batch` pads a batch of them."""
 
     def __init__(self, split: TextSplit):
         self.split = split
@@ -94,15 +94,16 @@ class HashingTokenizer:
         return [CLS] + ids[: self.max_length - 1]
 
 
-def pad_batch(samples: Sequence[Tuple[torch.Tensor, int]], multiple: int = 8):
-    """Collates ``(ids, label)`` samples into ``(input_ids, attention_mask, labels)``, padded to the
-    longest sequence of the batch rounded up to ``multiple`` (fewer distinct shapes to compile for).
-    ``attention_mask`` is 1 on tokens and 0 on padding."""
-    longest = max((len(ids) for ids, _ in samples), default=1)
-    length = -(-longest // multiple) * multiple
+def pad_batch(samples: Sequence[Tuple[torch.Tensor, int]], length: Optional[int] = MAX_TOKENS):
+    """Collates ``(ids, label)`` samples into ``(input_ids, attention_mask, labels)``, each sequence padded
+    with PAD to ``length`` tokens (``None``: to the longest sequence of the batch). ``attention_mask`` is
+    1 on tokens and 0 on padding."""
+    if length is None:
+        length = max((len(ids) for ids, _ in samples), default=1)
     input_ids = torch.full((len(samples), length), PAD, dtype=torch.int64)
     attention_mask = torch.zeros((len(samples), length), dtype=torch.int64)
     for row, (ids, _) in enumerate(samples):
+        ids = ids[:length]
         input_ids[row, : len(ids)] = ids
         attention_mask[row, : len(ids)] = 1
     labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
@@ -115,7 +116,8 @@ def load_docstring_classification(tokenizer: HashingTokenizer, test_fraction: fl
 
     Docstrings are split between train and test first (``test_fraction`` of each family's docstrings
     go to test), then cut into samples of at most ``chunk_words`` words, so that no docstring has
-    pieces on both sides. Each split is then balanced: every class keeps as many samples as the
+    pieces on both sides (a test piece equal to a training piece, from a near-copy of a docstring, is
+    dropped too). Each split is then balanced: every class keeps as many samples as the
     smallest. A docstring that occurs twice is kept once, and not at all when it occurs in two
     families (its label would be ambiguous)."""
     by_text: Dict[str, set] = {}
@@ -136,6 +138,9 @@ def load_docstring_classification(tokenizer: HashingTokenizer, test_fraction: fl
         num_test = round(test_fraction * len(texts))
         test_chunks.append([c for text in texts[:num_test] for c in _chunks(text, chunk_words)])
         train_chunks.append([c for text in texts[num_test:] for c in _chunks(text, chunk_words)])
+    # Near-copies of a docstring (a method documented again in a subclass) can share a piece.
+    seen_in_training = {chunk for chunks in train_chunks for chunk in chunks}
+    test_chunks = [[chunk for chunk in chunks if chunk not in seen_in_training] for chunks in test_chunks]
     train, test = _balanced(train_chunks, rng), _balanced(test_chunks, rng)
     rng.shuffle(train)
     return _tokenize(train, tokenizer), _tokenize(test, tokenizer)
