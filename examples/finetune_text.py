@@ -6,7 +6,7 @@ with Python: docstrings of the standard library, classified by the family of mod
 The data (``examples/text_data.py``) is read from the standard library's source files with ``ast``:
 nothing is downloaded. Three balanced classes (text formats, networking, development tools), chance
 is 33%. The model is a 2-layer BERT built from a config (``transformers.BertModel``, hidden size
-64) with a mean-pooling classifier; the tokenizer hashes words into a fixed vocabulary: no pretrained
+32) with a mean-pooling classifier; the tokenizer hashes words into a fixed vocabulary: no pretrained
 weights or tokenizer files are needed. ``fxdp`` compiles the model (torch.fx cannot trace
 transformers 5's models, so the graph is captured with ``torch.export``), prints its compile report,
 then trains with Poisson sampling, per-sample clipping and Gaussian noise calibrated to the target
@@ -44,7 +44,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=1024,
                         help="expected (Poisson) batch size; the sampling rate is batch size / training set size")
-    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping bound C")
     noise = parser.add_mutually_exclusive_group()
     noise.add_argument("--target-epsilon", type=float, default=8.0,
@@ -81,7 +81,7 @@ class DocstringClassifier(nn.Module):
     something to follow from the first step. Dropout is off: DP-SGD's noise already regularises a
     model this small."""
 
-    def __init__(self, vocab_size: int, num_labels: int, hidden_size: int = 64):
+    def __init__(self, vocab_size: int, num_labels: int, hidden_size: int = 32):
         super().__init__()
         from transformers import BertConfig, BertModel
 
