@@ -71,18 +71,39 @@ def test_tokenizer_is_fixed_in_advance_and_pad_batch_masks_padding(text_data, sp
 
 
 def test_quick_private_run_prints_the_export_report_accuracy_and_epsilon(example, capsys):
+    """--quick: 3 epochs at epsilon 8 (the default run has 10). Chance is 1/3. Measured on Python 3.11,
+    torch 2.13, transformers 5.24: this run ends at 46.7% (36.5%, 43.9%, 46.7% per epoch); the default
+    run at 61.1%, the same model without privacy at 70.7%."""
     history = example.main(["--quick"])
     out = capsys.readouterr().out
     assert "fxdp compile report for DocstringClassifier" in out
     assert "traced: yes (torch.export); engine: fx" in out
     assert "front end: torch.export, because torch.fx could not trace the model" in out
     assert "Findings: none" in out
-    assert re.search(r"training on 600 docstring pieces: Poisson sampling at rate 0\.2500 \(4 batches per epoch\), "
+    assert re.search(r"training on \d{4} docstring pieces: Poisson sampling at rate 0\.\d{4} \(\d batches per epoch\), "
                      r"clipping at C = 1\.0, noise multiplier \d+\.\d+", out)
-    (e1, _, eps1), (e2, accuracy, eps2) = history
-    assert (e1, e2) == (1, 2)
-    assert "epoch   1   test accuracy" in out and "epoch   2   test accuracy" in out
+    assert [epoch for epoch, _, _ in history] == [1, 2, 3]
+    for epoch, accuracy, epsilon in history:
+        assert f"epoch {epoch:3d}   test accuracy {100 * accuracy:5.1f}%   epsilon {epsilon:.2f} (delta 1e-05)" in out
+    epsilons = [epsilon for _, _, epsilon in history]
     # the noise was calibrated for the whole run: epsilon grows to just below the target
-    assert 0 < eps1 < eps2 and 0.99 * 8.0 <= eps2 <= 8.0
-    assert f"final: test accuracy {100 * accuracy:.1f}% at epsilon {eps2:.2f}, delta 1e-05" in out
-    assert 0.0 <= accuracy <= 1.0
+    assert all(a < b for a, b in zip(epsilons, epsilons[1:])) and 0.99 * 8.0 <= epsilons[-1] <= 8.0
+    _, accuracy, epsilon = history[-1]
+    assert f"final: test accuracy {100 * accuracy:.1f}% at epsilon {epsilon:.2f}, delta 1e-05" in out
+    assert accuracy >= 0.40  # chance + 6.7 points: well below what the run measures, well above chance
+
+
+def test_memory_manager_fixed_noise_and_the_non_private_baseline(example, capsys):
+    history = example.main(["--train-subset", "200", "--epochs", "1", "--batch-size", "100",
+                            "--max-physical-batch-size", "32", "--noise-multiplier", "1.0"])
+    out = capsys.readouterr().out
+    assert "training on 200 docstring pieces: Poisson sampling at rate 0.5000 (2 batches per epoch)" in out
+    assert "noise multiplier 1.000" in out
+    (_, accuracy, epsilon), = history
+    assert epsilon > 0 and f"final: test accuracy {100 * accuracy:.1f}% at epsilon {epsilon:.2f}" in out
+
+    history = example.main(["--train-subset", "200", "--epochs", "1", "--non-private"])
+    out = capsys.readouterr().out
+    assert "fxdp compile report" not in out and "training on 200 docstring pieces without privacy" in out
+    (_, accuracy, epsilon), = history
+    assert epsilon is None and f"final: test accuracy {100 * accuracy:.1f}% without privacy" in out
