@@ -5,13 +5,15 @@ run, engines taking turns, as a ratio to a non-private step (forward, backward, 
 - ``fxdp``: the compiled model with the book-keeping sink and fxdp's DP optimizer;
 - ``opacus-hooks`` / ``opacus-ghost`` / ``opacus-functorch`` / ``opacus-ew``: every Opacus mode that runs
   the model (``pip install opacus``; not a dependency of fxdp). A mode that fails on a model is listed
-  with its error instead of a time.
+  with its error instead of a time. Opacus needs its own LSTM (``opacus.layers.DPLSTM``, with the same
+  state_dict): its ``ModuleValidator.fix`` swaps it in for the ``lstm`` model; fxdp trains the stock
+  ``nn.LSTM``.
 
 Peak memory: the largest amount of memory torch allocated above its level at the start of a step, from
 the torch profiler's CPU memory events (``profile_memory=True``; each op's own allocations minus frees,
 summed in start order), one profiled step per engine after the timed ones. Python objects are not counted.
 
-Usage: python benchmarks/dp_step_speed.py [--repeats 20] [--threads 2] [--models mlp,cnn,resnet,transformer]
+Usage: python benchmarks/dp_step_speed.py [--repeats 20] [--threads 2] [--models mlp,cnn,resnet,transformer,lstm]
        [--engines fxdp,opacus-ghost]
 """
 
@@ -36,7 +38,7 @@ import fxdp  # noqa: E402
 from fxdp.grad_sample.bookkeeping import BookkeepingSink  # noqa: E402
 
 # name -> batch size; the sizes the issue names
-BATCH = {"mlp": 256, "cnn": 256, "resnet": 64, "transformer": 32}
+BATCH = {"mlp": 256, "cnn": 256, "resnet": 64, "transformer": 32, "lstm": 32}
 NOISE, CLIP, LR = 1.0, 1.0, 0.05
 OPACUS_MODES = ("hooks", "ghost", "functorch", "ew")
 
@@ -72,7 +74,10 @@ def fxdp_step(model, x, y) -> Callable[[], None]:
 def opacus_step(mode: str):
     def make(model, x, y) -> Callable[[], None]:
         from opacus import PrivacyEngine
+        from opacus.validators import ModuleValidator
 
+        if any(isinstance(m, nn.LSTM) for m in model.modules()):  # Opacus trains its DPLSTM, not nn.LSTM
+            model = ModuleValidator.fix(model)
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=len(x))
         kwargs = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=loader,
                       noise_multiplier=NOISE, max_grad_norm=CLIP, grad_sample_mode=mode, poisson_sampling=False)

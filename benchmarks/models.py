@@ -1,5 +1,6 @@
-"""The models the benchmarks time: an MLP, an MNIST CNN, a ResNet with GroupNorm on 32x32 images and a
-2-layer transformer encoder built from Linear, LayerNorm and Embedding layers."""
+"""The models the benchmarks time: an MLP, an MNIST CNN, a ResNet with GroupNorm on 32x32 images, a
+2-layer transformer encoder built from Linear, LayerNorm and Embedding layers, and an LSTM text classifier
+(a stock nn.LSTM)."""
 
 from __future__ import annotations
 
@@ -96,12 +97,27 @@ class Transformer(nn.Module):
         return self.head(self.ln(x).mean(dim=1))
 
 
+class LSTMClassifier(nn.Module):
+    """Embedding(10,000, 64) -> nn.LSTM(64, 128, batch_first) -> Linear on the last hidden state."""
+
+    def __init__(self, vocab=10_000, d=64, hidden=128, classes=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.lstm = nn.LSTM(d, hidden, batch_first=True)
+        self.fc = nn.Linear(hidden, classes)
+
+    def forward(self, ids):
+        _, (h, _) = self.lstm(self.emb(ids))
+        return self.fc(h[-1])
+
+
 # name -> (model factory, a batch of n inputs, number of classes); each benchmark picks its batch sizes
 CASES = {
     "mlp": (mlp, lambda n: torch.randn(n, 1, 28, 28), 10),
     "cnn": (mnist_cnn, lambda n: torch.randn(n, 1, 28, 28), 10),
     "resnet": (ResNetGN, lambda n: torch.randn(n, 3, 32, 32), 10),
     "transformer": (Transformer, lambda n: torch.randint(0, 1000, (n, 64)), 2),
+    "lstm": (LSTMClassifier, lambda n: torch.randint(0, 10_000, (n, 50)), 2),  # sequences of 50 tokens
 }
 
 

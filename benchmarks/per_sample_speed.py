@@ -5,7 +5,8 @@
 - Opacus's hooks engine (``opacus.GradSampleModule``), when ``opacus`` is installed
   (``pip install -e .[bench]``; it is not a dependency of fxdp).
 
-Usage: python benchmarks/per_sample_speed.py [--repeats 20] [--models mlp,cnn,resnet,transformer]
+Usage: python benchmarks/per_sample_speed.py [--repeats 20] [--models mlp,cnn,resnet,transformer,lstm]
+(Opacus runs the lstm model with its DPLSTM, swapped in by its ModuleValidator.fix.)
 Prints one row per model: milliseconds per step and the ratio to the non-private step.
 """
 
@@ -25,7 +26,7 @@ import models  # noqa: E402
 
 import fxdp  # noqa: E402
 
-BATCH = {"mlp": 256, "cnn": 128, "resnet": 32, "transformer": 32}
+BATCH = {"mlp": 256, "cnn": 128, "resnet": 32, "transformer": 32, "lstm": 32}
 
 
 def _make_step(model, x, y, clear):
@@ -58,7 +59,10 @@ def run(names, repeats):
             "fxdp": _make_step(fx_model, x, y, lambda: fxdp.zero_grad_sample(fx_model)),
         }
         if opacus is not None:
-            op_model = opacus.GradSampleModule(copy.deepcopy(model))
+            op_copy = copy.deepcopy(model)
+            if any(isinstance(m, torch.nn.LSTM) for m in op_copy.modules()):  # Opacus needs its DPLSTM
+                op_copy = opacus.validators.ModuleValidator.fix(op_copy)
+            op_model = opacus.GradSampleModule(op_copy)
             steps["opacus"] = _make_step(op_model, x, y, lambda: op_model.zero_grad(set_to_none=True))
         ms = models.median_ms(steps, repeats, warmup=2)
         row = [name, n, f"{ms['plain']:.1f}", f"{ms['fxdp']:.1f} ({fxdp.report(fx_model).mode})",

@@ -99,6 +99,10 @@ def _make_report(model, traced, reports, engine="fx", fallback_reason=None, fall
     elif traced.error is not None:  # captured by the second front end: say why the first failed, and where
         where = f" at {traced.location}" if traced.location else ""
         front_end_reason = f"torch.fx could not trace the model{where} ({traced.reason})"
+        guard = getattr(traced.graph_module, "fxdp_input_shapes", None)
+        if guard is not None:
+            notes = [*notes, f"torch.export: the graph runs inputs of shapes {guard.describe()} (N: any batch size); "
+                             "other sizes raise ExportShapeError"]
     return CompileReport(type(model).__name__, traced.ok, tuple(reports), fallback_reason, fallback_location,
                          engine, tuple(notes), traced.front_end, front_end_reason)
 

@@ -8,16 +8,21 @@ those models. What changes for the passes:
 - the graph calls ATen ops (``torch.ops.aten.linear.default``), not torch functions, Tensor methods
   and layers; their batch rules are in :mod:`fxdp.passes.batch_rules.aten`;
 - the batch dimension of every input tensor is dynamic (``Dim.AUTO``), so the graph runs for other
-  batch sizes; the sizes it builds in (sequence lengths, image sizes) are checked at every forward by
-  export's own guard, which raises :class:`ExportShapeError` here;
+  batch sizes; the sizes it builds in (sequence lengths, image sizes) are checked at every forward by an
+  :class:`ExportShapeGuard`, which raises :class:`~fxdp.diagnostics.ExportShapeError`;
 - each node's ``stack_trace`` holds the Python frames that dispatched it: ``meta.SOURCE`` is the
   innermost one outside torch and fxdp (a line of the user's code, or of the library the model comes
   from, as for torchvision models);
 - the graph is re-rooted on the user's model: its parameters, buffers and layers are the model's own;
 - calls of stock layers are folded back into ``call_module`` nodes where that is exact
   (:func:`fold_layers`): ``aten.linear(x, fc.weight, fc.bias)`` of an ``nn.Linear`` becomes a call of
-  ``fc``, so the hand-written per-sample rules and book-keeping serve it. Other uses of parameters stay
-  functional calls and the per_sample pass gives them the generic rule.
+  ``fc``, so the hand-written per-sample rules and book-keeping serve it, and an ``nn.Dropout``'s
+  ``aten.dropout`` a call of the layer, which follows ``train()``/``eval()``. Other uses of parameters
+  stay functional calls and the per_sample pass gives them the generic rule; functional dropout (inside
+  attention) keeps the mode the model had when it was captured (evaluate with the model itself, which
+  shares its parameters with the compiled one). A layer of yours with a per-sample rule registered
+  (``fxdp.register_grad_sampler``) is folded back from the ops its call recorded
+  (:func:`fold_registered_layers`), so its rule serves it too.
 
 The model's output keeps its type (a ``ModelOutput``): export's pytree code generation rebuilds it.
 """
@@ -37,7 +42,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxdp import meta
-from fxdp.diagnostics import FxdpError
+from fxdp.diagnostics import ExportShapeError
 from fxdp.diagnostics.source import location_from_stack_trace
 
 aten = torch.ops.aten
@@ -57,11 +62,6 @@ def _reduce_op_overload(op):
 copyreg.pickle(torch._ops.OpOverload, _reduce_op_overload)
 
 
-class ExportShapeError(FxdpError, ValueError):
-    """A model captured with torch.export was called with inputs whose shapes its graph cannot run
-    (a size the model's code made fixed at capture time)."""
-
-
 class ExportShapeGuard(nn.Module):
     """Checks at every forward that the inputs have the sizes the captured graph holds: every size of
     every tensor input as in the example inputs, but the batch dimension, which all batched inputs
@@ -71,6 +71,11 @@ class ExportShapeGuard(nn.Module):
                  model_name: str):
         super().__init__()
         self.names, self.shapes, self.batch_dim, self.model_name = names, shapes, batch_dim, model_name
+
+    def describe(self) -> str:
+        """``input_ids (N, 7), attention_mask (N, 7)``: the shapes the graph runs (N: any batch size)."""
+        return ", ".join(f"{name} {tuple('N' if e is None else e for e in shape)}".replace("'", "")
+                         for name, shape in zip(self.names, self.shapes) if shape is not None)
 
     def forward(self, *inputs) -> None:
         batch = None
@@ -178,13 +183,13 @@ _GUARD = "fxdp_input_shapes"
 def _replace_export_guard(graph: torch.fx.Graph, args, kwargs, batch_dim: int, model_name: str) -> None:
     """export's guard call (``_guards_fn``) becomes a call of an :class:`ExportShapeGuard` of the example
     inputs' shapes, right after the inputs (before any size is used)."""
-    for node in list(graph.nodes):
-        if node.op == "call_module" and node.target == "_guards_fn":
-            graph.erase_node(node)
     leaves = pytree.tree_leaves((args, kwargs))
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(leaves) != len(placeholders):
-        return  # inputs export flattened otherwise: no guard rather than a wrong one (export's specs check them)
+        return  # inputs export flattened otherwise: export's own guard stays (such a model does not pickle)
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            graph.erase_node(node)
     first = next((x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > batch_dim), None)
     n = None if first is None else first.shape[batch_dim]
     shapes = [tuple(None if d == batch_dim and s == n else s for d, s in enumerate(x.shape))
@@ -345,7 +350,22 @@ def _cell_matcher(cls, nonlinearity=None):
     return match
 
 
+def _match_dropout(node, get, owners, model=None):
+    """aten.dropout(x, p, train) recorded inside an nn.Dropout: a call of it follows its train/eval mode."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack or model is None:
+        return None
+    path = list(stack.values())[-1][0]
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        return None
+    same = _stock(module, nn.Dropout) and module.p == _arg(node, 1, "p") and module.training == _arg(node, 2, "train")
+    return ((path, module), (node.args[0],)) if same else None
+
+
 _FOLDS = {
+    aten.dropout.default: _match_dropout,
     aten.gru_cell.default: _cell_matcher(nn.GRUCell),
     aten.lstm_cell.default: _cell_matcher(nn.LSTMCell),
     aten.rnn_tanh_cell.default: _cell_matcher(nn.RNNCell, "tanh"),
@@ -379,7 +399,8 @@ def fold_layers(graph: torch.fx.Graph, model: nn.Module, owners=None) -> List[st
             reached.add(node)
     for node in list(graph.nodes):
         match = _FOLDS.get(node.target) if node.op == "call_function" else None
-        found = match(node, get, owners) if match else None
+        found = (match(node, get, owners, model) if match is _match_dropout else match(node, get, owners)) \
+            if match else None
         if found is None or found[1][0] not in reached:
             continue
         (name, module), args = found

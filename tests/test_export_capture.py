@@ -12,7 +12,7 @@ from torch import nn
 
 import fxdp
 from fxdp.diagnostics import Kind
-from fxdp.export_capture import ExportShapeError
+from fxdp import ExportShapeError
 from fxdp.grad_sample.bookkeeping import BookkeepingSink
 from fxdp.passes.batch_rules import keeps_layout, restore_batch_rules, snapshot_batch_rules
 
@@ -68,9 +68,11 @@ def test_a_model_torch_fx_cannot_trace_is_captured_by_torch_export():
     where = f"{__file__}:{_line_of(LoopOverTime.forward, 'for t in range')}"
     assert report.front_end_reason == (f"torch.fx could not trace the model at {where} (TypeError: "
                                        "'_InplaceRecordingProxy' object cannot be interpreted as an integer)")
-    assert str(report).splitlines()[1:3] == [
+    assert str(report).splitlines()[1:4] == [
         "traced: yes (torch.export); engine: fx",
-        f"front end: torch.export, because {report.front_end_reason}"]
+        f"front end: torch.export, because {report.front_end_reason}",
+        "torch.export: the graph runs inputs of shapes x (N, 4, 4) (N: any batch size); other sizes raise "
+        "ExportShapeError"]
     # the ATen calls of the stock layers are the layers again: their hand-written rules serve them
     rules = {site.target: site.rule for site in compiled.fxdp_batch.sites}
     assert rules["inp"] == "Linear" and rules["out"] == "Linear"
@@ -212,3 +214,17 @@ def test_a_layer_with_a_registered_rule_keeps_its_rule_in_a_captured_graph():
         _check_against_batches_of_one(model, compiled, _x())
     finally:
         GRAD_SAMPLERS.restore(saved)
+
+
+class WithDropout(LoopOverTime):
+    def __init__(self):
+        super().__init__(post=nn.Dropout(0.5))
+
+
+def test_a_dropout_layer_follows_train_and_eval_in_a_captured_graph():
+    model = WithDropout()
+    compiled = fxdp.compile_for_dp(model, example_inputs=_x())
+    assert "post" in {n.target for n in compiled.graph.nodes if n.op == "call_module"}
+    compiled.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(_x()), model.eval()(_x()))

@@ -181,3 +181,15 @@ def test_without_example_inputs_the_report_says_to_give_them():
     assert report.engine == "hooks" and report.front_end is None
     assert report.fallback_reason.startswith("the model cannot be traced by torch.fx (")
     assert report.fallback_reason.endswith("pass example_inputs to let fxdp capture it with torch.export instead")
+
+
+def test_a_loss_computed_inside_the_model_is_refused():
+    """With labels=, a causal LM averages its loss over the whole batch: every sample's gradient then
+    depends on the others' token counts; the loss belongs outside the model."""
+    model = _build(_gpt2, "sdpa")
+    ids = _token_ids()
+    with pytest.raises(fxdp.BatchMixingError) as info:
+        fxdp.compile_for_dp(model, example_inputs={"input_ids": ids, "labels": ids})
+    (finding,) = [f for f in info.value.findings if f.kind is Kind.MIXES_SAMPLES]
+    assert finding.op == "aten.cross_entropy_loss.default"
+    assert "computes the loss with reduction='mean' inside the model" in finding.message

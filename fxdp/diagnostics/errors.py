@@ -14,7 +14,8 @@ whatever the engine and whether ``strict`` is on, so ``except fxdp.NotPrivateErr
 The others say fxdp could not finish its own work: :class:`PassError` (a pass failed unexpectedly; the
 original exception is ``__cause__``) and :class:`BatchDimAnalysisError` (the batch-dimension analysis
 could not run; :class:`MissingBatchRuleError` under ``strict`` for an op without a batch rule).
-:class:`PerSampleError` is raised while a model runs: a per-sample gradient could not be computed
+:class:`ExportShapeError` is raised when a model captured with torch.export gets inputs its graph has
+no room for (a sequence length other than the example's). :class:`PerSampleError` is raised while a model runs: a per-sample gradient could not be computed
 correctly for an op or a batch (the generic rule failed, a rule returned the wrong shape, the DP
 optimizer found gradients it cannot clip, ...).
 
@@ -60,6 +61,11 @@ class PerSampleError(FxdpError, RuntimeError):
 class UnsupportedInputError(FxdpError, TypeError):
     """A model or layer was called with inputs an engine cannot locate the batch in (a non-tensor where the
     batch was recorded, tensor keyword arguments under the hooks engine, an output without a tensor)."""
+
+
+class ExportShapeError(FxdpError, ValueError):
+    """A model captured with torch.export (fxdp/export_capture.py) was called with inputs whose shapes its
+    graph cannot run: a size the model's code took from the example inputs (a sequence length)."""
 
 
 class NotPrivateError(FxdpError, ValueError):

@@ -46,6 +46,7 @@ from fxdp.engines.base import (
     remove_handles,
     trainable_own_params,
 )
+from fxdp.grad_sample.recurrent import recurrent_forward, recurrent_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
 
@@ -145,6 +146,10 @@ class GradSampleModule(GradSampleModuleBase):
                 return
             seen.add(id(module))
             label = name or "<model>"
+            if recurrent_rule_applies(module) and has_trainable_params(module):
+                self._hook_recurrent(label, module)
+                self.grad_sample_layers[label] = "recurrent rule"
+                return
             if find_grad_sampler(module) is not None and has_trainable_params(module):
                 self._hook(label, module)
                 self.grad_sample_layers[label] = f"rule for {type(module).__name__}"
@@ -181,6 +186,37 @@ class GradSampleModule(GradSampleModuleBase):
             if wrapper is None or wrapper._recomputing or not torch.is_grad_enabled():
                 return
             wrapper._on_layer_output(name, mod, inputs, kwargs, output)
+
+        self._hook_handles.append(module.register_forward_hook(
+            mark_engine_hook(forward_hook, self), with_kwargs=True, prepend=True))
+
+    def _hook_recurrent(self, name: str, module: nn.Module) -> None:
+        """A stock LSTM / GRU / RNN: its output is computed again step by step with its own parameters (the
+        same values; :mod:`fxdp.grad_sample.recurrent`) and replaces the stock one, so that backward hands the
+        sink one Linear-like capture per projection, and the loss may use every output (the last state too).
+        Where the batch is not where the layer keeps it, the layer gets the generic rule as before."""
+        owner = weakref.ref(self)  # the hooks must not keep the wrapper alive
+
+        def forward_hook(mod, inputs, kwargs, output):
+            wrapper = owner()
+            if wrapper is None or wrapper._recomputing or not torch.is_grad_enabled():
+                return None
+            if not any(p.requires_grad for p in mod.parameters()):
+                return None
+            call = dict(zip(("input", "hx"), inputs), **kwargs)
+            x, n = call.get("input"), wrapper._batch_size
+            if isinstance(x, PackedSequence):
+                rows = int(x.batch_sizes[0])
+            elif isinstance(x, torch.Tensor) and x.dim() == 3:
+                rows = x.shape[0 if mod.batch_first else 1]
+            else:
+                rows = None
+            if set(call) - {"input", "hx"} or not rows or (n is not None and rows != n):
+                wrapper._on_layer_output(name, mod, inputs, kwargs, output)
+                return None
+            sink = getattr(wrapper, SINK_ATTR)
+            return recurrent_forward(mod, x, call.get("hx"), deliver=sink.add, loss_reduction=wrapper.loss_reduction,
+                                     param_grads=not getattr(sink, "skips_param_grads", False))
 
         self._hook_handles.append(module.register_forward_hook(
             mark_engine_hook(forward_hook, self), with_kwargs=True, prepend=True))

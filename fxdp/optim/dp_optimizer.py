@@ -281,15 +281,25 @@ class DPOptimizer(Optimizer):
     def _write_private_grads(self, params: List[nn.Parameter]) -> None:
         std = self.noise_std if self._adds_noise() else 0.0
         scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
+        # (S + N(0, std^2)) * scale, written as N(0, (std * scale)^2) + scale * S into the noise's own
+        # buffer: one pass over each parameter after the draw, no temporaries (all sums and all gradients
+        # of a large model would otherwise be alive at once). Scaling before the all-reduce of training
+        # across processes is the same sum.
         grads = []
         for p in params:
-            summed = self._summed.get(p)
-            grad = torch.zeros_like(p) if summed is None else summed.to(p.dtype).view_as(p)
+            summed = self._summed.pop(p, None)
             if std > 0:
-                grad = grad + gaussian_noise(p, std, secure_mode=self.secure_mode, generator=self.generator)
+                grad = gaussian_noise(p, std * scale, secure_mode=self.secure_mode, generator=self.generator)
+                if summed is not None:
+                    grad.add_(summed.view_as(p), alpha=scale)
+            elif summed is None:
+                grad = torch.zeros_like(p)
+            else:
+                grad = summed.to(p.dtype).view_as(p)
+                grad = grad * scale if scale != 1.0 else grad
             grads.append(grad)
         for p, grad in zip(params, self._reduce(grads)):
-            p.grad = grad * scale if scale != 1.0 else grad
+            p.grad = grad
         self._summed.clear()
 
     # hooks for training across processes (fxdp.distributed.DistributedDPOptimizer overrides them)

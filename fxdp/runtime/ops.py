@@ -26,6 +26,7 @@ from fxdp.diagnostics.errors import PerSampleError
 from fxdp.grad_sample.accumulate import layer_capture
 from fxdp.grad_sample.bookkeeping import call_without_param_grads
 from fxdp.grad_sample.generic import layout_grad_samples, summed_loss_backprops
+from fxdp.grad_sample.recurrent import recurrent_forward, recurrent_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.grad_sample.sink import GradientSink, LayerCapture
 from fxdp.layout import BROADCAST, BatchLayout, parse_layout
@@ -167,6 +168,10 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
     leaves, layouts = _expand_broadcast(leaves, layouts, n)
     args, kwargs = pytree.tree_unflatten(leaves, spec)
     arg_params = [i for i, leaf in enumerate(leaves) if isinstance(leaf, nn.Parameter) and leaf.requires_grad]
+    if not arg_params and n > 0 and recurrent_rule_applies(module):
+        out = _recurrent_call(module, site, n, leaves, layouts, args, kwargs)
+        if out is not None:
+            return out
     out = None
     if getattr(site.sink, "skips_param_grads", False) and not arg_params:
         # the sink forms each parameter's gradient itself (book-keeping): only input gradients flow
@@ -207,6 +212,24 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
 
     _on_backward(outputs, record)
     return out
+
+
+def _recurrent_call(module: nn.Module, site: PerSampleSite, n: int, leaves, layouts, args, kwargs):
+    """A stock LSTM / GRU / RNN run step by step with its own parameters (the same output), delivering one
+    Linear-like capture per projection (:mod:`fxdp.grad_sample.recurrent`). ``None`` where the batch is not
+    where the layer keeps it (then the generic rule decides)."""
+    call = dict(zip(("input", "hx"), args), **kwargs)
+    x = call.get("input")
+    if set(call) - {"input", "hx"} or not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return None
+    batch_at = 0 if module.batch_first else 1
+    tensors = [lay for leaf, lay in zip(leaves, layouts) if isinstance(leaf, torch.Tensor)]
+    if str(tensors[0]) != f"batch@{batch_at}" or any(str(lay) != "batch@1" for lay in tensors[1:]):
+        return None
+    forward = forward_call(site)
+    return recurrent_forward(module, x, call.get("hx"), deliver=lambda capture: _deliver(site, capture, forward),
+                             loss_reduction=site.loss_reduction,
+                             param_grads=not getattr(site.sink, "skips_param_grads", False))
 
 
 def per_sample_function(site: PerSampleSite, n: int, *args, **kwargs):

@@ -12,7 +12,19 @@ from fxdp.grad_sample.embedding import embedding_grad_sample
 from fxdp.grad_sample.linear import linear_grad_sample
 
 
-class _LinearInputGradOnly(torch.autograd.Function):
+class _PositionalFunction(torch.autograd.Function):
+    """An autograd Function called with positional arguments only. ``Function.apply`` binds them with
+    ``inspect.signature`` on every call (about 40 us, as much as a small layer's forward); outside functorch
+    transforms this goes straight to autograd's own ``apply``, as ``Function.apply`` then does itself."""
+
+    @classmethod
+    def apply(cls, *args):
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*args)
+
+
+class _LinearInputGradOnly(_PositionalFunction):
     """``F.linear`` whose backward computes the input gradient only: the weight gradient, the product
     the sink forms later with re-weighted rows, is not computed twice."""
 
@@ -30,7 +42,7 @@ class _LinearInputGradOnly(torch.autograd.Function):
         return (grad.matmul(weight.to(grad.dtype)) if ctx.needs_input_grad[0] else None), None, None
 
 
-class _ConvInputGradOnly(torch.autograd.Function):
+class _ConvInputGradOnly(_PositionalFunction):
     """A convolution (input already padded as the layer pads it) whose backward computes the input
     gradient only."""
 
@@ -55,7 +67,7 @@ class _ConvInputGradOnly(torch.autograd.Function):
         return (grad_x,) + (None,) * 6
 
 
-class _EmbeddingNoGrad(torch.autograd.Function):
+class _EmbeddingNoGrad(_PositionalFunction):
     """A lookup whose backward computes nothing (indices have no gradient; the weight's is the sink's)."""
 
     @staticmethod

@@ -11,9 +11,11 @@ import torch.fx
 from torch import nn
 
 from fxdp import meta
+from fxdp.grad_sample.bookkeeping.recurrent import plan_recurrent
 from fxdp.grad_sample.conv import conv_grad_sample
 from fxdp.grad_sample.embedding import embedding_grad_sample
 from fxdp.grad_sample.linear import linear_grad_sample
+from fxdp.grad_sample.recurrent import recurrent_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.layout import parse_layout
 
@@ -70,6 +72,8 @@ def plan_layer(
     if backprop_shape is None or not activation_shapes:
         return LayerPlan(name, "materialise", "no (A, G) pair delivered: the layer's rule materialises")
     a, g = list(activation_shapes[0]), list(backprop_shape)
+    if recurrent_rule_applies(module):  # its projections, each a Linear layer on a sequence
+        return LayerPlan(name, *plan_recurrent(module, a, prefer, plan_layer))
     if _own_rule(module, nn.Linear, linear_grad_sample):
         if len(a) < 2 or a[:-1] != g[:-1] or a[-1] != module.in_features or g[-1] != module.out_features:
             return LayerPlan(name, "materialise", f"input {tuple(a)} / output gradient {tuple(g)} not (N, *, d) -> (N, *, p)")
@@ -123,6 +127,8 @@ def plan_graph(gm: torch.fx.GraphModule, prefer: Optional[str] = None) -> List[T
         site = getattr(gm, node.args[1].target)
         fakes = [a.meta.get(meta.FAKE_VALUE) if isinstance(a, torch.fx.Node) else None for a in node.args[3:]]
         out = node.meta.get(meta.FAKE_VALUE)
+        if isinstance(out, (tuple, list)):  # (output, state) of a recurrent layer: the output's shape
+            out = next(iter(t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)
         try:
             ins = [site.in_layout(i).to_batch_first(torch.empty(t.shape, device="meta"), n).shape
                    for i, t in enumerate(t for t in fakes if isinstance(t, torch.Tensor))]

@@ -79,8 +79,8 @@ class BookkeepingSink(GradientSink):
             )
         out: Dict[nn.Parameter, _Use] = {}
         for p in params:
-            if p is bias and isinstance(module, nn.Linear):  # summed over the middle positions
-                out[p] = _Summed(g.reshape(g.shape[0], -1, g.shape[-1]).sum(1))
+            if p is bias and isinstance(module, nn.Linear):  # summed over the middle positions (G itself on (N, p))
+                out[p] = _Summed(g if g.dim() == 2 else g.reshape(g.shape[0], -1, g.shape[-1]).sum(1))
             elif p is bias:  # a Conv: summed over the spatial positions
                 out[p] = _Summed(g.flatten(2).sum(2))
             elif isinstance(module, nn.Linear):

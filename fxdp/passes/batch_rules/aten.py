@@ -28,7 +28,7 @@ from fxdp.passes.batch_rules.core import (
     per_sample, rearranging, register_batch_rule,
 )
 from fxdp.passes.batch_rules.indexing import index_layout
-from fxdp.passes.batch_rules.layers import _batch_norm
+from fxdp.passes.batch_rules.layers import _batch_norm, _loss
 
 aten = torch.ops.aten
 OpOverload = torch._ops.OpOverload
@@ -140,6 +140,20 @@ def _aten_batch_norm(call: OpCall) -> Verdict:
                                            arg_layouts=(call.arg_layouts[0],) + (None,) * 5, kwarg_layouts={}))
 
 
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # ATen's losses take their reduction as an int
+
+
+def _aten_loss(call: OpCall) -> Verdict:
+    """aten.cross_entropy_loss, nll_loss, mse_loss, ...: the loss rule, with the reduction as a word."""
+    position = next(i for i, a in enumerate(call.op._schema.arguments) if a.name == "reduction")
+    reduction = _REDUCTIONS.get(call.arg(position, "reduction", default=1), "mean")
+    return _loss(dataclasses.replace(call, kwargs={**call.kwargs, "reduction": reduction}))
+
+
+_LOSSES = ("cross_entropy_loss nll_loss nll_loss_nd nll_loss2d mse_loss l1_loss smooth_l1_loss huber_loss "
+           "binary_cross_entropy binary_cross_entropy_with_logits kl_div soft_margin_loss margin_ranking_loss "
+           "hinge_embedding_loss cosine_embedding_loss multilabel_margin_loss multi_margin_loss poisson_nll_loss").split()
+register_batch_rule([getattr(aten, name).default for name in _LOSSES if hasattr(aten, name)])(_aten_loss)
 register_batch_rule([aten.embedding.default])(_embedding)
 register_batch_rule([aten.slice.Tensor])(_slice)
 register_batch_rule([aten.index.Tensor, aten._unsafe_index.Tensor])(_index)

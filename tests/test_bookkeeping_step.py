@@ -1,0 +1,188 @@
+"""A whole DP-SGD step with the book-keeping sink equals the same step with the materialising sink.
+
+For every layer kind with a per-sample rule (and the generic rule), with flat and per-layer clipping,
+``loss_reduction`` "mean" and "sum", noise off: ``DPOptimizer`` reading a :class:`BookkeepingSink` writes
+the same ``p.grad`` as ``DPOptimizer`` reading ``p.grad_sample`` from a :class:`GradSampleSink`, and both
+equal the clipped sum computed here from per-sample gradients of batches of one. Bounds are small, so
+every sample is clipped (a factor of 1 would hide a wrong norm).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fxdp
+from fxdp.grad_sample.bookkeeping import BookkeepingSink
+from fxdp.grad_sample.sink import GradSampleSink
+from fxdp.optim import DPOptimizer
+from per_sample_reference import batch_loss, expected_grad_samples
+
+CLIP = 0.05  # far below every per-sample gradient norm here: all samples are clipped
+
+
+class Head(nn.Module):
+    """``layer``, then a fixed linear read-out of its flattened output (so any output shape gives (N, 3))."""
+
+    def __init__(self, layer: nn.Module, features: int):
+        super().__init__()
+        self.layer = layer
+        self.out = nn.Linear(features, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.layer(x)).flatten(1))
+
+
+class Scaled(nn.Module):
+    """A layer with no hand-written rule: the generic rule serves it."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class TiedAndFrozen(nn.Module):
+    """One Linear used twice (tied), a frozen Linear, a batch moved to dim 1 and back before a LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.frozen = nn.Linear(4, 4).requires_grad_(False)
+        self.ln = nn.LayerNorm(4)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x):  # x: (N, T, 4)
+        h = self.shared(torch.tanh(self.shared(x))) + self.frozen(x)
+        h = self.ln(h.transpose(0, 1)).transpose(0, 1)  # (T, N, 4) -> LayerNorm -> (N, T, 4)
+        return self.out(h.sum(1))
+
+
+def _ids(n, vocab, t):
+    return torch.randint(1, vocab, (n, t), generator=torch.Generator().manual_seed(1))
+
+
+# (name, model factory, batch of n inputs, how the book-keeping sink handles `layer`); every layer kind
+# that has a rule appears, and every way of book-keeping (outer, ghost, per-sample kept or recomputed, index)
+KINDS = [
+    ("linear-vectors", lambda: Head(nn.Linear(6, 4), 4), lambda n: torch.randn(n, 6), "outer"),
+    ("linear-vectors-widening", lambda: Head(nn.Linear(3, 8), 8), lambda n: torch.randn(n, 3), "outer"),
+    ("linear-sequences", lambda: Head(nn.Linear(6, 4), 3 * 4), lambda n: torch.randn(n, 3, 6), "per_sample"),
+    ("linear-sequences-ghost", lambda: Head(nn.Linear(8, 8), 2 * 8), lambda n: torch.randn(n, 2, 8), "ghost"),
+    ("conv1d", lambda: Head(nn.Conv1d(2, 3, 3, padding=1), 3 * 7), lambda n: torch.randn(n, 2, 7), "per_sample"),
+    ("conv2d", lambda: Head(nn.Conv2d(2, 4, 3, stride=2, padding=1), 4 * 3 * 3), lambda n: torch.randn(n, 2, 6, 6),
+     "per_sample"),
+    ("conv2d-ghost", lambda: Head(nn.Conv2d(2, 16, 3), 16), lambda n: torch.randn(n, 2, 3, 3), "ghost"),
+    ("conv2d-per-sample-recomputed", lambda: Head(nn.Conv2d(4, 8, 3, padding=1), 8 * 16),
+     lambda n: torch.randn(n, 4, 4, 4), "per_sample"),
+    ("conv2d-groups", lambda: Head(nn.Conv2d(4, 4, 2, groups=2), 4 * 3 * 3), lambda n: torch.randn(n, 4, 4, 4),
+     "per_sample"),
+    ("conv3d", lambda: Head(nn.Conv3d(1, 2, 2), 2 * 2 * 2 * 2), lambda n: torch.randn(n, 1, 3, 3, 3), "per_sample"),
+    ("embedding", lambda: Head(nn.Embedding(9, 4, padding_idx=0), 5 * 4), lambda n: _ids(n, 9, 5), "index"),
+    ("embedding-bag", lambda: Head(nn.EmbeddingBag(9, 4, mode="mean"), 4), lambda n: _ids(n, 9, 5), "materialise"),
+    ("layer-norm", lambda: Head(nn.LayerNorm(4), 3 * 4), lambda n: torch.randn(n, 3, 4) * 2 + 1, "materialise"),
+    ("rms-norm", lambda: Head(nn.RMSNorm(4), 3 * 4), lambda n: torch.randn(n, 3, 4) * 2 + 1, "materialise"),
+    ("group-norm", lambda: Head(nn.GroupNorm(2, 4), 4 * 9), lambda n: torch.randn(n, 4, 3, 3) * 2 + 1, "materialise"),
+    ("instance-norm", lambda: Head(nn.InstanceNorm1d(3, affine=True), 3 * 5), lambda n: torch.randn(n, 3, 5) + 1,
+     "materialise"),
+    ("generic", lambda: Head(Scaled(), 4), lambda n: torch.randn(n, 4), None),
+    ("tied-frozen-moved", TiedAndFrozen, lambda n: torch.randn(n, 3, 4), None),
+]
+
+
+def private_grads(model, x, R, *, sink, clipping, loss_reduction, n_params):
+    """One DP-SGD step (noise off, lr 0) of ``model`` compiled with ``sink``: the gradients it writes, and
+    the compiled model."""
+    dp = fxdp.compile_for_dp(model, example_inputs=x, loss_reduction=loss_reduction, sink=sink)
+    bound = CLIP if clipping == "flat" else [CLIP] * n_params
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=bound,
+                      expected_batch_size=len(x), loss_reduction=loss_reduction, clipping=clipping, sink=sink)
+    opt.zero_grad()
+    batch_loss(dp(x), R, loss_reduction).backward()
+    opt.step()
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}, dp
+
+
+def clipped_reference(expected, clipping, loss_reduction, n):
+    """The clipped sum from per-sample gradients of batches of one, as DP-SGD defines it."""
+    norms = {k: g.flatten(1).pow(2).sum(1) for k, g in expected.items()}
+    if clipping == "flat":
+        total = torch.stack(list(norms.values())).sum(0).sqrt()
+        factors = {k: (CLIP / (total + 1e-6)).clamp(max=1.0) for k in expected}
+    else:
+        factors = {k: (CLIP / (sq.sqrt() + 1e-6)).clamp(max=1.0) for k, sq in norms.items()}
+    scale = 1.0 / n if loss_reduction == "mean" else 1.0
+    return {k: torch.tensordot(factors[k], g, dims=1) * scale for k, g in expected.items()}, factors
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+@pytest.mark.parametrize("name,make,make_x,method", KINDS, ids=[k[0] for k in KINDS])
+def test_bookkeeping_step_equals_the_materialised_step(name, make, make_x, method, clipping, loss_reduction):
+    torch.manual_seed(0)
+    model, x = make().double(), make_x(5)
+    x = x.double() if x.is_floating_point() else x
+    expected, R = expected_grad_samples(model, x)
+    n_params = len(expected)
+    got, book = {}, BookkeepingSink()
+    for label, sink in (("bookkeeping", book), ("materialised", GradSampleSink())):
+        got[label], dp = private_grads(copy.deepcopy(model), x, R, sink=sink, clipping=clipping,
+                                       loss_reduction=loss_reduction, n_params=n_params)
+        if label == "bookkeeping" and method is not None:
+            assert book.plans[dp.layer].method == method
+    want, factors = clipped_reference(expected, clipping, loss_reduction, len(x))
+    assert all(bool((c < 1).all()) for c in factors.values()), "every sample must be clipped"
+    for k in want:
+        torch.testing.assert_close(got["bookkeeping"][k], got["materialised"][k], msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(got["bookkeeping"][k], want[k], msg=lambda m: f"{k}: {m}")
+
+
+def test_noise_is_added_once_with_the_scaled_std_and_the_clipped_sum_on_top():
+    """With noise on, the book-keeping step's gradient minus the noise-free one is N(0, (sigma C / B)^2): the
+    noise is drawn at the scaled std into the gradient and the clipped sum added to it, not scaled twice."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 30), nn.Tanh(), nn.Linear(30, 20))
+    x = torch.randn(8, 40)
+    sigma, batch = 1.7, 16
+    grads = []
+    for noise in (0.0, sigma):
+        m = copy.deepcopy(model)
+        sink = BookkeepingSink()
+        dp = fxdp.compile_for_dp(m, example_inputs=x, sink=sink)
+        opt = DPOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), noise_multiplier=noise, max_grad_norm=CLIP,
+                          expected_batch_size=batch, sink=sink, generator=torch.Generator().manual_seed(2))
+        opt.zero_grad()
+        dp(x).pow(2).sum().backward()
+        opt.step()
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
+    diff = (grads[1] - grads[0]) * batch / (sigma * CLIP)
+    assert diff.numel() > 1800 and abs(float(diff.mean())) < 0.1 and abs(float(diff.std()) - 1) < 0.05
+    assert grads[0].abs().max() > 0
+
+
+LONG = [  # the ghost norm splits 32 or more positions in two halves (odd counts too)
+    ("linear-33-positions", lambda: Head(nn.Linear(5, 6), 33 * 6), lambda n: torch.randn(n, 33, 5)),
+    ("linear-64-positions", lambda: Head(nn.Linear(4, 3), 64 * 3), lambda n: torch.randn(n, 8, 8, 4)),
+    ("conv2d-36-positions", lambda: Head(nn.Conv2d(3, 4, 3, padding=1), 4 * 36), lambda n: torch.randn(n, 3, 6, 6)),
+    ("conv1d-groups-40-positions", lambda: Head(nn.Conv1d(4, 6, 3, stride=2, groups=2), 6 * 40),
+     lambda n: torch.randn(n, 4, 81)),
+]
+
+
+@pytest.mark.parametrize("name,make,make_x", LONG, ids=[k[0] for k in LONG])
+def test_ghost_norms_of_long_sequences(name, make, make_x):
+    torch.manual_seed(0)
+    model, x = make().double(), make_x(4).double()
+    expected, R = expected_grad_samples(model, x)
+    book = BookkeepingSink("ghost")
+    got, dp = private_grads(copy.deepcopy(model), x, R, sink=book, clipping="per_layer", loss_reduction="mean",
+                            n_params=len(expected))
+    assert book.plans[dp.layer].method == "ghost"
+    want, _ = clipped_reference(expected, "per_layer", "mean", len(x))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], msg=lambda m: f"{k}: {m}")
