@@ -54,8 +54,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     noise.add_argument("--non-private", action="store_true",
                        help="train the same model without privacy (no clipping, no noise), for comparison")
     parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--grad-sample-mode", default="fx", choices=["fx", "hooks"],
-                        help="fx: the compiled graph (captured with torch.export); hooks: the backward-hook engine")
     parser.add_argument("--max-physical-batch-size", type=int, default=None,
                         help="cut each logical batch into physical batches of at most this size "
                              "(BatchMemoryManager); the privacy accounting is unchanged")
@@ -79,8 +77,9 @@ class DocstringClassifier(nn.Module):
     Mean pooling rather than BERT's own head (the ``[CLS]`` state through a pooler): trained from
     scratch with DP-SGD, ``BertForSequenceClassification`` stayed at chance at epsilon 8 in our runs,
     while the mean of the token states starts close to a bag of words and gives the noisy gradient
-    something to follow from the first step. Dropout is off: DP-SGD's noise already regularises a
-    model this small."""
+    something to follow from the first step. Dropout is off: the graph fxdp captures keeps the
+    training mode it was captured in (``model.eval()`` would not turn dropout off for evaluation), and
+    DP-SGD's noise already regularises a model this small."""
 
     def __init__(self, vocab_size: int, num_labels: int, hidden_size: int = 32):
         super().__init__()
@@ -146,7 +145,7 @@ def train(args: argparse.Namespace, on_epoch: Optional[Callable[[int, float, Opt
     if not args.non_private:
         engine = PrivacyEngine()
         common = dict(module=model, optimizer=optimizer, data_loader=loader, max_grad_norm=args.max_grad_norm,
-                      grad_sample_mode=args.grad_sample_mode, example_inputs=example_inputs())
+                      example_inputs=example_inputs())
         if args.noise_multiplier is not None:
             model, optimizer, loader = engine.make_private(noise_multiplier=args.noise_multiplier, **common)
         else:
