@@ -72,8 +72,9 @@ def test_tokenizer_is_fixed_in_advance_and_pad_batch_masks_padding(text_data, sp
 
 def test_quick_private_run_prints_the_export_report_accuracy_and_epsilon(example, capsys):
     """--quick: 3 epochs at epsilon 8 (the default run has 10). Chance is 1/3. Measured on Python 3.11,
-    torch 2.13, transformers 5.24: this run ends at 46.7% (36.5%, 43.9%, 46.7% per epoch); the default
-    run at 61.1%, the same model without privacy at 70.7%."""
+    torch 2.13, transformers 5.24: this run (seed 0) ends at 46.7% (36.5%, 43.9%, 46.7% per epoch), and
+    at 47.5%, 47.9%, 40.3%, 49.7%, 48.4% with seeds 1 to 5; the default run at 61.1%, the same model
+    without privacy at 70.7%. A classifier at chance would score 33.3% +- 1.2 on the 1464 test pieces."""
     history = example.main(["--quick"])
     out = capsys.readouterr().out
     assert "fxdp compile report for DocstringClassifier" in out
@@ -90,7 +91,7 @@ def test_quick_private_run_prints_the_export_report_accuracy_and_epsilon(example
     assert all(a < b for a, b in zip(epsilons, epsilons[1:])) and 0.99 * 8.0 <= epsilons[-1] <= 8.0
     _, accuracy, epsilon = history[-1]
     assert f"final: test accuracy {100 * accuracy:.1f}% at epsilon {epsilon:.2f}, delta 1e-05" in out
-    assert accuracy >= 0.40  # chance + 6.7 points: well below what the run measures, well above chance
+    assert accuracy >= 0.38  # below every seed measured, 4 standard deviations above chance
 
 
 def test_memory_manager_fixed_noise_and_the_non_private_baseline(example, capsys):
