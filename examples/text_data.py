@@ -1,9 +1,9 @@
 """A small text-classification data set that ships with Python: docstrings of the standard library,
 labelled by the family of modules they document.
 
-Each sample is one docstring (of a module, class or function) of a standard-library module, read
-from its source file with :mod:`ast` (nothing is imported or downloaded); its label is the module's
-family, after the chapters of the Python Library Reference:
+Each sample is a piece of at most 16 words of a docstring (of a module, class or function) of a
+standard-library module, read from its source file with :mod:`ast` (nothing is imported or
+downloaded); its label is the module's family, after the chapters of the Python Library Reference:
 
     text      text and data formats (string, re, csv, json, email, xml, html, ...)
     network   networking and the internet (socket, ssl, asyncio, http, urllib, ...)
