@@ -432,8 +432,9 @@ def fold_registered_layers(graph: torch.fx.Graph, model: nn.Module) -> List[str]
     """Each call of a layer (not a torch.nn one: those are matched op by op) whose type has a per-sample
     rule registered with ``fxdp.register_grad_sampler`` becomes a ``call_module`` node again, so its rule
     serves it: the nodes the call recorded (``nn_module_stack``) are replaced by one call of the layer,
-    when they read exactly one value from outside (besides the layer's own parameters and buffers) and
-    one of them is used outside. Other calls keep their ATen ops, which the generic rule serves."""
+    when they read exactly one value from outside (besides the layer's own parameters and buffers, and
+    sizes such as export's shared ``sym_size(x, 0)`` when ``forward`` takes one argument) and one of them
+    is used outside (transformers' ``Conv1D``: ``view``, ``addmm``, ``view``). Other calls keep their ATen ops, which the generic rule serves."""
     from fxdp.grad_sample.registry import find_grad_sampler  # the registry of per-sample rules
 
     layers = {name: m for name, m in model.named_modules()

@@ -11,7 +11,9 @@ Lookup walks ``type(module).__mro__``: a subclass of ``nn.Linear`` uses the Line
 registers its own or overrides ``forward`` (then it has no rule: the graph traces into it and the
 hooks engine gives it the generic rule), or the rule was registered with ``subclasses=True``. The
 last registration for a type wins. Both the compiled graph and the hooks engine look rules up here,
-so a user rule serves both.
+so a user rule serves both. A rule for a class of an optional library (transformers' ``Conv1D``) is
+registered by class path (:func:`register_grad_sampler_by_path`): it applies once that library's module is
+imported, and fxdp never imports it.
 
 A module with a parametrization (``torch.nn.utils.parametrize``: ``weight_norm``, ``spectral_norm``,
 a user's) computes its weight from other parameters (``parametrizations.weight.original0``, ...), so
