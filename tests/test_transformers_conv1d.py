@@ -15,7 +15,7 @@ from torch import nn
 
 import fxdp
 from fxdp.grad_sample.bookkeeping import BookkeepingSink, plan_layer
-from fxdp.grad_sample.registry import find_grad_sampler, register_grad_sampler_by_path, rule_name
+from fxdp.grad_sample.registry import GRAD_SAMPLERS, find_grad_sampler, register_grad_sampler_by_path, rule_name
 from fxdp.grad_sample.sink import GradSampleSink
 from fxdp.optim import DPOptimizer
 
@@ -215,3 +215,23 @@ def test_a_conv1d_used_twice_on_vectors_against_batches_of_one():
     for k, p in enumerate(params):
         want = torch.stack([torch.autograd.grad((model(x[i:i + 1]) ** 2).sum(), p)[0] for i in range(4)])
         torch.testing.assert_close(norms[p], want.flatten(1).pow(2).sum(1), atol=1e-10, rtol=1e-8)
+
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_the_hooks_engine_serves_conv1d_with_its_rule(loss_reduction):
+    """The hooks engine looks rules up in the same registry: Conv1D layers get their rule there too."""
+    from per_sample_reference import batch_loss, expected_grad_samples
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Conv1D(8, 6), nn.Tanh(), Conv1D(3, 8)).double()
+    x = torch.randn(4, 5, 6, dtype=torch.float64)
+    want, R = expected_grad_samples(model, x)
+    rule, served = find_grad_sampler(Conv1D), []
+    GRAD_SAMPLERS.entries[Conv1D] = lambda m, a, g: served.append(m) or rule(m, a, g)  # conftest restores it
+    hooked = fxdp.compile_for_dp(model, grad_sample_mode="hooks", loss_reduction=loss_reduction)
+    assert fxdp.report(hooked).engine == "hooks"
+    batch_loss(hooked(x), R, loss_reduction).backward()
+    assert {id(m) for m in served} == {id(model[0]), id(model[2])}  # (also in the engine's self-check)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_sample, want[name], atol=1e-10, rtol=1e-8, msg=name)
