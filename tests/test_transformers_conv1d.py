@@ -235,3 +235,39 @@ def test_the_hooks_engine_serves_conv1d_with_its_rule(loss_reduction):
     assert {id(m) for m in served} == {id(model[0]), id(model[2])}  # (also in the engine's self-check)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad_sample, want[name], atol=1e-10, rtol=1e-8, msg=name)
+
+
+class _TimeFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = Conv1D(4, 6)
+
+    def forward(self, x):  # x: (N, T, 6); the layer sees (T, N, 6)
+        return self.proj(x.transpose(0, 1).contiguous()).transpose(0, 1)
+
+
+@pytest.mark.parametrize("sink", [GradSampleSink, BookkeepingSink])
+def test_conv1d_with_the_batch_in_dimension_1_against_batches_of_one(sink):
+    """Conv1D has the batch rule of a Linear layer: the batch may sit in any dimension but the last."""
+    from fxdp.passes.batch_rules.core import find_batch_rule
+
+    class Scaled(Conv1D):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    assert find_batch_rule(Conv1D(4, 6)) is not find_batch_rule(Scaled(4, 6))
+    torch.manual_seed(0)
+    model = _TimeFirst().double()
+    x = torch.randn(3, 5, 6, dtype=torch.float64)
+    compiled = fxdp.compile_for_dp(model, example_inputs=x, loss_reduction="sum", sink=sink())
+    assert [(s.target, s.rule, s.layouts) for s in compiled.fxdp_batch.sites] == [("proj", "Conv1D", ["batch@1"])]
+    (compiled(x) ** 2).sum().backward()
+    params = list(model.parameters())
+    want = [torch.stack([torch.autograd.grad((model(x[i:i + 1]) ** 2).sum(), p)[0] for i in range(3)]) for p in params]
+    if sink is GradSampleSink:
+        for p, w in zip(params, want):
+            torch.testing.assert_close(p.grad_sample, w, atol=1e-10, rtol=1e-8)
+    else:
+        norms = compiled.fxdp_sink.squared_norms(params)
+        for p, w in zip(params, want):
+            torch.testing.assert_close(norms[p], w.flatten(1).pow(2).sum(1), atol=1e-10, rtol=1e-8)
