@@ -485,8 +485,9 @@ def fold_registered_layers(graph: torch.fx.Graph, model: nn.Module) -> List[str]
     """Each call of a layer (not a torch.nn one: those are matched op by op) whose type has a per-sample
     rule registered with ``fxdp.register_grad_sampler`` becomes a ``call_module`` node again, so its rule
     serves it: the nodes the call recorded (``nn_module_stack``) are replaced by one call of the layer,
-    when they read exactly one value from outside (besides the layer's own parameters and buffers) and
-    one of them is used outside. Other calls keep their ATen ops, which the generic rule serves."""
+    when they read exactly one value from outside (besides the layer's own parameters and buffers, and
+    sizes such as export's shared ``sym_size(x, 0)`` when ``forward`` takes one argument) and one of them
+    is used outside (transformers' ``Conv1D``: ``view``, ``addmm``, ``view``). Other calls keep their ATen ops, which the generic rule serves."""
     from fxdp.grad_sample.registry import find_grad_sampler  # the registry of per-sample rules
 
     layers = {name: m for name, m in model.named_modules()
@@ -505,6 +506,8 @@ def fold_registered_layers(graph: torch.fx.Graph, model: nn.Module) -> List[str]
         inside = set(nodes)
         outside_inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside
                           and not (a.op == "get_attr" and id(_value(holder, a)) in own)}
+        if _takes_one_input(layers[path]):  # sizes read from outside (export reuses ``sym_size(x, 0)``
+            outside_inputs = {a for a in outside_inputs if not _is_size(a)}  # nodes): its forward reads its own
         outputs = [n for n in nodes if any(u not in inside for u in n.users)]
         if len(outside_inputs) != 1 or len(outputs) != 1:
             continue
@@ -521,3 +524,19 @@ def fold_registered_layers(graph: torch.fx.Graph, model: nn.Module) -> List[str]
         if node.op == "get_attr" and not node.users:
             graph.erase_node(node)
     return folded
+
+
+def _is_size(node: torch.fx.Node) -> bool:
+    """A node whose value is a (symbolic) size, not a tensor: ``aten.sym_size.int(x, 0)``, ``s0 * 7``."""
+    return isinstance(node.meta.get("val"), (int, torch.SymInt))
+
+
+def _takes_one_input(module: nn.Module) -> bool:
+    """``module.forward`` takes exactly one argument: a call of it read no size from outside except to
+    compute what its forward computes from that argument again."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1 and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD)

@@ -9,7 +9,7 @@ from torch import nn
 from fxdp.grad_sample.bookkeeping.plans import _CONVS, _own_rule
 from fxdp.grad_sample.conv import _pad_activations, conv_grad_sample
 from fxdp.grad_sample.embedding import embedding_grad_sample
-from fxdp.grad_sample.linear import linear_grad_sample
+from fxdp.grad_sample.linear import is_transformers_conv1d, linear_grad_sample
 
 
 class _PositionalFunction(torch.autograd.Function):
@@ -40,6 +40,24 @@ class _LinearInputGradOnly(_PositionalFunction):
     def backward(ctx, grad):
         (weight,) = ctx.saved_tensors
         return (grad.matmul(weight.to(grad.dtype)) if ctx.needs_input_grad[0] else None), None, None
+
+
+class _Conv1DInputGradOnly(_PositionalFunction):
+    """transformers' ``Conv1D`` forward (``addmm(bias, x.view(-1, in), weight)``, viewed back) whose backward
+    computes the input gradient only."""
+
+    @staticmethod
+    def forward(x, weight, bias):
+        return torch.addmm(bias, x.view(-1, x.size(-1)), weight).view(x.size()[:-1] + (weight.shape[1],))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return (grad.matmul(weight.to(grad.dtype).t()) if ctx.needs_input_grad[0] else None), None, None
 
 
 class _ConvInputGradOnly(_PositionalFunction):
@@ -92,6 +110,8 @@ def call_without_param_grads(module: nn.Module, args: tuple, kwargs: dict):
     x = args[0]
     if _own_rule(module, nn.Linear, linear_grad_sample):
         return _LinearInputGradOnly.apply(x, module.weight, module.bias)
+    if is_transformers_conv1d(module):
+        return _Conv1DInputGradOnly.apply(x, module.weight, module.bias)
     if _own_rule(module, _CONVS, conv_grad_sample) and x.dim() == len(module.kernel_size) + 2:
         x, padding = _pad_activations(module, x)
         return _ConvInputGradOnly.apply(x, module.weight, module.bias, list(module.stride), list(padding),

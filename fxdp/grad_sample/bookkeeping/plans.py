@@ -14,7 +14,7 @@ from fxdp import meta
 from fxdp.grad_sample.bookkeeping.recurrent import plan_recurrent
 from fxdp.grad_sample.conv import conv_grad_sample
 from fxdp.grad_sample.embedding import embedding_grad_sample
-from fxdp.grad_sample.linear import linear_grad_sample
+from fxdp.grad_sample.linear import is_transformers_conv1d, linear_grad_sample
 from fxdp.grad_sample.recurrent import recurrent_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.layout import parse_layout
@@ -74,8 +74,10 @@ def plan_layer(
     a, g = list(activation_shapes[0]), list(backprop_shape)
     if recurrent_rule_applies(module):  # its projections, each a Linear layer on a sequence
         return LayerPlan(name, *plan_recurrent(module, a, prefer, plan_layer))
-    if _own_rule(module, nn.Linear, linear_grad_sample):
-        if len(a) < 2 or a[:-1] != g[:-1] or a[-1] != module.in_features or g[-1] != module.out_features:
+    linear = _own_rule(module, nn.Linear, linear_grad_sample)
+    if linear or is_transformers_conv1d(module):  # Conv1D: a Linear layer with its weight stored (in, out)
+        d_in, d_out = (module.in_features, module.out_features) if linear else tuple(module.weight.shape)
+        if len(a) < 2 or a[:-1] != g[:-1] or a[-1] != d_in or g[-1] != d_out:
             return LayerPlan(name, "materialise", f"input {tuple(a)} / output gradient {tuple(g)} not (N, *, d) -> (N, *, p)")
         t = math.prod(a[1:-1])
         if t == 1:

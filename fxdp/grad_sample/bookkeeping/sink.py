@@ -15,6 +15,7 @@ from fxdp.grad_sample.bookkeeping.uses import (
     _ConvWeight, _EmbeddingWeight, _LinearWeight, _Materialised, _Segment, _Summed, _Use, _same_batch,
     _tied_squared_norms,
 )
+from fxdp.grad_sample.linear import is_transformers_conv1d
 from fxdp.grad_sample.sink import GradientSink, LayerCapture, check_grad_sample, pending_of_this_backward
 
 
@@ -81,14 +82,17 @@ class BookkeepingSink(GradientSink):
                 f"a batch of {capture.batch_size}; where the batch sits was recorded wrongly"
             )
         out: Dict[nn.Parameter, _Use] = {}
+        conv1d = is_transformers_conv1d(module)
         for p in params:
-            if p is bias and isinstance(module, nn.Linear):  # summed over the middle positions (G itself on (N, p))
-                n, width = g_raw.shape[0], g_raw.shape[-1]
+            if p is bias and (isinstance(module, nn.Linear) or conv1d):  # summed over the middle positions
+                n, width = g_raw.shape[0], g_raw.shape[-1]  # (G itself on (N, p))
                 out[p] = _Summed(g_raw if g_raw.dim() == 2 else g_raw.reshape(n, -1, width).sum(1), scale)
             elif p is bias:  # a Conv: summed over the spatial positions
                 out[p] = _Summed(g_raw.flatten(2).sum(2), scale)
             elif isinstance(module, nn.Linear):
                 out[p] = _LinearWeight(a, g_raw, plan.method, scale)
+            elif conv1d:  # weight (in, out): its per-sample gradient A_i^T G_i is a Linear one with A and G
+                out[p] = _LinearWeight(g_raw, a.to(g_raw.dtype), plan.method, scale)  # swapped (norms unchanged)
             elif isinstance(module, _CONVS):
                 out[p] = _ConvWeight(module, a, g_raw, plan.method, scale)
             else:  # an Embedding's G is (N, T, D), small next to its table: scaled once here

@@ -160,6 +160,8 @@ def find_batch_rule(op) -> Optional[BatchRule]:
     """The rule for an op (a module instance or type walks its MRO); ``None`` if there is none."""
     if isinstance(op, (nn.Module, type)):
         rule = _LAYER_RULES.find(op)
+        if rule is None and _LAYER_RULES_BY_PATH:
+            rule = _layer_rule_by_path(op)
         if rule is None and find_grad_sampler(op) is not None:
             return _registered_layer
         return rule
@@ -174,6 +176,27 @@ def find_batch_rule(op) -> Optional[BatchRule]:
         if rule is not None:
             break
     return rule
+
+
+# rules of layers of libraries fxdp does not import, by "module.ClassName" (transformers' Conv1D)
+_LAYER_RULES_BY_PATH: Dict[str, BatchRule] = {}
+
+
+def register_layer_batch_rule_by_path(path: str, rule: BatchRule) -> BatchRule:
+    """``rule`` for the layer class ``path`` ("module.ClassName") and its subclasses that keep its
+    ``forward``, without importing its module."""
+    _LAYER_RULES_BY_PATH[path] = rule
+    return rule
+
+
+def _layer_rule_by_path(op) -> Optional[BatchRule]:
+    cls = op if isinstance(op, type) else type(op)
+    for klass in cls.__mro__:
+        rule = _LAYER_RULES_BY_PATH.get(f"{klass.__module__}.{klass.__qualname__}")
+        if rule is not None:  # a subclass that overrides forward (or an instance's own forward) computes else
+            same = getattr(cls, "forward", None) is getattr(klass, "forward", None)
+            return rule if same and "forward" not in getattr(op, "__dict__", {}) else None
+    return None
 
 
 def add_rule_resolver(resolve: Callable[[Any], Optional[BatchRule]]) -> None:
