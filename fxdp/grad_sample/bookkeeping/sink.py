@@ -182,8 +182,8 @@ class BookkeepingSink(GradientSink):
 
     def _shared_clipped_sums(self, params, factors) -> Dict[int, torch.Tensor]:
         """``{id(use): its clipped sum}`` for the Linear weight uses that share one G and equal clip factors
-        (a recurrent layer's two projections under flat clipping): one product per group, ``G^T [A^1 c, ...]``,
-        where the A's together are no wider than G. Every other use is left to its own ``clipped_sum``."""
+        (a recurrent layer's two projections under flat clipping), formed together by
+        :func:`shared_clipped_sums`. Every other use is left to its own ``clipped_sum``."""
         groups: Dict[tuple, list] = {}
         for p in params:
             segments = self._segments.get(p)
@@ -200,7 +200,7 @@ class BookkeepingSink(GradientSink):
         for members in groups.values():
             use, c = members[0]
             same = [u for u, c_u in members if c_u is c or torch.equal(c_u, c)]
-            if len(same) > 1 and sum(u.a.shape[-1] for u in same) <= use.g.shape[-1]:
+            if len(same) > 1:
                 out.update(zip(map(id, same), shared_clipped_sums(same, c)))
         return out
 

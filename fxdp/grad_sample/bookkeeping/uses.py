@@ -102,14 +102,17 @@ def shared_ghost_norms(uses: Sequence["_LinearWeight"]) -> List[torch.Tensor]:
 
 
 def shared_clipped_sums(uses: Sequence["_LinearWeight"], c: torch.Tensor) -> List[torch.Tensor]:
-    """``sum_i c_i G_i^T A^k_i`` for Linear weights whose G is the same tensor, with the same factors: one
-    product ``G^T [A^1 c, A^2 c, ...]``, split by columns (call only when the A's together are no wider than G)."""
-    g = uses[0].ordered()[1]
+    """``sum_i c_i G_i^T A^k_i`` for Linear weights whose G is the same tensor, with the same factors ``c``.
+    Where the A's together are no wider than G (an LSTM: d + h <= 4h), one product ``G^T [A^1 c, A^2 c, ...]``
+    split by columns; else (an RNN: d + h > h) G is scaled once and multiplies each A."""
+    _, g, where = uses[0].ordered()
     widths = [u.a.shape[-1] for u in uses]
+    if sum(widths) > g.shape[-1]:
+        g_c = (g * c.to(g.dtype).view(where)).flatten(0, 1).t()
+        return [g_c.mm(u.ordered()[0].flatten(0, 1)) * u.scale for u in uses]
     scaled = g.new_empty(*g.shape[:2], sum(widths))
     for u, part in zip(uses, scaled.split(widths, -1)):
-        a, _, where = u.ordered()
-        torch.mul(a, (c * u.scale).to(g.dtype).view(where), out=part)
+        torch.mul(u.ordered()[0], (c * u.scale).to(g.dtype).view(where), out=part)
     return [s.contiguous() for s in g.flatten(0, 1).t().mm(scaled.flatten(0, 1)).split(widths, 1)]
 
 
