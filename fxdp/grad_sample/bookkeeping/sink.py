@@ -199,12 +199,14 @@ class BookkeepingSink(GradientSink):
         out = {}
         for members in groups.values():
             use, c = members[0]
-            same = [u for u, c_u in members if c_u is c or torch.equal(c_u, c)]
+            same = [u for u, c_u in members
+                    if c_u is c or (c_u.dtype == c.dtype and c_u.device == c.device and torch.equal(c_u, c))]
             if len(same) > 1:
                 out.update(zip(map(id, same), shared_clipped_sums(same, c)))
         return out
 
     def clear(self, params: Iterable[nn.Parameter]) -> None:
+        self._last_bias_sum = None
         with self._lock:
             for p in params:
                 self._segments.pop(p, None)
