@@ -30,6 +30,11 @@ gets the norm of the *sum* of its contributions, ``||sum_k g_i^(k)||``: from cro
 indices when all are Embedding, else by materialising that parameter alone. Its clipped sum is the sum of
 each use's re-weighted product. Successive backward passes before a step append rows in call order, as
 ``p.grad_sample`` does.
+
+Uses whose G is one tensor in memory (an LSTM's or RNN's input and recurrent projections get the same gate
+gradients; a GRU's do not) share the work on it: one Gram matrix ``G_i G_i^T`` for both ghost norms, one
+``sum_t G`` for both biases, and, when their clip factors are equal (flat clipping), one product
+``G^T [A^1 c, A^2 c]`` for both clipped sums (:attr:`BookkeepingSink.shared` lists the weights that shared).
 """
 
 from fxdp.grad_sample.bookkeeping.calls import call_without_param_grads

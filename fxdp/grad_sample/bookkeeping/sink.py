@@ -13,7 +13,7 @@ from fxdp.diagnostics.errors import PerSampleError
 from fxdp.grad_sample.bookkeeping.plans import _CONVS, LayerPlan, plan_layer
 from fxdp.grad_sample.bookkeeping.uses import (
     _ConvWeight, _EmbeddingWeight, _LinearWeight, _Materialised, _Segment, _Summed, _Use, _same_batch,
-    _tied_squared_norms,
+    _tied_squared_norms, memory_key, shared_clipped_sums, shared_ghost_norms,
 )
 from fxdp.grad_sample.linear import is_transformers_conv1d
 from fxdp.grad_sample.sink import GradientSink, LayerCapture, check_grad_sample, pending_of_this_backward
@@ -32,6 +32,10 @@ class BookkeepingSink(GradientSink):
         self.method = method
         self.plans: Dict[nn.Module, LayerPlan] = {}  # the last plan of every layer seen, for reports
         self.tied: Dict[nn.Parameter, int] = {}  # parameters with several uses in one backward -> how many
+        # weights whose ghost norms came from one G Gram shared with other weights (a recurrent layer's two
+        # projections) -> how many shared it, in the last backward pass that delivered them
+        self.shared: Dict[nn.Parameter, int] = {}
+        self._last_bias_sum = None  # (G, its per-sample sum): a recurrent layer's two biases share it
         self._lock = threading.Lock()
         self._pending: Dict[int, Dict[nn.Parameter, List[_Use]]] = {}  # graph task -> uses in that pass
         self._segments: Dict[nn.Parameter, List[_Segment]] = {}  # published backward passes, in call order
@@ -85,8 +89,7 @@ class BookkeepingSink(GradientSink):
         conv1d = is_transformers_conv1d(module)
         for p in params:
             if p is bias and (isinstance(module, nn.Linear) or conv1d):  # summed over the middle positions
-                n, width = g_raw.shape[0], g_raw.shape[-1]  # (G itself on (N, p))
-                out[p] = _Summed(g_raw if g_raw.dim() == 2 else g_raw.reshape(n, -1, width).sum(1), scale)
+                out[p] = _Summed(self._bias_sum(g_raw), scale)  # (G itself on (N, p))
             elif p is bias:  # a Conv: summed over the spatial positions
                 out[p] = _Summed(g_raw.flatten(2).sum(2), scale)
             elif isinstance(module, nn.Linear):
@@ -103,14 +106,45 @@ class BookkeepingSink(GradientSink):
                 out[p] = _Materialised(out[p].grad_samples())
         return out
 
+    def _bias_sum(self, g: torch.Tensor) -> torch.Tensor:
+        """A Linear bias's per-sample gradient, G summed over the middle positions; the same tensor for a G
+        delivered again (an LSTM's or RNN's two biases both get the sum of its one tensor of gate gradients).
+        The cache holds G itself, so its memory cannot be reused by another tensor while the key is kept."""
+        last = self._last_bias_sum
+        if last is not None and memory_key(last[0]) == memory_key(g):
+            return last[1]
+        n, width = g.shape[0], g.shape[-1]
+        summed = g if g.dim() == 2 else g.reshape(n, -1, width).sum(1)
+        self._last_bias_sum = (g, summed)
+        return summed
+
+    def _shared_norms(self, pending: Dict[nn.Parameter, List[_Use]]) -> Dict[nn.Parameter, torch.Tensor]:
+        """Ghost norms of the Linear weights used once whose G is one tensor (a recurrent layer's two
+        projections), with its Gram matrix formed once per such group; weights used several times take the
+        tied path."""
+        groups: Dict[tuple, List[nn.Parameter]] = {}
+        for p, uses in pending.items():
+            if len(uses) == 1 and isinstance(uses[0], _LinearWeight) and uses[0].method == "ghost":
+                groups.setdefault(memory_key(uses[0].g), []).append(p)
+        out = {}
+        for params in groups.values():
+            if len(params) > 1:
+                out.update(zip(params, shared_ghost_norms([pending[p][0] for p in params])))
+                self.shared.update((p, len(params)) for p in params)
+        return out
+
     def _publish(self, task: int) -> None:
         with self._lock:
             pending = self._pending.pop(task, {})
+        self._last_bias_sum = None
         segments = {}
         with torch.no_grad():
+            shared = self._shared_norms(pending)
             for p, uses in pending.items():
                 _same_batch(p, uses)
-                if len(uses) == 1:
+                if p in shared:
+                    norms = shared[p]
+                elif len(uses) == 1:
                     norms = uses[0].squared_norms()
                 else:
                     self.tied[p] = len(uses)
@@ -127,7 +161,9 @@ class BookkeepingSink(GradientSink):
 
     def clipped_sums(self, params, factors):
         out = {}
+        params = list(params)
         with torch.no_grad():
+            shared = self._shared_clipped_sums(params, factors)
             for p in params:
                 segments = self._segments.get(p)
                 if p not in factors or not segments:
@@ -142,12 +178,39 @@ class BookkeepingSink(GradientSink):
                 total = None
                 for segment, c_seg in zip(segments, c.split(sizes)):
                     for use in segment.uses:
-                        part = use.clipped_sum(c_seg)
+                        part = shared.pop(id(use), None)
+                        part = use.clipped_sum(c_seg) if part is None else part
                         total = part if total is None else total + part
                 out[p] = total.reshape(p.shape)
         return out
 
+    def _shared_clipped_sums(self, params, factors) -> Dict[int, torch.Tensor]:
+        """``{id(use): its clipped sum}`` for the Linear weight uses that share one G and equal clip factors
+        (a recurrent layer's two projections under flat clipping), formed together by
+        :func:`shared_clipped_sums`. Every other use is left to its own ``clipped_sum``."""
+        groups: Dict[tuple, list] = {}
+        for p in params:
+            segments = self._segments.get(p)
+            if p not in factors or not segments:
+                continue
+            sizes = [s.norms.shape[0] for s in segments]
+            if factors[p].shape != (sum(sizes),):
+                continue  # the caller's loop raises the error
+            for segment, c_seg in zip(segments, factors[p].split(sizes)):
+                for use in segment.uses:
+                    if isinstance(use, _LinearWeight):
+                        groups.setdefault(memory_key(use.g), []).append((use, c_seg))
+        out = {}
+        for members in groups.values():
+            use, c = members[0]
+            same = [u for u, c_u in members
+                    if c_u is c or (c_u.dtype == c.dtype and c_u.device == c.device and torch.equal(c_u, c))]
+            if len(same) > 1:
+                out.update(zip(map(id, same), shared_clipped_sums(same, c)))
+        return out
+
     def clear(self, params: Iterable[nn.Parameter]) -> None:
+        self._last_bias_sum = None
         with self._lock:
             for p in params:
                 self._segments.pop(p, None)

@@ -66,11 +66,54 @@ class _LinearWeight(_Use):
         gs = torch.bmm(self.g.transpose(1, 2), self.a)
         return gs * self.scale if self.scale != 1.0 else gs
 
+    def ordered(self):
+        """``(A, G, shape for the factors)`` with the rows in G's memory order: a recurrent layer's G is
+        time-major in memory (batch first only as a view), and a sum over ``(t, i)`` rather than ``(i, t)``
+        needs no copy of it."""
+        if not self.g.is_contiguous() and self.g.transpose(0, 1).is_contiguous():
+            return self.a.transpose(0, 1), self.g.transpose(0, 1), (1, -1, 1)
+        return self.a, self.g, (-1, 1, 1)
+
     def clipped_sum(self, c):
         # G^T diag(c) A: the factors scale the narrower of A and G (fewer multiplications, a smaller copy)
-        c = (c * self.scale).to(self.g.dtype).view(-1, 1, 1)
-        a, g = (self.a * c, self.g) if self.a.shape[-1] <= self.g.shape[-1] else (self.a, self.g * c)
+        a, g, where = self.ordered()
+        c = (c * self.scale).to(g.dtype).view(where)
+        a, g = (a * c, g) if a.shape[-1] <= g.shape[-1] else (a, g * c)
         return g.flatten(0, 1).t().mm(a.flatten(0, 1))
+
+
+# -- Linear weights whose uses share one G (an LSTM's or RNN's two projections: one tensor of gate gradients) --
+
+
+def memory_key(t: torch.Tensor) -> tuple:
+    """Equal for two tensors alive at the same time exactly when they read the same elements of the same
+    memory, hence hold the same values (G is never written after it is delivered)."""
+    return t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride()
+
+
+def shared_ghost_norms(uses: Sequence["_LinearWeight"]) -> List[torch.Tensor]:
+    """Ghost norms of Linear weights whose G is the same tensor: ``<A^k_i A^k_i^T, G_i G_i^T>`` with the Gram
+    matrix of G formed once for all of them (an LSTM's G has 4h columns, its A's d and h: the G Gram is most of
+    the cost). The full Gram, not the halves of :func:`_ghost_norms`: once shared, the halves' extra products
+    cost more than they save (measured at T = 50)."""
+    g = uses[0].g
+    gram = torch.bmm(g, g.transpose(1, 2))
+    return [(torch.bmm(u.a, u.a.transpose(1, 2)) * gram).sum((1, 2)) * u.scale ** 2 for u in uses]
+
+
+def shared_clipped_sums(uses: Sequence["_LinearWeight"], c: torch.Tensor) -> List[torch.Tensor]:
+    """``sum_i c_i G_i^T A^k_i`` for Linear weights whose G is the same tensor, with the same factors ``c``.
+    Where the A's together are no wider than G (an LSTM: d + h <= 4h), one product ``G^T [A^1 c, A^2 c, ...]``
+    split by columns; else (an RNN: d + h > h) G is scaled once and multiplies each A."""
+    _, g, where = uses[0].ordered()
+    widths = [u.a.shape[-1] for u in uses]
+    if sum(widths) > g.shape[-1]:
+        g_c = (g * c.to(g.dtype).view(where)).flatten(0, 1).t()
+        return [g_c.mm(u.ordered()[0].flatten(0, 1)) * u.scale for u in uses]
+    scaled = g.new_empty(*g.shape[:2], sum(widths))
+    for u, part in zip(uses, scaled.split(widths, -1)):
+        torch.mul(u.ordered()[0], (c * u.scale).to(g.dtype).view(where), out=part)
+    return [s.contiguous() for s in g.flatten(0, 1).t().mm(scaled.flatten(0, 1)).split(widths, 1)]
 
 
 def _gram_dot(a_k, a_l, g_k, g_l) -> torch.Tensor:

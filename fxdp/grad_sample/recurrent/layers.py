@@ -121,11 +121,14 @@ def _recorder(suffix_views, rows: _Rows, deliver: Callable[[LayerCapture], None]
     ih, hh = suffix_views
 
     def record(g_ih, g_hh, h_prev, x):
+        batch_first = {}  # an LSTM's or RNN's one G goes to both captures as one tensor (a sink shares its work)
         for view, a, g in ((ih, x, g_ih), (hh, h_prev, g_hh)):
             if not any(p is not None and p.requires_grad for p in (view.weight, view.bias)):
                 continue
+            if id(g) not in batch_first:
+                batch_first[id(g)] = rows.to_batch_first(g)
             # G as it came and the mean's factor, which a book-keeping sink folds into norms (see LayerCapture)
-            deliver(layer_capture(view, [rows.to_batch_first(a)], rows.to_batch_first(g), batch_size=rows.n,
+            deliver(layer_capture(view, [rows.to_batch_first(a)], batch_first[id(g)], batch_size=rows.n,
                                   backprops_scale=summed_loss_scale(loss_reduction, rows.n)))
 
     return record
