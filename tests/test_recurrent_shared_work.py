@@ -170,15 +170,9 @@ def test_a_layer_called_twice_keeps_the_tied_norms(shared_products):
     book = BookkeepingSink("ghost")
     compiled = fxdp.compile_for_dp(model, example_inputs=x, loss_reduction="mean", sink=book)
     ((compiled(x) * R).sum() / N).backward()
-    params = dict(model.named_parameters())
+    by_param = {p: expected[name] for name, p in model.named_parameters()}
     factor = torch.rand(N)
-    norms = book.squared_norms(params.values())
-    sums = book.clipped_sums(params.values(), {p: factor for p in params.values()})
-    for name, p in params.items():
-        torch.testing.assert_close(norms[p], expected[name].flatten(1).pow(2).sum(1), atol=1e-10, rtol=1e-8,
-                                   msg=lambda m: f"{name} norms: {m}")
-        torch.testing.assert_close(sums[p], torch.tensordot(factor, expected[name], dims=1), atol=1e-10, rtol=1e-8,
-                                   msg=lambda m: f"{name} clipped sum: {m}")
+    _check(book, by_param, {p: factor for p in by_param})
     lstm = model.lstm
     assert book.tied[lstm.weight_ih_l0] == book.tied[lstm.weight_hh_l0] == 2
     assert lstm.weight_ih_l0 not in book.shared and lstm.weight_hh_l0 not in book.shared
@@ -202,14 +196,8 @@ def test_a_mean_loss_in_a_compiled_lstm_classifier_shares_and_stays_exact(shared
     book = BookkeepingSink("ghost")
     compiled = fxdp.compile_for_dp(model, example_inputs=ids, sink=book)  # loss_reduction="mean"
     ((compiled(ids) * R).sum() / N).backward()
-    params = dict(model.named_parameters())
+    by_param = {p: expected[name] for name, p in model.named_parameters()}
     factor = torch.rand(N)
-    norms = book.squared_norms(params.values())
-    sums = book.clipped_sums(params.values(), {p: factor for p in params.values()})
-    for name, p in params.items():
-        torch.testing.assert_close(norms[p], expected[name].flatten(1).pow(2).sum(1), atol=1e-10, rtol=1e-8,
-                                   msg=lambda m: f"{name} norms: {m}")
-        torch.testing.assert_close(sums[p], torch.tensordot(factor, expected[name], dims=1), atol=1e-10, rtol=1e-8,
-                                   msg=lambda m: f"{name} clipped sum: {m}")
+    _check(book, by_param, {p: factor for p in by_param})
     assert book.shared == {model.lstm.weight_ih_l0: 2, model.lstm.weight_hh_l0: 2}
     assert shared_products == [2]

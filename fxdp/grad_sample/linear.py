@@ -16,23 +16,29 @@ from torch import nn
 from fxdp.grad_sample.registry import find_grad_sampler, register_grad_sampler, register_grad_sampler_by_path
 
 
-@register_grad_sampler(nn.Linear)
-def linear_grad_sample(
-    module: nn.Linear, activations: List[torch.Tensor], backprops: torch.Tensor
-) -> Dict[nn.Parameter, torch.Tensor]:
-    x = activations[0]
+def _matmul_grad_samples(module: nn.Module, x: torch.Tensor, backprops: torch.Tensor,
+                         weight_in_out: bool) -> Dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradients of ``x @ W^T + b`` (``W`` stored ``(out, in)``), or of ``x @ W + b`` when
+    ``weight_in_out`` (``W`` stored ``(in, out)``)."""
     n = x.shape[0]
     ret: Dict[nn.Parameter, torch.Tensor] = {}
     if module.weight.requires_grad:
-        if x.dim() == 2:
+        if x.dim() == 2 and not weight_in_out:
             ret[module.weight] = backprops.unsqueeze(2) * x.unsqueeze(1)
         else:
             a = x.reshape(n, -1, x.shape[-1])
             g = backprops.reshape(n, -1, backprops.shape[-1])
-            ret[module.weight] = torch.bmm(g.transpose(1, 2), a)
+            ret[module.weight] = torch.bmm(a.transpose(1, 2), g) if weight_in_out else torch.bmm(g.transpose(1, 2), a)
     if module.bias is not None and module.bias.requires_grad:
         ret[module.bias] = backprops.reshape(n, -1, backprops.shape[-1]).sum(1)
     return ret
+
+
+@register_grad_sampler(nn.Linear)
+def linear_grad_sample(
+    module: nn.Linear, activations: List[torch.Tensor], backprops: torch.Tensor
+) -> Dict[nn.Parameter, torch.Tensor]:
+    return _matmul_grad_samples(module, activations[0], backprops, weight_in_out=False)
 
 
 @register_grad_sampler_by_path("transformers.pytorch_utils", "Conv1D")
@@ -40,16 +46,7 @@ def transformers_conv1d_grad_sample(
     module: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
     """transformers' ``Conv1D``: ``x @ weight + bias`` with ``weight`` of shape ``(in, out)``."""
-    x = activations[0]
-    n = x.shape[0]
-    ret: Dict[nn.Parameter, torch.Tensor] = {}
-    if module.weight.requires_grad:
-        a = x.reshape(n, -1, x.shape[-1])
-        g = backprops.reshape(n, -1, backprops.shape[-1])
-        ret[module.weight] = torch.bmm(a.transpose(1, 2), g)
-    if module.bias is not None and module.bias.requires_grad:
-        ret[module.bias] = backprops.reshape(n, -1, backprops.shape[-1]).sum(1)
-    return ret
+    return _matmul_grad_samples(module, activations[0], backprops, weight_in_out=True)
 
 
 def is_transformers_conv1d(module) -> bool:
