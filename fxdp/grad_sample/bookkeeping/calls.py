@@ -42,24 +42,6 @@ class _LinearInputGradOnly(_PositionalFunction):
         return (grad.matmul(weight.to(grad.dtype)) if ctx.needs_input_grad[0] else None), None, None
 
 
-class _Conv1DInputGradOnly(_PositionalFunction):
-    """transformers' ``Conv1D`` forward (``addmm(bias, x.view(-1, in), weight)``, viewed back) whose backward
-    computes the input gradient only."""
-
-    @staticmethod
-    def forward(x, weight, bias):
-        return torch.addmm(bias, x.view(-1, x.size(-1)), weight).view(x.size()[:-1] + (weight.shape[1],))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        (weight,) = ctx.saved_tensors
-        return (grad.matmul(weight.to(grad.dtype).t()) if ctx.needs_input_grad[0] else None), None, None
-
-
 class _ConvInputGradOnly(_PositionalFunction):
     """A convolution (input already padded as the layer pads it) whose backward computes the input
     gradient only."""
@@ -111,7 +93,7 @@ def call_without_param_grads(module: nn.Module, args: tuple, kwargs: dict):
     if _own_rule(module, nn.Linear, linear_grad_sample):
         return _LinearInputGradOnly.apply(x, module.weight, module.bias)
     if is_transformers_conv1d(module):
-        return _Conv1DInputGradOnly.apply(x, module.weight, module.bias)
+        return _LinearInputGradOnly.apply(x, module.weight.t(), module.bias)  # x @ W + b, W stored (in, out)
     if _own_rule(module, _CONVS, conv_grad_sample) and x.dim() == len(module.kernel_size) + 2:
         x, padding = _pad_activations(module, x)
         return _ConvInputGradOnly.apply(x, module.weight, module.bias, list(module.stride), list(padding),
