@@ -7,8 +7,8 @@ Phases of the DP step (``make_private``'s default: the compiled model with the b
 - ``forward``, ``backward``: as in the plain step; backward includes the sink taking each layer's (A, G)
   (``capture``) and computing the per-sample norms when the pass ends (``norms``), listed separately;
 - ``clip``: the optimizer's checks and clip factors (``squared_norms`` read, the factors);
-- ``clipped sums``: ``sink.clipped_sums`` (one re-weighted weight-gradient product per layer);
-- ``noise + write``: noise drawn and added, scaled, written to ``p.grad``;
+- ``clipped sums``: ``sink.take_clipped_sums`` (one re-weighted weight-gradient product per layer);
+- ``noise + write``: noise added into the sums in place, written to ``p.grad``;
 - ``optimizer``: the wrapped optimizer's step; ``zero_grad``.
 
 Usage: python benchmarks/dp_step_profile.py --model mlp [--repeats 20] [--threads 2] [--cpu-time] [--ops]
@@ -107,9 +107,9 @@ def main():
     dp = Timers()
     dp.wrap(sink, "add", "  capture (in backward)")
     dp.wrap(sink, "_publish", "  norms (end of backward)")
-    dp.wrap(sink, "clipped_sums", "clipped sums")
-    dp.wrap(opt, "_accumulate", "_accumulate")
-    dp.wrap(opt, "_write_private_grads", "noise + write")
+    dp.wrap(opt, "_factors", "clip (checks, factors)")
+    dp.wrap(sink, "take_clipped_sums", "clipped sums")
+    dp.wrap(opt, "_write_private_grads", "_write")
     dp.wrap(opt.original_optimizer, "step", "optimizer")
 
     def plain_step():
@@ -140,7 +140,7 @@ def main():
     base, base_min = statistics.median(total_plain) * 1e3, min(total_plain) * 1e3
     p, d, pm, dm = plain.medians_ms(), dp.medians_ms(), plain.minima_ms(), dp.minima_ms()
     for phases in (d, dm):
-        phases["clip (checks, factors)"] = phases.pop("_accumulate") - phases["clipped sums"]
+        phases["noise + write"] = phases.pop("_write") - phases["clipped sums"] - phases["clip (checks, factors)"]
         phases.pop("step")
     print(f"{args.model}, batch {n}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{'CPU time' if args.cpu_time else 'wall time'}, "

@@ -91,6 +91,19 @@ class GradientSink(abc.ABC):
     ) -> Dict[nn.Parameter, torch.Tensor]:
         """``sum_i factors[p][i] * g_i(p)`` for each parameter in ``factors``: the clipped sum."""
 
+    def take_clipped_sums(
+        self, params: Sequence[nn.Parameter], factors: Dict[nn.Parameter, torch.Tensor], alpha: float = 1.0
+    ) -> Dict[nn.Parameter, torch.Tensor]:
+        """``alpha`` times each clipped sum, then :meth:`clear` of ``params``: the optimizer's read of a
+        physical batch. Each sum returned is the caller's to write to (it adds the noise in place).
+
+        This default forms the sums with :meth:`clipped_sums`; a sink may instead forget each parameter's
+        records as soon as its sum is formed, which keeps the step's peak memory down (book-keeping does:
+        a layer's input and output gradient are freed once its sums exist, not after all of them)."""
+        sums = self.clipped_sums(params, factors)
+        self.clear(params)
+        return {p: s * alpha if alpha != 1.0 else s for p, s in sums.items()}
+
     @abc.abstractmethod
     def clear(self, params: Iterable[nn.Parameter]) -> None:
         """Forget everything recorded for ``params`` (the optimizer calls it after each step)."""

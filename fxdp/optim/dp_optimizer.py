@@ -10,6 +10,9 @@ One optimizer step of DP-SGD, as this class runs it::
         p.grad = (S + N(0, sigma^2 C^2)) / expected_batch_size    ("mean"; no division for "sum")
         inner_optimizer.step()
 
+(The sums are read with ``sink.take_clipped_sums``, which frees each layer's records as its sums form;
+the noise is added into the sums' own buffers, see ``_write_private_grads``.)
+
 The per-sample gradients come from the model's gradient sink (:mod:`fxdp.grad_sample.sink`): the
 optimizer never reads ``p.grad_sample`` itself, so a sink that computes norms and clipped sums without
 materialising per-sample gradients (book-keeping) serves it unchanged. Without a sink, a fresh
@@ -41,7 +44,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fxdp.grad_sample.sink import GradientSink, GradSampleSink, PerSampleError
-from fxdp.optim.noise import gaussian_noise
+from fxdp.optim.noise import add_gaussian_noise_
 
 CLIPPING_MODES = ("flat", "per_layer")
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -243,8 +246,8 @@ class DPOptimizer(Optimizer):
             )
         params = self._trainable_params()
         skip, self._skip_next = self._skip_next, False
-        self._accumulate(params, skip)
         if skip:
+            self._accumulate(params)
             return None
         self._write_private_grads(params)
         result = self.original_optimizer.step()
@@ -254,21 +257,25 @@ class DPOptimizer(Optimizer):
             hook(self)
         return loss if closure is not None else result
 
-    def _accumulate(self, params: List[nn.Parameter], skip: bool) -> None:
-        """Add this physical batch's clipped per-sample gradients to the logical batch's sum."""
+    def _factors(self, params: List[nn.Parameter]) -> Dict[nn.Parameter, torch.Tensor]:
+        """This physical batch's clip factors, one per sample, after checking its per-sample norms
+        (empty where no sample was seen)."""
         norms = self.sink.squared_norms(params)
         rows = self._check_rows(norms)
         self._check_finite(norms)
         self._check_every_gradient_is_per_sample(params, norms, rows)
-        if norms:
-            sums = self.sink.clipped_sums(list(norms), self._clip_factors(norms))
-            for p, s in sums.items():
-                self._summed[p] = self._summed[p] + s if p in self._summed else s
+        return self._clip_factors(norms) if norms else {}
+
+    def _accumulate(self, params: List[nn.Parameter]) -> None:
+        """A skipped step: add this physical batch's clipped sums to the logical batch's."""
+        factors = self._factors(params)
+        sums = self.sink.take_clipped_sums(list(factors), factors) if factors else {}
         self.sink.clear(params)
-        if skip:
-            # the plain (unclipped) gradient of this physical batch is not private: nothing reads it
-            for p in params:
-                p.grad = None
+        for p, s in sums.items():
+            self._summed[p] = self._summed[p] + s if p in self._summed else s
+        # the plain (unclipped) gradient of this physical batch is not private: nothing reads it
+        for p in params:
+            p.grad = None
 
     def _clip_factors(self, norms: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
         if self.clipping == "per_layer":
@@ -279,24 +286,29 @@ class DPOptimizer(Optimizer):
         return {p: factor.to(sq.device) for p, sq in norms.items()}
 
     def _write_private_grads(self, params: List[nn.Parameter]) -> None:
+        """``p.grad = (S + N(0, std^2)) * scale``, S the clipped sum of the logical batch: this physical
+        batch's plus those accumulated by skipped steps.
+
+        Written as ``scale * S + N(0, (std * scale)^2)`` into the sum's own buffer: the sink forms each
+        scaled sum and frees that layer's inputs and output gradients as it goes (``take_clipped_sums``),
+        then the noise is added in place, in the parameters' order, a chunk at a time, with the values
+        one draw per parameter would give (:func:`~fxdp.optim.noise.add_gaussian_noise_`). No second
+        copy of the gradients exists at any point. Scaling before the all-reduce of training across
+        processes is the same sum."""
+        factors = self._factors(params)
         std = self.noise_std if self._adds_noise() else 0.0
         scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
-        # (S + N(0, std^2)) * scale, written as N(0, (std * scale)^2) + scale * S into the noise's own
-        # buffer: one pass over each parameter after the draw, no temporaries (all sums and all gradients
-        # of a large model would otherwise be alive at once). Scaling before the all-reduce of training
-        # across processes is the same sum.
+        sums = self.sink.take_clipped_sums(list(factors), factors, alpha=scale) if factors else {}
+        self.sink.clear(params)
         grads = []
         for p in params:
-            summed = self._summed.pop(p, None)
+            grad = sums.pop(p, None)
+            grad = torch.zeros_like(p) if grad is None else grad.to(p.dtype).reshape(p.shape)
+            earlier = self._summed.pop(p, None)
+            if earlier is not None:
+                grad.add_(earlier.view_as(p), alpha=scale)
             if std > 0:
-                grad = gaussian_noise(p, std * scale, secure_mode=self.secure_mode, generator=self.generator)
-                if summed is not None:
-                    grad.add_(summed.view_as(p), alpha=scale)
-            elif summed is None:
-                grad = torch.zeros_like(p)
-            else:
-                grad = summed.to(p.dtype).view_as(p)
-                grad = grad * scale if scale != 1.0 else grad
+                add_gaussian_noise_(grad, std * scale, secure_mode=self.secure_mode, generator=self.generator)
             grads.append(grad)
         for p, grad in zip(params, self._reduce(grads)):
             p.grad = grad

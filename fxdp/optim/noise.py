@@ -84,6 +84,46 @@ def gaussian_noise(
     return noise.to(device=reference.device, dtype=reference.dtype)
 
 
+# Values drawn at a time by :func:`add_gaussian_noise_` (a multiple of 16, see there): 256 KiB of float32.
+NOISE_CHUNK = 1 << 16
+
+
+def add_gaussian_noise_(
+    out: torch.Tensor,
+    std: float,
+    *,
+    secure_mode: bool = False,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """``out += N(0, std^2)`` in place, with the very values :func:`gaussian_noise` would draw for a tensor
+    of ``out``'s shape, and returns ``out``.
+
+    Where the draw happens on the CPU, into a CPU tensor, the values are drawn :data:`NOISE_CHUNK` at a
+    time into one small buffer instead of a whole noise tensor, so adding noise to a model's gradients
+    needs no second copy of them. Torch's CPU sampler fills a tensor with uniforms in order and maps
+    them to normals 16 at a time, recomputing a tail that is not a multiple of 16 from fresh uniforms;
+    chunks that are multiples of 16, with a last chunk of at least 16 values, therefore give the same
+    stream as one draw (checked bitwise by ``tests/test_optim.py``). Elsewhere (secure mode, a GPU draw,
+    a non-contiguous ``out``) the noise is drawn whole and added.
+    """
+    draw_dtype = torch.promote_types(out.dtype, torch.float32)
+    draw_device = generator.device if generator is not None else out.device
+    n = out.numel()
+    if (secure_mode or n <= NOISE_CHUNK or draw_device.type != "cpu" or out.device.type != "cpu"
+            or draw_dtype not in (torch.float32, torch.float64) or not out.is_contiguous()):
+        return out.add_(gaussian_noise(out, std, secure_mode=secure_mode, generator=generator))
+    flat = out.view(-1)
+    buffer = torch.empty(NOISE_CHUNK + 15, dtype=draw_dtype)
+    start = 0
+    while start < n:
+        left = n - start
+        size = left if left < NOISE_CHUNK + 16 else NOISE_CHUNK  # never leave a tail under 16 values
+        part = buffer[:size].normal_(0.0, std, generator=generator)
+        flat[start:start + size].add_(part if part.dtype == out.dtype else part.to(out.dtype))
+        start += size
+    return out
+
+
 def secure_seed() -> int:
     """A 63-bit seed from the OS's cryptographic source (for generators that must be torch ones)."""
     return int.from_bytes(os.urandom(8), "little") >> 1

@@ -160,29 +160,54 @@ class BookkeepingSink(GradientSink):
         return {p: torch.cat([s.norms for s in self._segments[p]]) for p in params if self._segments.get(p)}
 
     def clipped_sums(self, params, factors):
-        out = {}
         params = list(params)
         with torch.no_grad():
             shared = self._shared_clipped_sums(params, factors)
-            for p in params:
-                segments = self._segments.get(p)
-                if p not in factors or not segments:
-                    continue
-                sizes = [s.norms.shape[0] for s in segments]
-                c = factors[p]
-                if c.shape != (sum(sizes),):
-                    raise ValueError(
-                        f"fxdp: clip factors of shape {tuple(c.shape)} for a parameter of shape {tuple(p.shape)} "
-                        f"with {sum(sizes)} per-sample rows; pass one factor per sample"
-                    )
-                total = None
-                for segment, c_seg in zip(segments, c.split(sizes)):
-                    for use in segment.uses:
-                        part = shared.pop(id(use), None)
-                        part = use.clipped_sum(c_seg) if part is None else part
-                        total = part if total is None else total + part
-                out[p] = total.reshape(p.shape)
-        return out
+            sums = {p: self._clipped_sum(p, factors, shared) for p in params}
+        return {p: s for p, s in sums.items() if s is not None}
+
+    def take_clipped_sums(self, params, factors, alpha=1.0):
+        """The clipped sums, last parameter first (about the order backward delivered them in), each
+        parameter's records dropped as soon as its sum is formed: a layer's A and G are freed once its
+        weight and bias are summed, so they are never all alive together with all the sums."""
+        params = list(params)
+        if alpha != 1.0:
+            factors = {p: c * alpha for p, c in factors.items()}
+        out = {}
+        with torch.no_grad():
+            shared = self._shared_clipped_sums(params, factors)
+            for p in reversed(params):
+                total = self._clipped_sum(p, factors, shared)
+                if total is not None:
+                    out[p] = total
+                with self._lock:
+                    self._segments.pop(p, None)
+        self.clear(params)
+        return {p: out[p] for p in params if p in out}
+
+    def _clipped_sum(self, p: nn.Parameter, factors, shared: Dict[int, torch.Tensor]) -> Optional[torch.Tensor]:
+        """``p``'s clipped sum over its uses (those of a shared group taken from ``shared``), or None."""
+        total = None
+        for use, c in self._uses_with_factors(p, factors):
+            part = shared.pop(id(use), None)
+            part = use.clipped_sum(c) if part is None else part
+            total = part if total is None else total + part
+        return None if total is None else total.reshape(p.shape)
+
+    def _uses_with_factors(self, p: nn.Parameter, factors) -> List[tuple]:
+        """``(use, its samples' clip factors)`` for every use of ``p`` recorded since the last clear; none
+        where ``p`` has no records or no factors."""
+        segments = self._segments.get(p)
+        if p not in factors or not segments:
+            return []
+        sizes = [s.norms.shape[0] for s in segments]
+        c = factors[p]
+        if c.shape != (sum(sizes),):
+            raise ValueError(
+                f"fxdp: clip factors of shape {tuple(c.shape)} for a parameter of shape {tuple(p.shape)} "
+                f"with {sum(sizes)} per-sample rows; pass one factor per sample"
+            )
+        return [(use, c_seg) for segment, c_seg in zip(segments, c.split(sizes)) for use in segment.uses]
 
     def _shared_clipped_sums(self, params, factors) -> Dict[int, torch.Tensor]:
         """``{id(use): its clipped sum}`` for the Linear weight uses that share one G and equal clip factors
@@ -190,16 +215,9 @@ class BookkeepingSink(GradientSink):
         :func:`shared_clipped_sums`. Every other use is left to its own ``clipped_sum``."""
         groups: Dict[tuple, list] = {}
         for p in params:
-            segments = self._segments.get(p)
-            if p not in factors or not segments:
-                continue
-            sizes = [s.norms.shape[0] for s in segments]
-            if factors[p].shape != (sum(sizes),):
-                continue  # the caller's loop raises the error
-            for segment, c_seg in zip(segments, factors[p].split(sizes)):
-                for use in segment.uses:
-                    if isinstance(use, _LinearWeight):
-                        groups.setdefault(memory_key(use.g), []).append((use, c_seg))
+            for use, c in self._uses_with_factors(p, factors):
+                if isinstance(use, _LinearWeight):
+                    groups.setdefault(memory_key(use.g), []).append((use, c))
         out = {}
         for members in groups.values():
             use, c = members[0]
