@@ -2,6 +2,8 @@
 run, engines taking turns, as a ratio to a non-private step (forward, backward, optimizer step):
 
 - ``plain``: plain PyTorch, the floor (ratio 1.00);
+- ``noise only``: just the noise draws of one step (see :func:`noise_only`): how much of a DP step's cost
+  beyond a plain one no implementation drawing torch's Gaussian noise can avoid;
 - ``fxdp``: the compiled model with the book-keeping sink and fxdp's DP optimizer;
 - ``opacus-hooks`` / ``opacus-ghost`` / ``opacus-functorch`` / ``opacus-ew``: every Opacus mode that runs
   the model (``pip install opacus``; not a dependency of fxdp). A mode that fails on a model is listed
@@ -53,6 +55,20 @@ def plain_step(model, x, y) -> Callable[[], None]:
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def noise_only(model, x, y) -> Callable[[], None]:
+    """Only the Gaussian noise of a DP-SGD step: one draw of N(0, (sigma C)^2) per trainable parameter from
+    torch's CPU generator, which fxdp and Opacus both add to every step. Its ratio to the plain step is a
+    floor under (DP step / plain step - 1) for any DP-SGD that draws its noise this way: torch's CPU sampler
+    runs on one thread, whatever the number of threads."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step():
+        for p in params:
+            torch.normal(0.0, NOISE * CLIP, size=p.shape)
 
     return step
 
@@ -126,9 +142,10 @@ def run(names, repeats, engines=None, clock=time.perf_counter):
     except ImportError:
         opacus_modes = ()
         print("opacus is not installed: only fxdp is timed (pip install opacus to compare)")
-    makers = {"plain": plain_step, "fxdp": fxdp_step, **{f"opacus-{m}": opacus_step(m) for m in opacus_modes}}
+    makers = {"plain": plain_step, "noise only": noise_only, "fxdp": fxdp_step,
+              **{f"opacus-{m}": opacus_step(m) for m in opacus_modes}}
     if engines:
-        makers = {k: v for k, v in makers.items() if k == "plain" or k in engines}
+        makers = {k: v for k, v in makers.items() if k in ("plain", "noise only") or k in engines}
     rows = []
     for name in names:
         (factory, make_x, classes), n = models.CASES[name], BATCH[name]
