@@ -39,7 +39,7 @@ from fxdp.engines import (
 from fxdp.engines.base import user_hooks
 from fxdp.engines.hooks import fallback_self_check
 from fxdp.engines.whole_model import whole_model_op
-from fxdp.export_capture import ExportShapeError
+from fxdp.export_capture import ExportShapeError, symbolic_batch
 from fxdp.engines.wrappers import AlreadyCompiledError, unwrap_or_refuse  # noqa: F401  (re-exported)
 from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.bookkeeping import BookkeepingSink, describe_plans, plan_graph
@@ -280,10 +280,11 @@ def _install_guards(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule, ex
         (batch_inputs,) if isinstance(batch_inputs, (str, int)) else batch_inputs)
     guard.context = _GuardContext(analysed, batch_dim, strict, pinned, gm)
     guard.reanalyse = _reanalyse
+    guard.symbolic_batch = symbolic_batch(gm) if batch_dim == guard.dim else None
     if example_inputs is not None:  # analysed at compile time: these shapes need no second analysis
         values = tuple(bind_inputs(analysed, example_inputs))
         _pin_batch_inputs(guard, values)
-        guard.remember(runtime.input_signature(values))
+        guard.remember(runtime.input_signature(values), values)
 
 
 def _pin_batch_inputs(guard: runtime.BatchSource, values) -> None:

@@ -34,8 +34,10 @@ import copyreg
 import inspect
 import io
 import logging
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+import sympy
 import torch
 import torch.fx
 from torch import nn
@@ -251,6 +253,64 @@ def _replace_export_guard(graph: torch.fx.Graph, args, kwargs, batch_dim: int, m
                                                             model_name))
     with graph.inserting_after(placeholders[-1]):
         graph.call_module(_GUARD, tuple(placeholders))
+
+
+@dataclass
+class SymbolicBatch:
+    """Which inputs of a captured graph carry the batch (placeholders, in order), and what torch.export
+    assumed of the batch size: its range and the conditions it recorded (``Eq(Mod(7*s0, s1), 0)``,
+    ``Eq(s1, s0)``, a divisibility a reshape needs), over the symbols that stand for it. A batch size that
+    meets them runs the very ops the graph holds, every size computed from it by the same formula."""
+
+    inputs: Tuple[bool, ...]
+    symbols: Tuple[Any, ...]  # sympy symbols of the batch size
+    lower: int
+    upper: Optional[int]
+    conditions: Tuple[Any, ...]  # sympy relations over ``symbols``
+
+    def admits(self, n: int) -> bool:
+        if n < self.lower or (self.upper is not None and n > self.upper):
+            return False
+        values = {symbol: n for symbol in self.symbols}
+        return all(condition.xreplace(values) is sympy.true for condition in self.conditions)
+
+
+def symbolic_batch(gm: torch.fx.GraphModule) -> Optional[SymbolicBatch]:
+    """:class:`SymbolicBatch` of a graph captured here, where torch.export kept the batch size a symbol in
+    every batched input; None for any other graph, where export fixed the batch size to a number (the
+    model's code used it as one, e.g. ``int(x.shape[0])``), or where it recorded conditions on other
+    symbols (sizes that depend on data)."""
+    shape_guard = getattr(gm, _GUARD, None)
+    if not isinstance(shape_guard, ExportShapeGuard):
+        return None
+    expected = dict(zip(shape_guard.names, shape_guard.shapes))
+    mask, sizes = [], []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        shape = expected.get(str(node.target))
+        batched = shape is not None and len(shape) > shape_guard.batch_dim and shape[shape_guard.batch_dim] is None
+        value = node.meta.get("val")
+        if batched:
+            if not isinstance(value, torch.Tensor) or value.dim() != len(shape):
+                return None
+            sizes.append(value.shape[shape_guard.batch_dim])
+        mask.append(batched)
+    if not sizes or not all(isinstance(size, torch.SymInt) for size in sizes):
+        return None
+    env = sizes[0].node.shape_env
+    exprs = [env.replace(size.node.expr) for size in sizes]
+    if not all(isinstance(expr, sympy.Symbol) for expr in exprs):
+        return None  # fixed to a number (or a formula of another symbol): not free
+    symbols = set(exprs) | {key for key, value in env.replacements.items() if value in exprs}
+    conditions = [env.replace(guard.expr) for guard in env.guards]
+    conditions += [env.replace(a.expr) for asserts in env.deferred_runtime_asserts.values() for a in asserts]
+    if any(not condition.free_symbols <= symbols for condition in conditions):
+        return None
+    ranges = [env.var_to_range[symbol] for symbol in set(exprs) if symbol in env.var_to_range]
+    lower = max([2, *(int(r.lower) for r in ranges if isinstance(r.lower, sympy.Integer))])
+    uppers = [int(r.upper) for r in ranges if isinstance(r.upper, sympy.Integer)]  # int_oo: unbounded
+    return SymbolicBatch(tuple(mask), tuple(symbols), lower, min(uppers) if uppers else None, tuple(conditions))
 
 
 def _root(model: nn.Module, captured: torch.fx.GraphModule, graph: torch.fx.Graph) -> Dict[str, Any]:

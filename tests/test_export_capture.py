@@ -263,3 +263,78 @@ def test_a_graph_captured_with_dropout_zero_evaluates():
     compiled.eval()
     with torch.no_grad():
         torch.testing.assert_close(compiled(_x()), model.eval()(_x()))
+
+
+def _counting_reanalyse(compiled):
+    """Count the guard's re-runs of the batch_dim analysis (for input shapes it has not analysed)."""
+    guard, calls = compiled.fxdp_batch, []
+    original = guard.reanalyse
+
+    def counting(source, inputs):
+        calls.append(tuple(x.shape for x in inputs if isinstance(x, torch.Tensor)))
+        return original(source, inputs)
+
+    guard.reanalyse = counting
+    return calls
+
+
+def test_a_new_batch_size_of_a_captured_graph_reuses_its_analysis():
+    """The captured graph is symbolic in the batch size: its layouts hold for every batch of two or more,
+    so Poisson batches of new sizes run without a second analysis, with the right per-sample gradients.
+    A batch of one is analysed on its own (with one sample a layout can be ambiguous)."""
+    torch.manual_seed(0)
+    model = LoopOverTime()
+    compiled = fxdp.compile_for_dp(model, example_inputs=_x(n=3), loss_reduction="sum")
+    assert compiled.fxdp_batch.symbolic_batch.inputs == (True,)
+    calls = _counting_reanalyse(compiled)
+    for n in (5, 2, 7):
+        _check_against_batches_of_one(model, compiled, _x(n=n, seed=n))
+    assert calls == []
+    _check_against_batches_of_one(model, compiled, _x(n=1, seed=1))
+    assert calls == [((1, 4, 4),)]
+    fresh = fxdp.compile_for_dp(model, example_inputs=_x(n=3), loss_reduction="sum")
+    for copied in (copy.deepcopy(fresh), pickle.loads(pickle.dumps(fresh))):  # the knowledge travels with it
+        assert copied.fxdp_batch.symbolic_batch.admits(9)
+
+
+class FixedBatch(nn.Module):
+    """``int(x.shape[0])`` makes torch.export fix the batch size to the example's: no symbol is left."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x):
+        n = int(x.shape[0])
+        return self.fc(x.reshape(n, -1))
+
+
+def test_a_batch_size_torch_export_fixed_to_a_number_is_analysed_again():
+    compiled = fxdp.compile_for_dp(FixedBatch(), example_inputs=torch.randn(4, 8))
+    assert fxdp.report(compiled).front_end == "torch.export"
+    assert compiled.fxdp_batch.symbolic_batch is None
+    calls = _counting_reanalyse(compiled)
+    try:
+        compiled(torch.randn(6, 8))
+    except Exception:  # noqa: BLE001 - whatever the analysis concludes, it must have run
+        pass
+    assert calls == [((6, 8),)]
+
+
+def test_a_batch_size_outside_what_the_capture_assumed_is_analysed_again():
+    """Conditions torch.export recorded on the batch size (its range, divisibilities) decide which sizes
+    reuse the analysis; any other size is analysed as if new."""
+    import sympy
+
+    from fxdp.export_capture import SymbolicBatch
+
+    torch.manual_seed(0)
+    model = LoopOverTime()
+    compiled = fxdp.compile_for_dp(model, example_inputs=_x(n=4), loss_reduction="sum")
+    s = sympy.Symbol("s0", integer=True, positive=True)
+    compiled.fxdp_batch.symbolic_batch = SymbolicBatch((True,), (s,), 2, 8, (sympy.Eq(sympy.Mod(s, 2), 0),))
+    assert [compiled.fxdp_batch.symbolic_batch.admits(n) for n in (1, 2, 5, 6, 10)] == [False, True, False, True, False]
+    calls = _counting_reanalyse(compiled)
+    for n in (6, 5, 10):
+        _check_against_batches_of_one(model, compiled, _x(n=n, seed=n))
+    assert calls == [((5, 4, 4),), ((10, 4, 4),)]

@@ -12,6 +12,12 @@ the compiler's callback (:attr:`BatchSource.reanalyse`) re-runs the batch_dim an
 shapes, refuses the model if it no longer holds (an fxdp error naming the node and the user's line)
 and records the new layouts. A layout that no longer holds is never read.
 
+One exception: a graph torch.export captured with a symbolic batch size (every size the model's code
+computes from the batch stays a formula of it, not a number) runs the same ops on every batch size.
+Its layouts analysed for one batch size of two or more hold for every other one (they record where the
+batch sits and the static sizes merged with it, never the batch size itself), so a new batch size with
+otherwise the same shapes reuses them instead of re-running the analysis (:attr:`BatchSource.symbolic_batch`).
+
 It also checks that no parameter frozen at compile time and used where no site records it became
 trainable, and numbers the forward calls, so that the sink keeps the rows of two forward calls
 before one backward apart (in call order).
@@ -69,6 +75,11 @@ class BatchSource:
     calls: int = 0  # forward calls so far: which call a capture belongs to
     folded: Dict[str, List[str]] = field(default_factory=dict, repr=False)  # a site's inputs after folding
     current: Any = field(default=None, repr=False)  # the signature the sites' layouts hold for
+    # For a graph symbolic in the batch size (torch.export's capture, fxdp.export_capture.SymbolicBatch):
+    # ``inputs``, which inputs carry the batch (in dimension ``dim``), and ``admits(n)``, whether batch size n
+    # meets what the capture assumed of it. Layouts analysed for one admitted batch size then hold for every
+    # other one, which needs no second analysis. None: every new shape is analysed.
+    symbolic_batch: Any = field(default=None, repr=False)
     _seen: "OrderedDict[Any, tuple]" = field(default_factory=OrderedDict, repr=False)
 
     def __repr__(self) -> str:
@@ -91,21 +102,54 @@ class BatchSource:
 
     # -- signatures --------------------------------------------------------------------------
 
-    def remember(self, signature) -> None:
-        """The sites' layouts (and the batch source) now hold for ``signature``: keep them."""
+    def remember(self, signature, inputs: Optional[Tuple[Any, ...]] = None) -> None:
+        """The sites' layouts (and the batch source) now hold for ``signature`` (the signature of
+        ``inputs``, which are given where a symbolic batch may let other batch sizes reuse them): keep them."""
+        key = None if inputs is None else self._batch_free_key(inputs)
         self._seen[signature] = (self.input_index, self.dim,
-                                 [(site.layouts, site.out_layouts) for site in self.sites])
+                                 [(site.layouts, site.out_layouts) for site in self.sites], key)
         self._seen.move_to_end(signature)
         while len(self._seen) > _MAX_SIGNATURES:
             self._seen.popitem(last=False)
         self.current = signature
 
     def _restore(self, signature) -> None:
-        self.input_index, self.dim, layouts = self._seen[signature]
+        self.input_index, self.dim, layouts = self._seen[signature][:3]
         for site, (ins, outs) in zip(self.sites, layouts):
             site.layouts, site.out_layouts = ins, outs  # replaced, never mutated: running calls keep theirs
         self._seen.move_to_end(signature)
         self.current = signature
+
+    def _batch_free_key(self, inputs: Tuple[Any, ...]) -> Optional[tuple]:
+        """The inputs' signature with the batch size left out, where the graph is symbolic in it and admits
+        this batch size (two samples or more: a batch of one or none is analysed on its own, since with one
+        sample a layout can be ambiguous); None otherwise."""
+        if self.symbolic_batch is None:
+            return None
+        mask = self.symbolic_batch.inputs
+        if len(inputs) != len(mask):
+            return None
+        key, sizes = [], set()
+        for x, batched in zip(inputs, mask):
+            if batched:
+                if not isinstance(x, torch.Tensor) or x.dim() <= self.dim:
+                    return None
+                sizes.add(x.shape[self.dim])
+                key.append(x.shape[:self.dim] + (-1,) + x.shape[self.dim + 1:])
+            else:
+                key.append(_leaf_signature(x))
+        if len(sizes) != 1 or not self.symbolic_batch.admits(sizes.pop()):
+            return None
+        return tuple(key)
+
+    def _analysed_for_another_batch_size(self, inputs: Tuple[Any, ...]):
+        """A remembered signature whose layouts hold for ``inputs`` too: the same shapes but for the batch
+        size, in a graph symbolic in it (see ``symbolic_batch``); None if there is none."""
+        key = self._batch_free_key(inputs)
+        if key is None:
+            return None
+        return next((signature for signature, entry in reversed(self._seen.items())
+                     if len(entry) > 3 and entry[3] == key), None)
 
     def check(self, inputs: Tuple[Any, ...]) -> None:
         if any(isinstance(x, torch.fx.Proxy) for x in inputs):
@@ -125,10 +169,13 @@ class BatchSource:
             return
         if signature in self._seen:
             self._restore(signature)
+        elif (analysed := self._analysed_for_another_batch_size(inputs)) is not None:
+            self._restore(analysed)
+            self.remember(signature, inputs)
         elif self.reanalyse is not None:
             self.current = None  # until the analysis succeeds, these layouts hold for nothing
             self.reanalyse(self, inputs)
-            self.remember(signature)
+            self.remember(signature, inputs)
 
 
 def _leaf_signature(x) -> Any:
