@@ -63,6 +63,20 @@ class TiedAndFrozen(nn.Module):
         return self.out(h.sum(1))
 
 
+class TiedLM(nn.Module):
+    """One (V, d) table as the input embedding (padding index 0) and as the output layer's weight (tied)."""
+
+    def __init__(self, vocab=11, d=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d, padding_idx=0)
+        self.mix = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mix(self.emb(ids))))
+
+
 def _ids(n, vocab, t):
     return torch.randint(1, vocab, (n, t), generator=torch.Generator().manual_seed(1))
 
@@ -92,6 +106,7 @@ KINDS = [
      "materialise"),
     ("generic", lambda: Head(Scaled(), 4), lambda n: torch.randn(n, 4), None),
     ("tied-frozen-moved", TiedAndFrozen, lambda n: torch.randn(n, 3, 4), None),
+    ("tied-embedding-and-output", TiedLM, lambda n: _ids(n, 11, 5) * (torch.arange(5) < 4), None),  # last: padding
 ]
 
 
@@ -214,3 +229,31 @@ def test_a_capture_forms_the_summed_loss_gradient_once_when_read():
     torch.testing.assert_close(capture.backprops, g * 2)
     assert capture.backprops is capture.backprops and capture.backprops_scale == 1.0  # formed once
     assert torch.equal(g, torch.arange(6.0).view(2, 3))  # the delivered tensor is not changed in place
+
+
+def test_a_table_tied_as_embedding_and_output_layer_is_never_materialised(monkeypatch):
+    """The norm of a tied input/output embedding comes from index norms, ghost dots and their cross terms:
+    no (N, V, d) per-sample gradient is formed, and the step equals batches of one."""
+    from fxdp.grad_sample.bookkeeping import uses
+
+    torch.manual_seed(0)
+    model, x = TiedLM(vocab=13, d=6).double(), _ids(4, 13, 6) * (torch.arange(6) < 5)
+    expected, R = expected_grad_samples(model, x)
+
+    def refuse(self):
+        raise AssertionError(f"{type(self).__name__} materialised its per-sample gradients")
+
+    monkeypatch.setattr(uses._EmbeddingWeight, "grad_samples", refuse)
+    want, _ = clipped_reference(expected, "flat", "mean", len(x))
+    for method in ("ghost", "per_sample"):  # the output layer's use: ghost dots, or its own kept per-sample gradient
+        if method == "ghost":
+            monkeypatch.setattr(uses._LinearWeight, "grad_samples", refuse)
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(uses._EmbeddingWeight, "grad_samples", refuse)
+        sink = BookkeepingSink(method=method)
+        got, _ = private_grads(copy.deepcopy(model), x, R, sink=sink, clipping="flat", loss_reduction="mean",
+                               n_params=len(expected))
+        assert list(sink.tied.values()) == [2]
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], msg=lambda m: f"{method} {k}: {m}")

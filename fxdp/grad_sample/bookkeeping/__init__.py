@@ -27,8 +27,12 @@ plan of every layer it saw in :attr:`BookkeepingSink.plans` so a report can say 
 A parameter that receives several captures in one backward pass (tied weights, a layer called twice)
 gets the norm of the *sum* of its contributions, ``||sum_k g_i^(k)||``: from cross terms
 ``sum_{k,l} <A^k_i A^l_i^T, G^k_i G^l_i^T>`` when all its uses are Linear, from the concatenated
-indices when all are Embedding, else by materialising that parameter alone. Its clipped sum is the sum of
-each use's re-weighted product. Successive backward passes before a step append rows in call order, as
+indices when all are Embedding. A ``(V, d)`` table used both ways (a language model's input embedding
+tied to its output layer, GPT-2's ``wte``/``lm_head``) adds the cross terms
+``<G_i^T A_i, E_i> = sum_{s,t} G_i[s, idx_t] (a_s . g_t)``, or ``sum_t W_i[idx_t] . g_t`` where the output
+layer's per-sample gradient ``W_i`` is kept: the Embedding's ``(N, V, d)`` gradient is never formed.
+Any other mix materialises that parameter alone. Its clipped sum is the sum of each use's re-weighted
+product. Successive backward passes before a step append rows in call order, as
 ``p.grad_sample`` does.
 
 Uses whose G is one tensor in memory (an LSTM's or RNN's input and recurrent projections get the same gate

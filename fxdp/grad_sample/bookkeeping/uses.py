@@ -264,10 +264,48 @@ def _tied_squared_norms(uses: List[_Use], prefer: Optional[str]) -> torch.Tensor
             return sum(_gram_dot(k.a, l.a, k.g, l.g) * (k.scale * l.scale) for k in uses for l in uses)
     if all(isinstance(u, _EmbeddingWeight) for u in uses):
         return _grouped_squared_norms(uses, uses[0].batch_size)
+    embedding = [u for u in uses if isinstance(u, _EmbeddingWeight)]
+    linear = [u for u in uses if isinstance(u, _LinearWeight)]
+    kept = [u for u in uses if isinstance(u, _Materialised)]
+    if embedding and len(embedding) + len(linear) + len(kept) == len(uses) and not (linear and kept):
+        # one (V, d) table used as an Embedding and as a Linear weight (a language model's tied input and
+        # output embeddings): |E_i + W_i|^2 from the index norms, the Linear uses' norms and the cross terms,
+        # without forming the Embedding's (N, V, d) per-sample gradient E
+        table = (embedding[0].num_rows, embedding[0].g.shape[-1])
+        total = _grouped_squared_norms(embedding, embedding[0].batch_size)
+        if linear and all((u.g.shape[-1], u.a.shape[-1]) == table for u in linear):  # ghost: no (N, V, d) at all
+            total = total + sum(_gram_dot(k.a, l.a, k.g, l.g) * (k.scale * l.scale) for k in linear for l in linear)
+            return total + 2 * sum(_linear_embedding_dot(k, e) for k in linear for e in embedding)
+        if kept and all(tuple(u.gs.shape[1:]) == table for u in kept):  # the Linear's own, kept per-sample
+            w = sum(u.gs for u in kept)
+            return total + w.pow(2).sum((1, 2)) + 2 * sum(_rows_dot(w, e) for e in embedding)
     total = uses[0].grad_samples()
     for u in uses[1:]:
         total = total + u.grad_samples()
     return total.flatten(1).pow(2).sum(1)
+
+
+def _linear_embedding_dot(linear: _LinearWeight, embedding: _EmbeddingWeight) -> torch.Tensor:
+    """``<G_i^T A_i, E_i>`` per sample for a (V, d) table used as a Linear weight (A (N, S, d), G (N, S, V)) and
+    as an Embedding (indices (N, T), rows g (N, T, d)): ``sum_{s,t} G_i[s, idx_t] (a_s . g_t)`` over the
+    looked-up positions that are not padding, at ``S * T * d`` multiply-adds per sample."""
+    idx, g = embedding.idx, embedding.g.to(linear.g.dtype)
+    n, s, t = linear.a.shape[0], linear.a.shape[1], idx.shape[1]
+    dots = torch.bmm(linear.a, g.transpose(1, 2))  # (N, S, T): a_s . g_t
+    picked = torch.gather(linear.g, 2, idx.unsqueeze(1).expand(n, s, t))  # (N, S, T): G[s, idx_t]
+    if embedding.padding_idx is not None:
+        picked = picked * (idx != embedding.padding_idx).unsqueeze(1).to(picked.dtype)
+    return (dots * picked).sum((1, 2)) * linear.scale
+
+
+def _rows_dot(w: torch.Tensor, embedding: _EmbeddingWeight) -> torch.Tensor:
+    """``<W_i, E_i>`` per sample for per-sample gradients ``w`` (N, V, d) of a table also used as an
+    Embedding: ``sum_t W_i[idx_t] . g_t`` over the looked-up positions that are not padding."""
+    idx, g = embedding.idx, embedding.g.to(w.dtype)
+    rows = torch.gather(w, 1, idx.unsqueeze(-1).expand(*idx.shape, w.shape[-1]))  # (N, T, d): W_i[idx_t]
+    if embedding.padding_idx is not None:
+        rows = rows * (idx != embedding.padding_idx).unsqueeze(-1).to(rows.dtype)
+    return (rows * g).sum((1, 2))
 
 
 @dataclass
