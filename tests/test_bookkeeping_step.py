@@ -257,3 +257,32 @@ def test_a_table_tied_as_embedding_and_output_layer_is_never_materialised(monkey
         assert list(sink.tied.values()) == [2]
         for k in want:
             torch.testing.assert_close(got[k], want[k], msg=lambda m: f"{method} {k}: {m}")
+
+
+class SharedInput(nn.Module):
+    """Three Linear layers reading one input, as an attention layer's query, key and value projections, and
+    one reading another tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.other = nn.Linear(4, 5), nn.Linear(4, 5), nn.Linear(4, 3), nn.Linear(3, 3)
+
+    def forward(self, x):  # (N, T, 4)
+        h = torch.tanh(self.q(x)) * torch.sigmoid(self.k(x))
+        return h.sum(-1, keepdim=True) * self.other(torch.tanh(self.v(x)))
+
+
+@pytest.mark.parametrize("t", [5, 33])  # one Gram block, or the halves
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_projections_of_one_input_share_its_gram_blocks(t, clipping):
+    torch.manual_seed(0)
+    model, x = SharedInput().double(), torch.randn(4, t, 4, dtype=torch.float64)
+    expected, R = expected_grad_samples(model, x)
+    book = BookkeepingSink("ghost")
+    got, dp = private_grads(copy.deepcopy(model), x, R, sink=book, clipping=clipping, loss_reduction="mean",
+                            n_params=len(expected))
+    shared = sorted(k for k, p in dp.named_parameters() if p in book.shared_inputs)
+    assert shared == ["k.weight", "q.weight", "v.weight"], shared
+    want, _ = clipped_reference(expected, clipping, "mean", len(x))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], msg=lambda m: f"{k}: {m}")

@@ -39,6 +39,8 @@ Uses whose G is one tensor in memory (an LSTM's or RNN's input and recurrent pro
 gradients; a GRU's do not) share the work on it: one Gram matrix ``G_i G_i^T`` for both ghost norms, one
 ``sum_t G`` for both biases, and, when their clip factors are equal (flat clipping), one product
 ``G^T [A^1 c, A^2 c]`` for both clipped sums (:attr:`BookkeepingSink.shared` lists the weights that shared).
+Ghost-norm Linear weights whose A is one tensor (an attention layer's query, key and value projections, a
+gated MLP's gate and up projections) form the Gram blocks of A once (:attr:`BookkeepingSink.shared_inputs`).
 """
 
 from fxdp.grad_sample.bookkeeping.calls import call_without_param_grads

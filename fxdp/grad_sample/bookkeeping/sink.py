@@ -13,7 +13,7 @@ from fxdp.diagnostics.errors import PerSampleError
 from fxdp.grad_sample.bookkeeping.plans import _CONVS, LayerPlan, plan_layer
 from fxdp.grad_sample.bookkeeping.uses import (
     _ConvWeight, _EmbeddingWeight, _LinearWeight, _Materialised, _Segment, _Summed, _Use, _same_batch,
-    _tied_squared_norms, memory_key, shared_clipped_sums, shared_ghost_norms,
+    _tied_squared_norms, memory_key, shared_clipped_sums, shared_ghost_norms, shared_input_ghost_norms,
 )
 from fxdp.grad_sample.linear import is_transformers_conv1d
 from fxdp.grad_sample.sink import GradientSink, LayerCapture, check_grad_sample, pending_of_this_backward
@@ -35,6 +35,9 @@ class BookkeepingSink(GradientSink):
         # weights whose ghost norms came from one G Gram shared with other weights (a recurrent layer's two
         # projections) -> how many shared it, in the last backward pass that delivered them
         self.shared: Dict[nn.Parameter, int] = {}
+        # weights whose ghost norms came from one A Gram shared with other weights (projections of one input:
+        # an attention layer's query, key and value) -> how many shared it, in the last backward pass
+        self.shared_inputs: Dict[nn.Parameter, int] = {}
         self._last_bias_sum = None  # (G, its per-sample sum): a recurrent layer's two biases share it
         self._lock = threading.Lock()
         self._pending: Dict[int, Dict[nn.Parameter, List[_Use]]] = {}  # graph task -> uses in that pass
@@ -131,6 +134,16 @@ class BookkeepingSink(GradientSink):
             if len(params) > 1:
                 out.update(zip(params, shared_ghost_norms([pending[p][0] for p in params])))
                 self.shared.update((p, len(params)) for p in params)
+        # the others whose A is one tensor (the query, key and value projections of an attention layer, a
+        # gated MLP's gate and up projections): the Gram blocks of A formed once per group
+        inputs: Dict[tuple, List[nn.Parameter]] = {}
+        for p, uses in pending.items():
+            if p not in out and len(uses) == 1 and isinstance(uses[0], _LinearWeight) and uses[0].method == "ghost":
+                inputs.setdefault(memory_key(uses[0].a), []).append(p)
+        for params in inputs.values():
+            if len(params) > 1:
+                out.update(zip(params, shared_input_ghost_norms([pending[p][0] for p in params])))
+                self.shared_inputs.update((p, len(params)) for p in params)
         return out
 
     def _publish(self, task: int) -> None:

@@ -122,16 +122,34 @@ def _gram_dot(a_k, a_l, g_k, g_l) -> torch.Tensor:
     return (torch.bmm(a_k, a_l.transpose(1, 2)) * torch.bmm(g_k, g_l.transpose(1, 2))).sum((1, 2))
 
 
-def _ghost_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``<A_i A_i^T, G_i G_i^T>`` per sample, for A (N, T, d), G (N, T, p). Both Gram matrices are symmetric:
-    with the T positions split in two halves the off-diagonal block is formed once and counted twice, 3/4 of
-    the multiply-adds (15-20% faster on CPU at T = 64; short sequences gain nothing from the extra calls)."""
-    t = a.shape[1]
+def _gram_blocks(x: torch.Tensor) -> List[torch.Tensor]:
+    """The blocks of the per-sample Gram matrices ``X_i X_i^T`` of ``x`` (N, T, w) that :func:`_blocks_dot` reads.
+    Gram matrices are symmetric: with the T positions split in two halves the off-diagonal block is formed
+    once and counted twice, 3/4 of the multiply-adds (15-20% faster on CPU at T = 64; short sequences gain
+    nothing from the extra calls)."""
+    t = x.shape[1]
     if t < 32:
-        return _gram_dot(a, a, g, g)
-    h = t // 2
-    a1, a2, g1, g2 = a[:, :h], a[:, h:], g[:, :h], g[:, h:]
-    return _gram_dot(a1, a1, g1, g1) + _gram_dot(a2, a2, g2, g2) + 2 * _gram_dot(a1, a2, g1, g2)
+        return [torch.bmm(x, x.transpose(1, 2))]
+    x1, x2 = x[:, :t // 2], x[:, t // 2:]
+    return [torch.bmm(x1, x1.transpose(1, 2)), torch.bmm(x2, x2.transpose(1, 2)), torch.bmm(x1, x2.transpose(1, 2))]
+
+
+def _blocks_dot(a_blocks: List[torch.Tensor], g_blocks: List[torch.Tensor]) -> torch.Tensor:
+    """``<A_i A_i^T, G_i G_i^T>`` per sample from the Gram blocks of A and G (:func:`_gram_blocks`)."""
+    dots = [(a * g).sum((1, 2)) for a, g in zip(a_blocks, g_blocks)]
+    return dots[0] if len(dots) == 1 else dots[0] + dots[1] + 2 * dots[2]
+
+
+def _ghost_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``<A_i A_i^T, G_i G_i^T>`` per sample, for A (N, T, d), G (N, T, p)."""
+    return _blocks_dot(_gram_blocks(a), _gram_blocks(g))
+
+
+def shared_input_ghost_norms(uses: Sequence["_LinearWeight"]) -> List[torch.Tensor]:
+    """Ghost norms of Linear weights whose A is the same tensor (the query, key and value projections of one
+    input), with the Gram blocks of A formed once for all of them."""
+    a_blocks = _gram_blocks(uses[0].a)
+    return [_blocks_dot(a_blocks, _gram_blocks(u.g)) * u.scale ** 2 for u in uses]
 
 
 class _Summed(_Use):
