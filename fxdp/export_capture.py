@@ -298,6 +298,13 @@ def symbolic_batch(gm: torch.fx.GraphModule) -> Optional[SymbolicBatch]:
         mask.append(batched)
     if not sizes or not all(isinstance(size, torch.SymInt) for size in sizes):
         return None
+    try:
+        return _symbolic_batch(mask, sizes)
+    except (AttributeError, TypeError, ValueError):  # a torch whose ShapeEnv reads otherwise: analyse each size
+        return None
+
+
+def _symbolic_batch(mask: List[bool], sizes: List[torch.SymInt]) -> Optional[SymbolicBatch]:
     env = sizes[0].node.shape_env
     exprs = [env.replace(size.node.expr) for size in sizes]
     if not all(isinstance(expr, sympy.Symbol) for expr in exprs):

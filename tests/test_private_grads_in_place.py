@@ -52,7 +52,8 @@ class Net(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.a, self.b, self.c = nn.Linear(40, NOISE_CHUNK // 40 + 7), nn.Linear(NOISE_CHUNK // 40 + 7, 30), nn.Linear(30, 3)
+        wide = NOISE_CHUNK // 40 + 7
+        self.a, self.b, self.c = nn.Linear(40, wide), nn.Linear(wide, 30), nn.Linear(30, 3)
 
     def forward(self, x):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
