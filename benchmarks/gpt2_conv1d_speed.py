@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
+from dp_step_speed import peak_memory_mb  # noqa: E402
 
 import fxdp  # noqa: E402
 from fxdp.grad_sample import registry  # noqa: E402
@@ -107,6 +108,9 @@ def main():
               f"= {ms['before (generic)'] / ms['plain']:.2f}x plain; after {ms['after (Conv1D rule)']:.1f} ms "
               f"= {ms['after (Conv1D rule)'] / ms['plain']:.2f}x plain; before/after "
               f"{ms['before (generic)'] / ms['after (Conv1D rule)']:.2f}")
+    memory = {name: peak_memory_mb(step) for name, step in steps.items()}
+    print("peak memory above the step's start (torch profiler): "
+          + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in memory.items()))
 
 
 if __name__ == "__main__":
