@@ -102,7 +102,7 @@ class GradientSink(abc.ABC):
         a layer's input and output gradient are freed once its sums exist, not after all of them)."""
         sums = self.clipped_sums(params, factors)
         self.clear(params)
-        return {p: s * alpha if alpha != 1.0 else s for p, s in sums.items()}
+        return {p: s * alpha for p, s in sums.items()}  # new tensors, whatever clipped_sums hands out
 
     @abc.abstractmethod
     def clear(self, params: Iterable[nn.Parameter]) -> None:
