@@ -509,3 +509,22 @@ def test_the_compile_report_says_how_each_layer_is_bookkept():
     hooked = fxdp.report(fxdp.compile_for_dp(model, grad_sample_mode="hooks", sink=BookkeepingSink())).notes
     assert hooked == ("book-keeping on the hooks engine: each layer's method is chosen from its shapes on the first "
                       "backward (model.fxdp_sink.plans)",)
+
+
+def test_the_compile_report_lists_functional_uses_of_parameters_too():
+    """A parameter used by a function rather than a layer (``x * self.scale``) has the generic rule, which
+    materialises: the report says so, naming the parameter, instead of leaving it out."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.scale = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    notes = fxdp.report(fxdp.compile_for_dp(Scaled(), example_inputs=torch.randn(3, 4), sink=BookkeepingSink())).notes
+    assert notes[0].startswith("book-keeping: 'fc' (Linear): outer")
+    assert notes[1] == ("book-keeping: '_operator.mul' (generic): materialise ('mul' using 'scale': functional use of "
+                        "parameters: the generic rule materialises)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Tuple
@@ -109,7 +110,7 @@ def plan_layer(
 def plan_graph(gm: torch.fx.GraphModule, prefer: Optional[str] = None) -> List[Tuple[str, LayerPlan]]:
     """``(layer name, plan)`` for every layer call the per_sample pass made a DP-aware op, from the shapes
     the batch_dim pass recorded (compiled with example_inputs; ``[]`` without them). A layer called twice
-    is listed twice."""
+    is listed twice; a functional use of parameters (the generic rule) is listed by its site's name."""
     source = getattr(gm, "fxdp_batch", None)
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
     if source is None or source.input_index >= len(placeholders):
@@ -124,7 +125,12 @@ def plan_graph(gm: torch.fx.GraphModule, prefer: Optional[str] = None) -> List[T
             continue  # functional uses of parameters: the generic rule, which always materialises
         try:
             module = gm.get_submodule(node.args[0].target)
-        except AttributeError:  # a functional use (its first argument is its site, not a layer)
+        except AttributeError:  # a functional use (its first argument is its site, not a layer): generic rule
+            site = getattr(gm, node.args[0].target, None)
+            plan = plan_layer(None, [], None, prefer)
+            if getattr(site, "description", ""):
+                plan = dataclasses.replace(plan, reason=f"{site.description}: {plan.reason}")
+            plans.append((str(getattr(site, "target", node.args[0].target)), plan))
             continue
         site = getattr(gm, node.args[1].target)
         fakes = [a.meta.get(meta.FAKE_VALUE) if isinstance(a, torch.fx.Node) else None for a in node.args[3:]]
