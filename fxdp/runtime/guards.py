@@ -105,7 +105,9 @@ class BatchSource:
     def remember(self, signature, inputs: Optional[Tuple[Any, ...]] = None) -> None:
         """The sites' layouts (and the batch source) now hold for ``signature`` (the signature of
         ``inputs``, which are given where a symbolic batch may let other batch sizes reuse them): keep them."""
-        key = None if inputs is None else self._batch_free_key(inputs)
+        self._remember(signature, None if inputs is None else self._batch_free_key(inputs))
+
+    def _remember(self, signature, key: Optional[tuple]) -> None:
         self._seen[signature] = (self.input_index, self.dim,
                                  [(site.layouts, site.out_layouts) for site in self.sites], key)
         self._seen.move_to_end(signature)
@@ -142,10 +144,10 @@ class BatchSource:
             return None
         return tuple(key)
 
-    def _analysed_for_another_batch_size(self, inputs: Tuple[Any, ...]):
-        """A remembered signature whose layouts hold for ``inputs`` too: the same shapes but for the batch
-        size, in a graph symbolic in it (see ``symbolic_batch``); None if there is none."""
-        key = self._batch_free_key(inputs)
+    def _analysed_with(self, key: Optional[tuple]):
+        """A remembered signature with this batch-free ``key``, whose layouts then hold for every input of that
+        key: the same shapes but for the batch size, in a graph symbolic in it (see ``symbolic_batch``); None
+        if there is none."""
         if key is None:
             return None
         return next((signature for signature, entry in reversed(self._seen.items())
@@ -169,9 +171,9 @@ class BatchSource:
             return
         if signature in self._seen:
             self._restore(signature)
-        elif (analysed := self._analysed_for_another_batch_size(inputs)) is not None:
-            self._restore(analysed)
-            self.remember(signature, inputs)
+        elif (analysed := self._analysed_with(key := self._batch_free_key(inputs))) is not None:
+            self._restore(analysed)  # the batch source of an entry with this key: the key holds for it
+            self._remember(signature, key)
         elif self.reanalyse is not None:
             self.current = None  # until the analysis succeeds, these layouts hold for nothing
             self.reanalyse(self, inputs)

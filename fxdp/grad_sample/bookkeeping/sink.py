@@ -123,27 +123,17 @@ class BookkeepingSink(GradientSink):
 
     def _shared_norms(self, pending: Dict[nn.Parameter, List[_Use]]) -> Dict[nn.Parameter, torch.Tensor]:
         """Ghost norms of the Linear weights used once whose G is one tensor (a recurrent layer's two
-        projections), with its Gram matrix formed once per such group; weights used several times take the
-        tied path."""
-        groups: Dict[tuple, List[nn.Parameter]] = {}
-        for p, uses in pending.items():
-            if len(uses) == 1 and isinstance(uses[0], _LinearWeight) and uses[0].method == "ghost":
-                groups.setdefault(memory_key(uses[0].g), []).append(p)
+        projections), or else whose A is, with that tensor's Gram matrix formed once per group; weights used
+        several times take the tied path."""
         out = {}
-        for params in groups.values():
-            if len(params) > 1:
-                out.update(zip(params, shared_ghost_norms([pending[p][0] for p in params])))
-                self.shared.update((p, len(params)) for p in params)
+        for params in _ghost_groups(pending, lambda use: memory_key(use.g)):
+            out.update(zip(params, shared_ghost_norms([pending[p][0] for p in params])))
+            self.shared.update((p, len(params)) for p in params)
         # the others whose A is one tensor (the query, key and value projections of an attention layer, a
         # gated MLP's gate and up projections): the Gram blocks of A formed once per group
-        inputs: Dict[tuple, List[nn.Parameter]] = {}
-        for p, uses in pending.items():
-            if p not in out and len(uses) == 1 and isinstance(uses[0], _LinearWeight) and uses[0].method == "ghost":
-                inputs.setdefault(memory_key(uses[0].a), []).append(p)
-        for params in inputs.values():
-            if len(params) > 1:
-                out.update(zip(params, shared_input_ghost_norms([pending[p][0] for p in params])))
-                self.shared_inputs.update((p, len(params)) for p in params)
+        for params in _ghost_groups(pending, lambda use: memory_key(use.a), taken=out):
+            out.update(zip(params, shared_input_ghost_norms([pending[p][0] for p in params])))
+            self.shared_inputs.update((p, len(params)) for p in params)
         return out
 
     def _publish(self, task: int) -> None:
@@ -255,3 +245,13 @@ class BookkeepingSink(GradientSink):
                 if segments:
                     out[p] = torch.cat([sum(u.grad_samples() for u in s.uses) for s in segments]).reshape(-1, *p.shape)
         return out
+
+
+def _ghost_groups(pending: Dict[nn.Parameter, List[_Use]], key, taken=()) -> List[List[nn.Parameter]]:
+    """The parameters not in ``taken`` whose one use is a ghost-norm Linear weight, grouped by ``key(use)``:
+    the groups of two or more (their uses read one tensor, whose Gram matrix serves them all)."""
+    groups: Dict[tuple, List[nn.Parameter]] = {}
+    for p, uses in pending.items():
+        if p not in taken and len(uses) == 1 and isinstance(uses[0], _LinearWeight) and uses[0].method == "ghost":
+            groups.setdefault(key(uses[0]), []).append(p)
+    return [params for params in groups.values() if len(params) > 1]
