@@ -63,7 +63,7 @@ class BatchLayout:
     def to_batch_first(self, t: torch.Tensor, batch_size: int) -> torch.Tensor:
         """View ``t`` with the batch as dimension 0 (merged factors stay as extra dimensions)."""
         if self.kind == BATCHED:
-            return t.movedim(self.dim, 0)
+            return t if self.dim == 0 else t.movedim(self.dim, 0)
         if self.kind == MERGED:
             d = self.dim % t.dim()
             size = t.shape[d]

@@ -36,6 +36,44 @@ def _class_of(obj) -> type:
     return obj if isinstance(obj, type) else type(obj)
 
 
+class _Entries(dict):
+    """A registry's registrations (class -> value): a dict that counts its changes, so that lookups can be
+    remembered until the next one, however it is changed (``register``, ``restore``, or tests and
+    benchmarks editing the dict directly)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.changes = 0
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.changes += 1
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self.changes += 1
+
+    def pop(self, *args):
+        self.changes += 1
+        return super().pop(*args)
+
+    def popitem(self):
+        self.changes += 1
+        return super().popitem()
+
+    def setdefault(self, key, default=None):
+        self.changes += 1
+        return super().setdefault(key, default)
+
+    def update(self, *args, **kwargs):
+        super().update(*args, **kwargs)
+        self.changes += 1
+
+    def clear(self):
+        super().clear()
+        self.changes += 1
+
+
 class TypeRegistry(Generic[V]):
     """Values registered per class, looked up along the class hierarchy.
 
@@ -53,8 +91,13 @@ class TypeRegistry(Generic[V]):
         self.base = base
         self.type_error = type_error
         self.unless_overridden = unless_overridden
-        self.entries: Dict[type, V] = {}
+        self.entries: Dict[type, V] = _Entries()
         self.for_subclasses: Set[type] = set()  # registered with subclasses=True
+        # what find() answered per class, valid while (entries.changes, self._changes) is _found_at: layers
+        # look their rule up several times per training step
+        self._found: Dict[type, Optional[V]] = {}
+        self._found_at = None
+        self._changes = 0  # for_subclasses changes (register, restore)
 
     def register(self, types, *, subclasses: bool = False) -> Callable[[V], V]:
         """Decorator: register the decorated value for ``types`` (a class or a collection of them).
@@ -70,6 +113,7 @@ class TypeRegistry(Generic[V]):
             for t in targets:
                 self.entries[t] = value
                 (self.for_subclasses.add if subclasses else self.for_subclasses.discard)(t)
+            self._changes += 1
             return value
 
         return decorator
@@ -89,8 +133,22 @@ class TypeRegistry(Generic[V]):
         return False
 
     def find(self, obj) -> Optional[V]:
-        """The value for an instance or a class, walking its MRO; ``None`` if there is none."""
-        return find_in((self,), obj)
+        """The value for an instance or a class, walking its MRO; ``None`` if there is none. Remembered
+        per class until the registrations change (an instance that replaced the method is looked up
+        afresh each time)."""
+        method = self.unless_overridden
+        if method is not None and not isinstance(obj, type) and method in getattr(obj, "__dict__", {}):
+            return find_in((self,), obj)
+        at = (getattr(self.entries, "changes", None), self._changes)
+        if at != self._found_at or at[0] is None:
+            self._found.clear()
+            self._found_at = at
+        klass = _class_of(obj)
+        try:
+            return self._found[klass]
+        except KeyError:
+            value = self._found[klass] = find_in((self,), klass)
+            return value
 
     def owner(self, obj) -> Optional[type]:
         """The class (in ``obj``'s MRO) whose registration applies, or ``None``."""
@@ -111,6 +169,7 @@ class TypeRegistry(Generic[V]):
         if for_subclasses is not None:
             self.for_subclasses.clear()
             self.for_subclasses.update(for_subclasses)
+        self._changes += 1
 
 
 def find_in(registries: Sequence[TypeRegistry], obj) -> Optional[V]:

@@ -33,6 +33,20 @@ from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.grad_sample.sink import LayerCapture
 
 
+def trainable_parameters(module: nn.Module) -> Dict[str, nn.Parameter]:
+    """The parameters of ``module`` (and its submodules) that require gradients, by name, each once, as
+    ``named_parameters`` lists them. A layer without submodules is read directly: DP-aware ops ask at
+    every call, and ``named_parameters`` walks the module tree."""
+    if module._modules:
+        return {name: p for name, p in module.named_parameters() if p.requires_grad}
+    out, seen = {}, set()
+    for name, p in module._parameters.items():
+        if p is not None and p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out[name] = p
+    return out
+
+
 def compute_grad_samples(
     module: nn.Module,
     activations: List[torch.Tensor],
@@ -68,7 +82,7 @@ def layer_capture(
     capture carries the layer, A and G (the rule sees neither ``kwargs`` nor ``batch_dim``); otherwise only
     the generic rule's thunk, which re-runs each sample with the batch at ``batch_dim`` (the layer's own
     layout)."""
-    params = tuple(p for p in module.parameters() if p.requires_grad)
+    params = tuple(trainable_parameters(module).values())
     if batch_size == 0:  # an empty batch (Poisson sampling): no rows; rules' reshape(n, -1) cannot take it
         return LayerCapture(0, lambda: {p: p.new_zeros((0, *p.shape)) for p in params}, params=params)
 

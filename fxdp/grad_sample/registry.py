@@ -68,7 +68,14 @@ def register_grad_sampler_by_path(module_name: str, class_name: str):
     return decorator
 
 
+_SCANNED = [None]  # (modules imported, rules by path, registry changes) at the last scan
+
+
 def _register_imported_classes() -> None:
+    state = (len(sys.modules), len(_BY_PATH), getattr(GRAD_SAMPLERS.entries, "changes", None))
+    if state == _SCANNED[0] and state[2] is not None:  # nothing imported or registered since: nothing new
+        return
+    _SCANNED[0] = state
     for (module_name, class_name), fn in _BY_PATH.items():
         cls = getattr(sys.modules.get(module_name), class_name, None)
         if isinstance(cls, type) and cls not in GRAD_SAMPLERS.entries:
@@ -96,7 +103,10 @@ def _is_parametrized(module_or_type) -> bool:
     if isinstance(module_or_type, type):  # parametrize gives each module its own class, marked so
         return getattr(module_or_type, "__module__", "") == parametrize.__name__ and issubclass(module_or_type, nn.Module) \
             and module_or_type.__name__.startswith("Parametrized")
-    return isinstance(module_or_type, nn.Module) and parametrize.is_parametrized(module_or_type)
+    # parametrize gives the module a class of its own (the check above), and takes it back when the last
+    # parametrization is removed: asking the class first spares the usual module a slow attribute miss
+    return (isinstance(module_or_type, nn.Module) and _is_parametrized(type(module_or_type))
+            and parametrize.is_parametrized(module_or_type))
 
 
 def parametrized_grad_sampler(module: nn.Module, activations, backprops) -> Dict[nn.Parameter, torch.Tensor]:

@@ -16,14 +16,14 @@ The same (A, G, layout) is what book-keeping clipping needs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxdp.diagnostics.errors import PerSampleError
-from fxdp.grad_sample.accumulate import layer_capture
+from fxdp.grad_sample.accumulate import layer_capture, trainable_parameters
 from fxdp.grad_sample.bookkeeping import call_without_param_grads
 from fxdp.grad_sample.generic import layout_grad_samples, summed_loss_backprops, summed_loss_scale
 from fxdp.grad_sample.recurrent import recurrent_forward, recurrent_rule_applies
@@ -91,7 +91,18 @@ def _tensor_layouts(site: PerSampleSite, leaves: List[Any]) -> List[BatchLayout]
 
 
 def _output_tensors(out) -> List[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _flatten(args: tuple, kwargs: dict) -> Tuple[List[Any], Callable[[List[Any]], Tuple[tuple, dict]]]:
+    """A call's leaves, and a function that rebuilds ``(args, kwargs)`` from leaves in their places. The
+    common call, a layer on positional tensors (``fc(x)``), does without pytree (about 15 us a call)."""
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+        return list(args), lambda leaves: (tuple(leaves), {})
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    return leaves, lambda new: pytree.tree_unflatten(list(new), spec)
 
 
 def _on_backward(outputs: List[torch.Tensor], record) -> None:
@@ -163,12 +174,13 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
     passed to it as arguments, as in ``self.act(self.raw)``)."""
     if not torch.is_grad_enabled():  # evaluation: nothing to record, and layouts are not guarded then
         return module(*args, **kwargs)
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+    leaves, rebuild = _flatten(args, kwargs)
     layouts = _tensor_layouts(site, leaves)
     leaves, layouts = _expand_broadcast(leaves, layouts, n)
-    args, kwargs = pytree.tree_unflatten(leaves, spec)
+    args, kwargs = rebuild(leaves)
     arg_params = [i for i, leaf in enumerate(leaves) if isinstance(leaf, nn.Parameter) and leaf.requires_grad]
-    if not arg_params and n > 0 and recurrent_rule_applies(module) and any(p.requires_grad for p in module.parameters()):
+    trainable = trainable_parameters(module)
+    if not arg_params and n > 0 and trainable and recurrent_rule_applies(module):
         out = _recurrent_call(module, site, n, leaves, layouts, args, kwargs)
         if out is not None:
             return out
@@ -178,7 +190,6 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
         out = call_without_param_grads(module, args, kwargs)
     if out is None:
         out = module(*args, **kwargs)
-    trainable = {name: p for name, p in module.named_parameters() if p.requires_grad}
     outputs = _output_tensors(out)
     if not (trainable or arg_params) or not outputs:
         return out
@@ -208,7 +219,7 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
         positions = arg_params + list(range(n_inputs, len(all_leaves)))
 
         def call(flat):
-            a, k = pytree.tree_unflatten(flat[:n_inputs], spec)
+            a, k = rebuild(flat[:n_inputs])
             return torch.func.functional_call(module, dict(zip(names, flat[n_inputs:])), a, k, strict=False)
 
         record = _generic_recorder(call, all_leaves, all_layouts, positions, out_layouts, n, site)

@@ -160,74 +160,59 @@ class BookkeepingSink(GradientSink):
     # -- read side -------------------------------------------------------------------------------------
 
     def squared_norms(self, params: Iterable[nn.Parameter]) -> Dict[nn.Parameter, torch.Tensor]:
-        return {p: torch.cat([s.norms for s in self._segments[p]]) for p in params if self._segments.get(p)}
+        out = {}
+        for p in params:
+            segments = self._segments.get(p)
+            if segments:
+                out[p] = segments[0].norms if len(segments) == 1 else torch.cat([s.norms for s in segments])
+        return out
 
     def clipped_sums(self, params, factors):
         params = list(params)
         with torch.no_grad():
-            shared = self._shared_clipped_sums(params, factors)
-            sums = {p: self._clipped_sum(p, factors, shared) for p in params}
-        return {p: s for p, s in sums.items() if s is not None}
+            uses = self._uses_with_factors(params, factors)
+            shared = _shared_clipped_sums(uses)
+            sums = {p: _clipped_sum(uses[p], shared) for p in params if uses.get(p)}
+        return {p: s.reshape(p.shape) for p, s in sums.items()}
 
     def take_clipped_sums(self, params, factors, alpha=1.0):
         """The clipped sums, last parameter first (about the order backward delivered them in), each
         parameter's records dropped as soon as its sum is formed: a layer's A and G are freed once its
         weight and bias are summed, so they are never all alive together with all the sums."""
         params = list(params)
-        if alpha != 1.0:
-            factors = {p: c * alpha for p, c in factors.items()}
+        if alpha != 1.0:  # flat clipping gives every parameter the same factors: scaled once
+            scaled = {}
+            factors = {p: scaled[id(c)] if id(c) in scaled else scaled.setdefault(id(c), c * alpha)
+                       for p, c in factors.items()}
         out = {}
         with torch.no_grad():
-            shared = self._shared_clipped_sums(params, factors)
+            uses = self._uses_with_factors(params, factors)
+            shared = _shared_clipped_sums(uses)
             for p in reversed(params):
-                total = self._clipped_sum(p, factors, shared)
-                if total is not None:
-                    out[p] = total
+                if uses.get(p):
+                    out[p] = _clipped_sum(uses.pop(p), shared).reshape(p.shape)
                 with self._lock:
-                    self._segments.pop(p, None)
+                    self._segments.pop(p, None)  # its last records: its A and G go with them
         self.clear(params)
         return {p: out[p] for p in params if p in out}
 
-    def _clipped_sum(self, p: nn.Parameter, factors, shared: Dict[int, torch.Tensor]) -> Optional[torch.Tensor]:
-        """``p``'s clipped sum over its uses (those of a shared group taken from ``shared``), or None."""
-        total = None
-        for use, c in self._uses_with_factors(p, factors):
-            part = shared.pop(id(use), None)
-            part = use.clipped_sum(c) if part is None else part
-            total = part if total is None else total + part
-        return None if total is None else total.reshape(p.shape)
-
-    def _uses_with_factors(self, p: nn.Parameter, factors) -> List[tuple]:
-        """``(use, its samples' clip factors)`` for every use of ``p`` recorded since the last clear; none
-        where ``p`` has no records or no factors."""
-        segments = self._segments.get(p)
-        if p not in factors or not segments:
-            return []
-        sizes = [s.norms.shape[0] for s in segments]
-        c = factors[p]
-        if c.shape != (sum(sizes),):
-            raise ValueError(
-                f"fxdp: clip factors of shape {tuple(c.shape)} for a parameter of shape {tuple(p.shape)} "
-                f"with {sum(sizes)} per-sample rows; pass one factor per sample"
-            )
-        return [(use, c_seg) for segment, c_seg in zip(segments, c.split(sizes)) for use in segment.uses]
-
-    def _shared_clipped_sums(self, params, factors) -> Dict[int, torch.Tensor]:
-        """``{id(use): its clipped sum}`` for the Linear weight uses that share one G and equal clip factors
-        (a recurrent layer's two projections under flat clipping), formed together by
-        :func:`shared_clipped_sums`. Every other use is left to its own ``clipped_sum``."""
-        groups: Dict[tuple, list] = {}
-        for p in params:
-            for use, c in self._uses_with_factors(p, factors):
-                if isinstance(use, _LinearWeight):
-                    groups.setdefault(memory_key(use.g), []).append((use, c))
+    def _uses_with_factors(self, params, factors) -> Dict[nn.Parameter, List[tuple]]:
+        """``{p: [(use, its samples' clip factors), ...]}`` over every use of ``p`` recorded since the last
+        clear, for the parameters with records and factors."""
         out = {}
-        for members in groups.values():
-            use, c = members[0]
-            same = [u for u, c_u in members
-                    if c_u is c or (c_u.dtype == c.dtype and c_u.device == c.device and torch.equal(c_u, c))]
-            if len(same) > 1:
-                out.update(zip(map(id, same), shared_clipped_sums(same, c)))
+        for p in params:
+            segments = self._segments.get(p)
+            if p not in factors or not segments:
+                continue
+            c = factors[p]
+            sizes = [s.norms.shape[0] for s in segments]
+            if c.shape != (sum(sizes),):
+                raise ValueError(
+                    f"fxdp: clip factors of shape {tuple(c.shape)} for a parameter of shape {tuple(p.shape)} "
+                    f"with {sum(sizes)} per-sample rows; pass one factor per sample"
+                )
+            parts = (c,) if len(segments) == 1 else c.split(sizes)
+            out[p] = [(use, c_seg) for segment, c_seg in zip(segments, parts) for use in segment.uses]
         return out
 
     def clear(self, params: Iterable[nn.Parameter]) -> None:
@@ -245,6 +230,37 @@ class BookkeepingSink(GradientSink):
                 if segments:
                     out[p] = torch.cat([sum(u.grad_samples() for u in s.uses) for s in segments]).reshape(-1, *p.shape)
         return out
+
+
+def _clipped_sum(uses: List[tuple], shared: Dict[int, torch.Tensor]) -> torch.Tensor:
+    """A parameter's clipped sum over its ``(use, factors)`` (those of a shared group taken from ``shared``)."""
+    total = None
+    for use, c in uses:
+        part = shared.pop(id(use), None)
+        part = use.clipped_sum(c) if part is None else part
+        total = part if total is None else total + part
+    return total
+
+
+def _shared_clipped_sums(uses: Dict[nn.Parameter, List[tuple]]) -> Dict[int, torch.Tensor]:
+    """``{id(use): its clipped sum}`` for the Linear weight uses that share one G and equal clip factors
+    (a recurrent layer's two projections under flat clipping), formed together by
+    :func:`shared_clipped_sums`. Every other use is left to its own ``clipped_sum``."""
+    groups: Dict[tuple, list] = {}
+    for pairs in uses.values():
+        for use, c in pairs:
+            if isinstance(use, _LinearWeight):
+                groups.setdefault(memory_key(use.g), []).append((use, c))
+    out = {}
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        use, c = members[0]
+        same = [u for u, c_u in members
+                if c_u is c or (c_u.dtype == c.dtype and c_u.device == c.device and torch.equal(c_u, c))]
+        if len(same) > 1:
+            out.update(zip(map(id, same), shared_clipped_sums(same, c)))
+    return out
 
 
 def _ghost_groups(pending: Dict[nn.Parameter, List[_Use]], key, taken=()) -> List[List[nn.Parameter]]:
