@@ -355,6 +355,9 @@ def test_mixed_sink_method_argument_is_checked():
 LAYERS_WITHOUT_PARAM_GRADS = [
     ("linear", lambda: nn.Linear(5, 3), lambda: torch.randn(4, 2, 5, requires_grad=True)),
     ("linear-no-bias", lambda: nn.Linear(5, 3, bias=False), lambda: torch.randn(4, 5, requires_grad=True)),
+    # a first layer, on data that needs no gradient: an autograd Function keeps its output in the graph
+    ("linear-on-data", lambda: nn.Linear(5, 3), lambda: torch.randn(4, 2, 5)),
+    ("conv2d-on-data", lambda: nn.Conv2d(2, 3, 3, stride=2, padding=1), lambda: torch.randn(2, 2, 6, 5)),
     ("conv1d", lambda: nn.Conv1d(4, 6, 3, stride=2, padding=1, dilation=2, groups=2),
      lambda: torch.randn(3, 4, 11, requires_grad=True)),
     ("conv2d-same-reflect", lambda: nn.Conv2d(2, 3, 4, padding="same", padding_mode="reflect"),
@@ -382,6 +385,40 @@ def test_layers_called_without_param_grads_give_the_same_output_and_input_gradie
     else:
         (got * cotangent).sum().backward()
     assert len(seen) == 1 and all(p.grad is None for p in layer.parameters())
+
+
+def test_the_gram_of_g_is_formed_as_g_is_delivered_except_where_two_projections_share_it():
+    """A ghost-norm Linear weight's G Gram blocks exist as soon as backward has delivered G (G is then still
+    in the CPU's cache); a recurrent layer's projections, which share one G, leave it to their shared
+    Gram. The norms are checked against the loop by the tests above and below."""
+    torch.manual_seed(0)
+
+    class SeqModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 6)
+            self.lstm = nn.LSTM(6, 5, batch_first=True)
+
+        def forward(self, x):
+            out, _ = self.lstm(self.fc(x))
+            return out
+
+    model, x = SeqModel(), torch.randn(3, 4, 6)
+    sink = BookkeepingSink("ghost")
+    dp = fxdp.compile_for_dp(model, example_inputs=x, sink=sink)
+    formed = {}
+    original = sink._publish
+
+    def publish(task):
+        formed.update((p, use.g_blocks is not None) for p, uses in sink._pending[task].items() for use in uses
+                      if hasattr(use, "g_blocks"))
+        original(task)
+
+    sink._publish = publish
+    dp(x).sum().backward()
+    assert formed[model.fc.weight] is True
+    assert formed[model.lstm.weight_ih_l0] is False and formed[model.lstm.weight_hh_l0] is False
+    assert sink.shared[model.lstm.weight_ih_l0] == 2
 
 
 def test_layers_without_a_fast_call_are_called_as_usual():

@@ -220,3 +220,44 @@ def test_untraceable_models_where_vmap_cannot_run_are_computed_sample_by_sample(
     torch.manual_seed(0)
     compiled = assert_grad_samples_match(model(), x())
     assert fxdp.report(compiled).mode == engine
+
+
+class TwoNamesOneWeight(nn.Module):
+    """A layer without submodules holding one parameter under two names, and a frozen one: the generic rule
+    sees each trainable parameter once."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.alias = self.w
+        self.frozen = nn.Parameter(torch.randn(4), requires_grad=False)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w + self.frozen) @ self.alias.t()
+
+
+class WithLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.odd = TwoNamesOneWeight()
+        self.fc = nn.Linear(4, 3)
+        self.fc.bias.requires_grad_(False)
+
+    def forward(self, x):
+        return self.fc(self.odd(x))
+
+
+@pytest.mark.parametrize("mode", ["fx", "hooks"])
+def test_a_parameter_under_two_names_and_frozen_ones_in_one_layer(mode):
+    torch.manual_seed(0)
+    assert_grad_samples_match(WithLayers(), torch.randn(5, 4), mode=mode)
+
+
+def test_trainable_parameters_lists_what_named_parameters_lists():
+    from fxdp.grad_sample.accumulate import trainable_parameters
+
+    torch.manual_seed(0)
+    for module in (TwoNamesOneWeight(), WithLayers(), WithLayers().fc, nn.LSTM(3, 4), nn.Sequential()):
+        expected = {name: p for name, p in module.named_parameters() if p.requires_grad}
+        got = trainable_parameters(module)
+        assert list(got) == list(expected) and all(got[k] is expected[k] for k in expected)

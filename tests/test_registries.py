@@ -87,6 +87,38 @@ def test_find_in_prefers_the_most_specific_class_then_the_first_registry():
     assert find_in([own, parent], Base) == "own base rule"
 
 
+def test_a_lookup_is_remembered_only_until_the_registrations_change():
+    """find() remembers its answer per class; any change to the registrations (register, restore, the dict
+    edited directly as tests do) is seen by the next lookup."""
+    registry = TypeRegistry(unless_overridden="forward")
+    registry.register(Base)("base rule")
+    assert registry.find(GrandChild) == "base rule"
+    registry.register(Child)("child rule")  # more specific, after the first lookup
+    assert registry.find(GrandChild()) == "child rule"
+    saved = registry.snapshot()
+    registry.entries[Child] = "edited rule"
+    assert registry.find(GrandChild) == "edited rule"
+    del registry.entries[Child]
+    assert registry.find(GrandChild) == "base rule"
+    registry.entries.pop(Base)
+    assert registry.find(GrandChild) is None
+    registry.restore(saved)
+    assert registry.find(GrandChild) == "child rule"
+
+
+def test_an_instance_that_replaced_the_method_is_not_answered_from_its_class():
+    class Layer(nn.Linear):
+        pass
+
+    registry = TypeRegistry(unless_overridden="forward")
+    registry.register(nn.Linear)("linear rule")
+    plain, patched = Layer(2, 2), Layer(2, 2)
+    assert registry.find(plain) == "linear rule"
+    patched.forward = lambda x: 2 * x
+    assert registry.find(patched) is None
+    assert registry.find(plain) == "linear rule"
+
+
 def test_grad_sampler_registry_keeps_its_type_check():
     with pytest.raises(TypeError, match="register_grad_sampler expects nn.Module subclasses"):
         fxdp.register_grad_sampler(torch.Tensor)

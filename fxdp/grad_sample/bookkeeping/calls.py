@@ -1,5 +1,11 @@
 """Layers called so that backward computes their input gradients only: for a book-kept layer the sink's
-clipped sum replaces the weight gradient, so computing it in backward too would be wasted."""
+clipped sum replaces the weight gradient, so computing it in backward too would be wasted.
+
+Where the layer's input needs a gradient, the layer runs on detached parameters: its output stays in the
+graph through the input, and autograd's own backward (in C++) computes the input gradient alone. Where it
+does not (the first layer, on data), the output would then need no gradient at all, and the layer's
+output gradient, which the sink needs, would never be computed: an autograd Function takes the parameters
+as inputs, so that the output needs a gradient, and returns none for them."""
 
 from __future__ import annotations
 
@@ -83,6 +89,10 @@ class _EmbeddingNoGrad(_PositionalFunction):
         return None, None, None
 
 
+def _detached(t):
+    return None if t is None else t.detach()
+
+
 def call_without_param_grads(module: nn.Module, args: tuple, kwargs: dict):
     """``module(*args, **kwargs)`` with the same output, whose backward gives input gradients but no
     parameter gradients — for a layer the sink book-keeps (its clipped sum replaces the weight
@@ -91,11 +101,18 @@ def call_without_param_grads(module: nn.Module, args: tuple, kwargs: dict):
         return None
     x = args[0]
     if _own_rule(module, nn.Linear, linear_grad_sample):
+        if x.requires_grad:  # the output needs the graph through x only: autograd's own backward, in C++
+            return torch.nn.functional.linear(x, module.weight.detach(), _detached(module.bias))
         return _LinearInputGradOnly.apply(x, module.weight, module.bias)
-    if is_transformers_conv1d(module):
-        return _LinearInputGradOnly.apply(x, module.weight.t(), module.bias)  # x @ W + b, W stored (in, out)
+    if is_transformers_conv1d(module):  # x @ W + b, W stored (in, out)
+        if x.requires_grad:
+            return torch.nn.functional.linear(x, module.weight.detach().t(), _detached(module.bias))
+        return _LinearInputGradOnly.apply(x, module.weight.t(), module.bias)
     if _own_rule(module, _CONVS, conv_grad_sample) and x.dim() == len(module.kernel_size) + 2:
         x, padding = _pad_activations(module, x)
+        if x.requires_grad:
+            return torch.convolution(x, module.weight.detach(), _detached(module.bias), list(module.stride),
+                                     list(padding), list(module.dilation), False, [0] * len(padding), module.groups)
         return _ConvInputGradOnly.apply(x, module.weight, module.bias, list(module.stride), list(padding),
                                         list(module.dilation), module.groups)
     if (_own_rule(module, nn.Embedding, embedding_grad_sample) and module.max_norm is None

@@ -16,6 +16,7 @@ from fxdp.grad_sample.bookkeeping.uses import (
     _tied_squared_norms, memory_key, shared_clipped_sums, shared_ghost_norms, shared_input_ghost_norms,
 )
 from fxdp.grad_sample.linear import is_transformers_conv1d
+from fxdp.grad_sample.recurrent import RecurrentProjection
 from fxdp.grad_sample.sink import GradientSink, LayerCapture, check_grad_sample, pending_of_this_backward
 
 
@@ -97,6 +98,8 @@ class BookkeepingSink(GradientSink):
                 out[p] = _Summed(g_raw.flatten(2).sum(2), scale)
             elif isinstance(module, nn.Linear):
                 out[p] = _LinearWeight(a, g_raw, plan.method, scale)
+                if not isinstance(module, RecurrentProjection):  # (a recurrent layer's two projections share
+                    out[p].gram_of_g()  # one G, whose full Gram they form once: see shared_ghost_norms)
             elif conv1d:  # weight (in, out): its per-sample gradient A_i^T G_i is a Linear one with A and G
                 out[p] = _LinearWeight(g_raw, a.to(g_raw.dtype), plan.method, scale)  # swapped (norms unchanged)
             elif isinstance(module, _CONVS):
