@@ -128,3 +128,20 @@ def test_the_default_take_reads_scaled_sums_and_clears():
     got = sink.take_clipped_sums([p], factors, alpha=0.25)
     torch.testing.assert_close(got[p], want)
     assert p.grad_sample is None
+
+
+def test_chunks_are_drawn_into_one_buffer_per_thread_kept_between_calls():
+    """No new 256 KiB buffer per parameter and step; two threads adding noise at once never share one."""
+    import threading
+
+    from fxdp.optim.noise import _chunk_buffer
+
+    first = _chunk_buffer(torch.float32)
+    add_gaussian_noise_(torch.zeros(3 * NOISE_CHUNK), 1.0, generator=torch.Generator().manual_seed(0))
+    assert _chunk_buffer(torch.float32) is first
+    assert _chunk_buffer(torch.float64) is not first and _chunk_buffer(torch.float64).dtype == torch.float64
+    other = []
+    thread = threading.Thread(target=lambda: other.append(_chunk_buffer(torch.float32)))
+    thread.start()
+    thread.join()
+    assert other[0] is not first and other[0].data_ptr() != first.data_ptr()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from typing import Optional
 
 import torch
@@ -88,6 +89,22 @@ def gaussian_noise(
 NOISE_CHUNK = 1 << 16
 
 
+_BUFFERS = threading.local()  # per thread: {dtype: buffer of NOISE_CHUNK + 15 values}
+
+
+def _chunk_buffer(dtype: torch.dtype) -> torch.Tensor:
+    """The calling thread's buffer for chunks of noise, kept between calls: allocating 256 KiB afresh for
+    every parameter costs the system calls and page faults of new memory each time (0.1 to 0.5 ms a step
+    on the benchmark MLP, whose noise draws take about 2.5 ms)."""
+    buffers = getattr(_BUFFERS, "by_dtype", None)
+    if buffers is None:
+        buffers = _BUFFERS.by_dtype = {}
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.numel() != NOISE_CHUNK + 15:
+        buffer = buffers[dtype] = torch.empty(NOISE_CHUNK + 15, dtype=dtype)
+    return buffer
+
+
 def add_gaussian_noise_(
     out: torch.Tensor,
     std: float,
@@ -99,8 +116,8 @@ def add_gaussian_noise_(
     of ``out``'s shape, and returns ``out``.
 
     Where the draw happens on the CPU, into a CPU tensor, the values are drawn :data:`NOISE_CHUNK` at a
-    time into one small buffer instead of a whole noise tensor, so adding noise to a model's gradients
-    needs no second copy of them. Torch's CPU sampler fills a tensor with uniforms in order and maps
+    time into one small buffer (the calling thread's, kept between calls) instead of a whole noise tensor,
+    so adding noise to a model's gradients needs no second copy of them. Torch's CPU sampler fills a tensor with uniforms in order and maps
     them to normals 16 at a time, recomputing a tail that is not a multiple of 16 from fresh uniforms;
     chunks that are multiples of 16, with a last chunk of at least 16 values, therefore give the same
     stream as one draw (checked bitwise by ``tests/test_private_grads_in_place.py``). Elsewhere (secure
@@ -113,7 +130,7 @@ def add_gaussian_noise_(
             or draw_dtype not in (torch.float32, torch.float64) or not out.is_contiguous()):
         return out.add_(gaussian_noise(out, std, secure_mode=secure_mode, generator=generator))
     flat = out.view(-1)
-    buffer = torch.empty(NOISE_CHUNK + 15, dtype=draw_dtype)
+    buffer = _chunk_buffer(draw_dtype)
     start = 0
     while start < n:
         left = n - start

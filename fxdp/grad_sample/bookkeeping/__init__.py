@@ -4,7 +4,9 @@ output gradient ``G``, without a per-sample gradient per parameter where a cheap
 
 During backward every DP-aware op hands the sink a :class:`~fxdp.grad_sample.sink.LayerCapture`. The sink
 keeps ``A`` and ``G`` (not per-sample gradients) and, when the backward pass ends, computes each
-parameter's per-sample squared norms. After backward the optimizer asks for the norms and, with one clip
+parameter's per-sample squared norms. What reads only ``G`` is formed as ``G`` arrives, while backward has
+just written it and it is still in the CPU's cache: a bias's per-sample sums, and the Gram blocks of ``G``
+for a ghost norm. After backward the optimizer asks for the norms and, with one clip
 factor ``c_i`` per sample, for each parameter's clipped sum ``sum_i c_i g_i``: that is the layer's ordinary
 weight-gradient product with ``G`` scaled by ``c_i`` row by row, so no ``(N, *p.shape)`` tensor is needed.
 
