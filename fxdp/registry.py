@@ -95,7 +95,7 @@ class TypeRegistry(Generic[V]):
         self.for_subclasses: Set[type] = set()  # registered with subclasses=True
         # what find() answered per class, valid while (entries.changes, self._changes) is _found_at: layers
         # look their rule up several times per training step
-        self._found: Dict[type, Optional[V]] = {}
+        self._found: Dict[type, tuple] = {}  # class -> (value, the method it resolved then)
         self._found_at = None
         self._changes = 0  # for_subclasses changes (register, restore)
 
@@ -134,8 +134,8 @@ class TypeRegistry(Generic[V]):
 
     def find(self, obj) -> Optional[V]:
         """The value for an instance or a class, walking its MRO; ``None`` if there is none. Remembered
-        per class until the registrations change (an instance that replaced the method is looked up
-        afresh each time)."""
+        per class until the registrations change or the class's method does (an instance that replaced
+        the method is looked up afresh each time)."""
         method = self.unless_overridden
         if method is not None and not isinstance(obj, type) and method in getattr(obj, "__dict__", {}):
             return find_in((self,), obj)
@@ -144,11 +144,15 @@ class TypeRegistry(Generic[V]):
             self._found.clear()
             self._found_at = at
         klass = _class_of(obj)
-        try:
-            return self._found[klass]
-        except KeyError:
-            value = self._found[klass] = find_in((self,), klass)
-            return value
+        # the method as the class resolves it now: a class patched after a lookup (``MyLinear.forward = f``)
+        # is looked up afresh
+        resolved = None if method is None else getattr(klass, method, None)
+        found = self._found.get(klass)
+        if found is not None and found[1] is resolved:
+            return found[0]
+        value = find_in((self,), klass)
+        self._found[klass] = (value, resolved)
+        return value
 
     def owner(self, obj) -> Optional[type]:
         """The class (in ``obj``'s MRO) whose registration applies, or ``None``."""

@@ -119,6 +119,22 @@ def test_an_instance_that_replaced_the_method_is_not_answered_from_its_class():
     assert registry.find(plain) == "linear rule"
 
 
+def test_a_class_whose_method_is_replaced_after_a_lookup_is_looked_up_again():
+    class Layer(nn.Linear):
+        pass
+
+    class Deeper(Layer):
+        pass
+
+    registry = TypeRegistry(unless_overridden="forward")
+    registry.register(nn.Linear)("linear rule")
+    assert registry.find(Deeper(2, 2)) == "linear rule" and registry.find(Layer) == "linear rule"
+    Layer.forward = lambda self, x: 2 * x  # now computes something else: the Linear rule no longer applies
+    assert registry.find(Deeper(2, 2)) is None and registry.find(Layer) is None
+    del Layer.forward
+    assert registry.find(Deeper) == "linear rule"
+
+
 def test_grad_sampler_registry_keeps_its_type_check():
     with pytest.raises(TypeError, match="register_grad_sampler expects nn.Module subclasses"):
         fxdp.register_grad_sampler(torch.Tensor)
