@@ -253,7 +253,7 @@ def per_sample_function(site: PerSampleSite, n: int, *args, **kwargs):
     fn = site.fn
     call_fn = (lambda *a, **k: getattr(a[0], fn)(*a[1:], **k)) if isinstance(fn, str) else fn
     out = call_fn(*args, **kwargs)
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+    leaves, rebuild = _flatten(args, kwargs)
     param_positions = [
         i for i, leaf in enumerate(leaves) if isinstance(leaf, nn.Parameter) and leaf.requires_grad
     ]
@@ -264,7 +264,7 @@ def per_sample_function(site: PerSampleSite, n: int, *args, **kwargs):
     out_layouts = _out_layouts(site, len(outputs))
 
     def call(flat):
-        a, k = pytree.tree_unflatten(flat, spec)
+        a, k = rebuild(flat)
         return call_fn(*a, **k)
 
     _on_backward(outputs, _generic_recorder(call, leaves, layouts, param_positions, out_layouts, n, site))
