@@ -189,6 +189,23 @@ def test_embedding_by_index_with_repeats_and_padding(padding_idx):
     assert plan_methods(book, m) == {"emb": "index", "ln": "materialise", "out": "outer"}
 
 
+@pytest.mark.parametrize("row", [[0, 1, 2, 3], [1, 2, 1, 0], [3, 3, 3, 3], [6, 0, 6, 5]],
+                         ids=["positions", "repeats-and-padding", "one-row", "padding-and-repeats"])
+@pytest.mark.parametrize("expanded", [True, False], ids=["expanded", "copied"])
+@pytest.mark.parametrize("padding_idx", [None, 0])
+def test_embedding_looked_up_alike_by_every_sample(row, expanded, padding_idx):
+    """Every sample looks up the same indices (a position embedding): norms and clipped sums are formed from
+    the one row, for the row broadcast over the batch (stride 0) and for equal rows in memory."""
+    idx = torch.tensor([row]).expand(3, 4)
+    idx = idx if expanded else idx.clone()
+    book, m = run_and_check(EmbedAndPool(padding_idx), idx)
+    use = book._segments[m.emb.weight][0].uses[0]
+    assert torch.equal(use.common_indices(), torch.tensor(row))
+    different = torch.tensor([row, row, [4, 4, 4, 4]])
+    book, m = run_and_check(EmbedAndPool(padding_idx), different)
+    assert book._segments[m.emb.weight][0].uses[0].common_indices() is None
+
+
 def test_embedding_scale_grad_by_freq_materialises():
     model = EmbedAndPool()
     model.emb.scale_grad_by_freq = True
