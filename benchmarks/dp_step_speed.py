@@ -15,8 +15,15 @@ Peak memory: the largest amount of memory torch allocated above its level at the
 the torch profiler's CPU memory events (``profile_memory=True``; each op's own allocations minus frees,
 summed in start order), one profiled step per engine after the timed ones. Python objects are not counted.
 
+Each model is measured in a fresh Python process of its own (``--same-process``: all in this one), as a
+user trains one model per process. In one shared process a model's times depended on the models measured
+before it: the C library's allocator raises its thresholds each time a large block is freed (up to 32 MiB)
+and then serves large blocks without new pages, which helps an engine that allocates much each step. Opacus's
+ExpandedWeights on the transformer measured 1.31-1.47x a plain step after the other four models and 1.66-1.83x
+alone (see the README's Speed section), fxdp 1.37-1.44 and 1.38-1.40.
+
 Usage: python benchmarks/dp_step_speed.py [--repeats 20] [--threads 2] [--models mlp,cnn,resnet,transformer,lstm]
-       [--engines fxdp,opacus-ghost] [--cpu-time]
+       [--engines fxdp,opacus-ghost] [--cpu-time] [--same-process]
 (``--cpu-time``: one intra-op thread, each step timed by that thread's CPU time, which other jobs on a shared
 machine disturb far less than wall time; the targets are set for wall time at 2 threads on a quiet machine.)
 """
@@ -25,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
+import subprocess
 import sys
 import time
 import warnings
@@ -134,7 +143,9 @@ def peak_memory_mb(step: Callable[[], None]) -> float:
     return peak / 2**20
 
 
-def run(names, repeats, engines=None, clock=time.perf_counter):
+def measure(name, repeats, engines=None, clock=time.perf_counter):
+    """The table's rows for one model: every engine's step built from one copy each of the same model and
+    batch, timed taking turns, then one profiled step each for peak memory."""
     try:
         import opacus  # noqa: F401
 
@@ -146,29 +157,51 @@ def run(names, repeats, engines=None, clock=time.perf_counter):
               **{f"opacus-{m}": opacus_step(m) for m in opacus_modes}}
     if engines:
         makers = {k: v for k, v in makers.items() if k in ("plain", "noise only") or k in engines}
+    (factory, make_x, classes), n = models.CASES[name], BATCH[name]
+    torch.manual_seed(0)
+    model = factory()
+    x, y = make_x(n), torch.randint(0, classes, (n,))
+    steps, failed = {}, {}
+    for engine, make in makers.items():
+        try:
+            steps[engine] = make(copy.deepcopy(model), x, y)
+        except Exception as exc:  # reported in the table, never hidden
+            failed[engine] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}"
+    ms = models.median_ms(steps, repeats, clock=clock)
+    memory = {engine: peak_memory_mb(step) for engine, step in steps.items()}
+    rows = []
+    for engine in makers:
+        if engine in failed:
+            rows.append([name, n, engine, "fails", "", "", failed[engine]])
+            continue
+        rows.append([name, n, engine, f"{ms[engine]:.1f}", f"{ms[engine] / ms['plain']:.2f}",
+                     f"{memory[engine]:.0f}", f"{memory[engine] / max(memory['plain'], 1e-9):.2f}"])
+    return rows
+
+
+ROWS = "rows of one model: "  # how a model's own process hands its rows to the parent (one line of JSON)
+
+
+def measure_in_own_process(name, argv) -> list:
+    """:func:`measure` for one model in a fresh Python process (this script with ``--models name``)."""
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--models", name, "--rows-only"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    lines = done.stdout.splitlines()
+    if done.returncode != 0 or not lines or not lines[-1].startswith(ROWS):
+        raise RuntimeError(f"measuring {name} in its own process failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    print("\n".join(lines[:-1]), end="\n" if len(lines) > 1 else "")
+    return json.loads(lines[-1][len(ROWS):])
+
+
+def run(names, repeats, engines=None, clock=time.perf_counter, same_process=False, argv=()):
     rows = []
     for name in names:
-        (factory, make_x, classes), n = models.CASES[name], BATCH[name]
-        torch.manual_seed(0)
-        model = factory()
-        x, y = make_x(n), torch.randint(0, classes, (n,))
-        steps, failed = {}, {}
-        for engine, make in makers.items():
-            try:
-                steps[engine] = make(copy.deepcopy(model), x, y)
-            except Exception as exc:  # reported in the table, never hidden
-                failed[engine] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}"
-        ms = models.median_ms(steps, repeats, clock=clock)
-        memory = {engine: peak_memory_mb(step) for engine, step in steps.items()}
-        for engine in makers:
-            if engine in failed:
-                rows.append([name, n, engine, "fails", "", "", failed[engine]])
-                continue
-            rows.append([name, n, engine, f"{ms[engine]:.1f}", f"{ms[engine] / ms['plain']:.2f}",
-                         f"{memory[engine]:.0f}", f"{memory[engine] / max(memory['plain'], 1e-9):.2f}"])
+        own = not same_process and len(names) > 1
+        rows += measure_in_own_process(name, argv) if own else measure(name, repeats, engines, clock)
     timed = "CPU time of the one thread" if clock is time.thread_time else "wall time"
+    where = "all models in one process" if same_process or len(names) == 1 else "each model in its own process"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {timed}, median of {repeats} steps per "
-          "engine; engines take turns; peak memory from torch profiler CPU memory events")
+          f"engine; engines take turns; {where}; peak memory from torch profiler CPU memory events")
     print(tabulate(rows, headers=["model", "batch", "engine", "ms/step", "vs plain", "peak MiB", "mem vs plain"],
                    tablefmt="github"))
 
@@ -181,7 +214,16 @@ if __name__ == "__main__":
     parser.add_argument("--engines", default="", help="comma-separated subset (plain always runs), default all")
     parser.add_argument("--cpu-time", action="store_true",
                         help="one thread, timed by its CPU time (time.thread_time): steadier on a busy machine")
+    parser.add_argument("--same-process", action="store_true",
+                        help="measure all models in this one process (by default each has a fresh one)")
+    parser.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)  # a model's own process
     args = parser.parse_args()
     torch.set_num_threads(1 if args.cpu_time else args.threads)
-    run(args.models.split(","), args.repeats, [e for e in args.engines.split(",") if e],
-        clock=time.thread_time if args.cpu_time else time.perf_counter)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    engines = [e for e in args.engines.split(",") if e]
+    if args.rows_only:
+        print(ROWS + json.dumps(measure(args.models, args.repeats, engines, clock)))
+    else:
+        argv = ["--repeats", str(args.repeats), "--threads", str(args.threads), "--engines", args.engines]
+        run(args.models.split(","), args.repeats, engines, clock, args.same_process,
+            argv + (["--cpu-time"] if args.cpu_time else []))
