@@ -199,7 +199,7 @@ def run(names, repeats, engines=None, clock=time.perf_counter, same_process=Fals
         own = not same_process and len(names) > 1
         rows += measure_in_own_process(name, argv) if own else measure(name, repeats, engines, clock)
     timed = "CPU time of the one thread" if clock is time.thread_time else "wall time"
-    where = "all models in one process" if same_process or len(names) == 1 else "each model in its own process"
+    where = "all models in one process" if same_process and len(names) > 1 else "each model in its own process"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {timed}, median of {repeats} steps per "
           f"engine; engines take turns; {where}; peak memory from torch profiler CPU memory events")
     print(tabulate(rows, headers=["model", "batch", "engine", "ms/step", "vs plain", "peak MiB", "mem vs plain"],
