@@ -172,10 +172,10 @@ def measure(name, repeats, engines=None, clock=time.perf_counter):
     rows = []
     for engine in makers:
         if engine in failed:
-            rows.append([name, n, engine, "fails", "", "", failed[engine]])
+            rows.append([name, n, engine, "fails", "", "", "", failed[engine]])
             continue
         rows.append([name, n, engine, f"{ms[engine]:.1f}", f"{ms[engine] / ms['plain']:.2f}",
-                     f"{memory[engine]:.0f}", f"{memory[engine] / max(memory['plain'], 1e-9):.2f}"])
+                     f"{memory[engine]:.0f}", f"{memory[engine] / max(memory['plain'], 1e-9):.2f}", ""])
     return rows
 
 
@@ -202,7 +202,7 @@ def run(names, repeats, engines=None, clock=time.perf_counter, same_process=Fals
     where = "all models in one process" if same_process and len(names) > 1 else "each model in its own process"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {timed}, median of {repeats} steps per "
           f"engine; engines take turns; {where}; peak memory from torch profiler CPU memory events")
-    print(tabulate(rows, headers=["model", "batch", "engine", "ms/step", "vs plain", "peak MiB", "mem vs plain"],
+    print(tabulate(rows, headers=["model", "batch", "engine", "ms/step", "vs plain", "peak MiB", "mem vs plain", "error"],
                    tablefmt="github"))
 
 
