@@ -77,6 +77,18 @@ class TiedLM(nn.Module):
         return self.head(torch.tanh(self.mix(self.emb(ids))))
 
 
+class Positions(nn.Module):
+    """A position embedding: ``arange(T)`` expanded over the batch, so every sample looks up the same rows."""
+
+    def __init__(self, t=5, d=4):
+        super().__init__()
+        self.pos = nn.Embedding(t, d)
+
+    def forward(self, x):  # x: (N, T, d)
+        n, t = x.shape[0], x.shape[1]
+        return x + self.pos(torch.arange(t, device=x.device).expand(n, t))
+
+
 def _ids(n, vocab, t):
     return torch.randint(1, vocab, (n, t), generator=torch.Generator().manual_seed(1))
 
@@ -105,6 +117,7 @@ KINDS = [
     ("instance-norm", lambda: Head(nn.InstanceNorm1d(3, affine=True), 3 * 5), lambda n: torch.randn(n, 3, 5) + 1,
      "materialise"),
     ("generic", lambda: Head(Scaled(), 4), lambda n: torch.randn(n, 4), None),
+    ("position-embedding", lambda: Head(Positions(), 5 * 4), lambda n: torch.randn(n, 5, 4), None),
     ("tied-frozen-moved", TiedAndFrozen, lambda n: torch.randn(n, 3, 4), None),
     ("tied-embedding-and-output", TiedLM, lambda n: _ids(n, 11, 5) * (torch.arange(5) < 4), None),  # last: padding
 ]
@@ -178,6 +191,16 @@ def test_noise_is_added_once_with_the_scaled_std_and_the_clipped_sum_on_top():
     diff = (grads[1] - grads[0]) * batch / (sigma * CLIP)
     assert diff.numel() > 1800 and abs(float(diff.mean())) < 0.1 and abs(float(diff.std()) - 1) < 0.05
     assert grads[0].abs().max() > 0
+
+
+def test_a_compiled_position_embedding_is_bookkept_from_its_one_row_of_indices():
+    model = Head(Positions(), 5 * 4)
+    sink = BookkeepingSink()
+    dp = fxdp.compile_for_dp(model, example_inputs=torch.randn(3, 5, 4), sink=sink)
+    dp(torch.randn(6, 5, 4)).sum().backward()
+    assert sink.plans[model.layer.pos].method == "index"
+    use = sink._segments[model.layer.pos.weight][0].uses[0]
+    assert torch.equal(use.common_indices(), torch.arange(5))
 
 
 LONG = [  # the ghost norm splits 32 or more positions in two halves (odd counts too)
