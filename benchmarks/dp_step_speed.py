@@ -14,6 +14,8 @@ run, engines taking turns, as a ratio to a non-private step (forward, backward, 
 Peak memory: the largest amount of memory torch allocated above its level at the start of a step, from
 the torch profiler's CPU memory events (``profile_memory=True``; each op's own allocations minus frees,
 summed in start order), one profiled step per engine after the timed ones. Python objects are not counted.
+Page faults: the median of three more steps per engine, taking turns, of the minor page faults the process
+took (``getrusage``): memory the C library handed back to the system after a step and takes again.
 
 Each model is measured in a fresh Python process of its own (``--same-process``: all in this one), as a
 user trains one model per process. In one shared process a model's times depended on the models measured
@@ -34,6 +36,7 @@ import argparse
 import copy
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -168,15 +171,33 @@ def measure(name, repeats, engines=None, clock=time.perf_counter):
         except Exception as exc:  # reported in the table, never hidden
             failed[engine] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}"
     ms = models.median_ms(steps, repeats, clock=clock)
+    faults = page_faults(steps)
     memory = {engine: peak_memory_mb(step) for engine, step in steps.items()}
     rows = []
     for engine in makers:
         if engine in failed:
-            rows.append([name, n, engine, "fails", "", "", "", failed[engine]])
+            rows.append([name, n, engine, "fails", "", "", "", "", failed[engine]])
             continue
         rows.append([name, n, engine, f"{ms[engine]:.1f}", f"{ms[engine] / ms['plain']:.2f}",
-                     f"{memory[engine]:.0f}", f"{memory[engine] / max(memory['plain'], 1e-9):.2f}", ""])
+                     f"{memory[engine]:.0f}", f"{memory[engine] / max(memory['plain'], 1e-9):.2f}",
+                     faults.get(engine, "n/a"), ""])
     return rows
+
+
+def page_faults(steps, rounds: int = 3) -> dict:
+    """Median minor page faults of one step per engine (``getrusage``), engines taking turns as when timed:
+    memory the C library gave back to the system and takes again. Empty where ``resource`` is missing."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return {}
+    counts = {engine: [] for engine in steps}
+    for _ in range(rounds):
+        for engine, step in steps.items():
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            step()
+            counts[engine].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return {engine: int(statistics.median(c)) for engine, c in counts.items()}
 
 
 ROWS = "rows of one model: "  # how a model's own process hands its rows to the parent (one line of JSON)
@@ -202,7 +223,8 @@ def run(names, repeats, engines=None, clock=time.perf_counter, same_process=Fals
     where = "all models in one process" if same_process and len(names) > 1 else "each model in its own process"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {timed}, median of {repeats} steps per "
           f"engine; engines take turns; {where}; peak memory from torch profiler CPU memory events")
-    print(tabulate(rows, headers=["model", "batch", "engine", "ms/step", "vs plain", "peak MiB", "mem vs plain", "error"],
+    print(tabulate(rows, headers=["model", "batch", "engine", "ms/step", "vs plain", "peak MiB", "mem vs plain",
+                                 "page faults/step", "error"],
                    tablefmt="github"))
 
 
