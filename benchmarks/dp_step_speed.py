@@ -189,7 +189,7 @@ def page_faults(steps, rounds: int = 3) -> dict:
     memory the C library gave back to the system and takes again. Empty where ``resource`` is missing."""
     try:
         import resource
-    except ImportError:  # not on Windows
+    except ImportError:  # Windows has no resource module
         return {}
     counts = {engine: [] for engine in steps}
     for _ in range(rounds):
