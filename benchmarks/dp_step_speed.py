@@ -215,9 +215,8 @@ def measure_in_own_process(name, argv) -> list:
 
 
 def run(names, repeats, engines=None, clock=time.perf_counter, same_process=False, argv=()):
-    rows = []
+    rows, own = [], not same_process and len(names) > 1
     for name in names:
-        own = not same_process and len(names) > 1
         rows += measure_in_own_process(name, argv) if own else measure(name, repeats, engines, clock)
     timed = "CPU time of the one thread" if clock is time.thread_time else "wall time"
     where = "all models in one process" if same_process and len(names) > 1 else "each model in its own process"

@@ -267,15 +267,23 @@ class _EmbeddingWeight(_Use):
             self._common = idx[0] if same else None
         return self._common
 
-    def squared_norms(self):
+    def _common_kept(self):
+        """(the common row of indices, G at those positions), padding positions left out; None unless every
+        sample looked up the same indices (see :meth:`common_indices`)."""
         row = self.common_indices()
         if row is None:
+            return None
+        if self.padding_idx is not None:
+            keep = row != self.padding_idx
+            if not bool(keep.all()):
+                return row[keep], self.g[:, keep]
+        return row, self.g
+
+    def squared_norms(self):
+        common = self._common_kept()
+        if common is None:
             return _grouped_squared_norms([self], self.batch_size)
-        keep = None if self.padding_idx is None else row != self.padding_idx
-        if keep is not None and not bool(keep.all()):
-            row, g = row[keep], self.g[:, keep]
-        else:
-            g = self.g
+        row, g = common
         unique, inverse = torch.unique(row, return_inverse=True)
         if unique.shape[0] == row.shape[0]:  # every position its own row (positions): no two summed
             return g.pow(2).sum((1, 2))
@@ -290,13 +298,10 @@ class _EmbeddingWeight(_Use):
 
     def clipped_sum(self, c):
         out = self.g.new_zeros(self.num_rows, self.g.shape[-1])
-        row = self.common_indices()
-        if row is not None:  # the batch's positions weighted and added first, then one row per position
-            summed = torch.tensordot(c.to(self.g.dtype), self.g, dims=1)  # (T, D)
-            if self.padding_idx is not None:
-                keep = row != self.padding_idx
-                row, summed = row[keep], summed[keep]
-            return out.index_add_(0, row, summed)
+        common = self._common_kept()
+        if common is not None:  # the batch's positions weighted and added first, then one row per position
+            row, g = common
+            return out.index_add_(0, row, torch.tensordot(c.to(g.dtype), g, dims=1))
         samples, idx, g = self._kept()
         return out.index_add_(0, idx, g * c.to(g.dtype)[samples].unsqueeze(1))
 
