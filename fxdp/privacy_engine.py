@@ -30,11 +30,14 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+from torch.utils.weak import WeakIdKeyDictionary
 
-from fxdp.accounting import create_accountant, get_noise_multiplier
+from fxdp.accounting import create_accountant, get_noise_multiplier, steps_in_epochs
 from fxdp.compiler import compile_for_dp
+from fxdp.diagnostics import AlreadyPrivateError, location_of_caller
 from fxdp.data import DPDataLoader
+from fxdp.data.loader import loader_options
 from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer, bucket_bytes_of, check_poisson_group,
                               global_batch_size, split_data_parallel, wrap_like)
 from fxdp.grad_sample.bookkeeping import BookkeepingSink
@@ -46,6 +49,15 @@ from fxdp.optim.noise import secure_seed
 MODULE_KEY = "module_state_dict"
 OPTIMIZER_KEY = "optimizer_state_dict"
 ACCOUNTANT_KEY = "privacy_accountant_state_dict"
+
+# How ε is accounted for a loader kept as it is (make_private(poisson_sampling=False)):
+# "poisson" reports the Poisson figure at rate 1 / len(loader), as Opacus does: an approximation that is
+# not a proven bound for shuffled fixed-size batches; "per_epoch" is a sound bound without amplification:
+# each sample is in at most one batch of an epoch, so an epoch spends one Gaussian mechanism on it.
+FIXED_BATCH_ACCOUNTING = ("poisson", "per_epoch")
+
+# parameter -> (the PrivacyEngine that made it private, where make_private was called): one engine per model
+_PRIVATE_BY: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
 class PrivacyEngine:
@@ -66,6 +78,8 @@ class PrivacyEngine:
         self.secure_mode = secure_mode
         # compiled model -> the model it was compiled from, so checkpoints hold the plain model's names
         self._originals: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
+        self._poisson_figure_for_fixed_batches = False  # a make_private(poisson_sampling=False) accounts so
+        self._warned_poisson_figure = False
 
     # -- making things private -----------------------------------------------------------------------
 
@@ -85,6 +99,7 @@ class PrivacyEngine:
         example_inputs: Any = None,
         noise_generator: Optional[torch.Generator] = None,
         materialise_grad_sample: bool = False,
+        fixed_batch_accounting: str = "poisson",
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
         """Returns ``(compiled model, DPOptimizer, data loader)``.
 
@@ -92,7 +107,12 @@ class PrivacyEngine:
         per trainable parameter of the optimizer). With ``poisson_sampling`` (what the accounting
         assumes) the loader draws each sample into each batch independently with rate
         ``1 / len(data_loader)``, and the gradient of a ``"mean"`` loss is divided by the *expected*
-        batch size; without it the loader is kept (and the accounting is only an approximation).
+        batch size; without it the loader is kept, and ``fixed_batch_accounting`` says how its steps are
+        accounted: ``"poisson"`` (default, as Opacus) reports the Poisson ε at rate ``1 / len(loader)``,
+        which is not a proven bound for shuffled fixed-size batches (:meth:`get_epsilon` warns once);
+        ``"per_epoch"`` is a sound bound for a loader that puts every sample in at most one batch per
+        epoch (shuffled or sequential, no replacement): each epoch begun is recorded as one Gaussian
+        mechanism on the whole dataset (sample rate 1), i.e. no amplification by sampling.
         ``example_inputs``: a batch to compile with (without it, the analysis runs on the first
         batch). ``noise_generator``: a ``torch.Generator`` for reproducible noise (not in secure mode).
 
@@ -103,6 +123,8 @@ class PrivacyEngine:
         """
         _check_types(module, optimizer, data_loader)
         _check_optimizer_params_in_module(module, optimizer)
+        self._check_not_private_elsewhere(module)
+        steps_per_epoch = _check_fixed_batch_accounting(fixed_batch_accounting, poisson_sampling, data_loader, module)
         module, ddp = split_data_parallel(module)  # DDP: compile its model; the optimizer communicates instead
         bookkept = grad_sample_mode == "fx" and not materialise_grad_sample
         compiled = compile_for_dp(module, example_inputs, batch_dim=0 if batch_first else 1,
@@ -127,7 +149,13 @@ class PrivacyEngine:
             param_names={p: name for name, p in module.named_parameters()},
             **across_ranks,
         )
-        dp_optimizer.attach_step_hook(self._accountant_hook(sample_rate))
+        if fixed_batch_accounting == "per_epoch":
+            data_loader = _EpochsCounted(data_loader)
+            dp_optimizer.attach_step_hook(self._per_epoch_accountant_hook(data_loader, steps_per_epoch))
+        else:
+            self._poisson_figure_for_fixed_batches |= not poisson_sampling
+            dp_optimizer.attach_step_hook(self._accountant_hook(sample_rate))
+        self._claim(module)
         if ddp is not None:
             compiled = wrap_like(compiled, ddp)
         return compiled, dp_optimizer, data_loader
@@ -147,14 +175,20 @@ class PrivacyEngine:
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
         """:meth:`make_private` with the smallest noise multiplier (within ``epsilon_tolerance``) for
         which ``epochs`` epochs of training spend at most ``target_epsilon`` at ``target_delta``: ε after
-        the last step lies in ``[(1 - epsilon_tolerance) * target_epsilon, target_epsilon]``.
+        the last step lies in ``[(1 - epsilon_tolerance) * target_epsilon, target_epsilon]``. An epoch is
+        ``len(data_loader)`` steps, as many as the loader yields (a fractional number of epochs is
+        rounded up to whole steps).
 
         The target covers the steps of this training; an accountant that already holds steps (a
         resumed run) reports their privacy on top.
         """
-        sample_rate = 1.0 / len(data_loader)  # the rate make_private's Poisson loader uses, and the step count
+        batches = len(data_loader)  # make_private's Poisson loader: rate 1 / batches, that many steps an epoch
+        if kwargs.get("fixed_batch_accounting") == "per_epoch":  # one mechanism, at rate 1, per epoch begun
+            sample_rate, steps = 1.0, steps_in_epochs(epochs, 1.0)
+        else:
+            sample_rate, steps = 1.0 / batches, steps_in_epochs(epochs * batches, 1.0)
         noise_multiplier = get_noise_multiplier(
-            target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=sample_rate, epochs=epochs,
+            target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=sample_rate, steps=steps,
             accountant=self.accountant_name, epsilon_tolerance=epsilon_tolerance,
         )
         return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
@@ -162,7 +196,22 @@ class PrivacyEngine:
 
     def get_epsilon(self, delta: float) -> float:
         """The ε spent so far at ``delta``, by the accountant (every logical step made private by this
-        engine, and those restored from a checkpoint)."""
+        engine, and those restored from a checkpoint).
+
+        The accountant analyses Poisson sampling. For a model made private with
+        ``poisson_sampling=False`` and the default ``fixed_batch_accounting="poisson"``, the figure is
+        the Poisson one at rate ``1 / len(loader)``, which is not a proven bound for shuffled fixed-size
+        batches (their real ε can be larger): a warning says so, once. ``poisson_sampling=True``, or
+        ``fixed_batch_accounting="per_epoch"`` (a sound bound without amplification), report an ε that
+        holds."""
+        if self._poisson_figure_for_fixed_batches and not self._warned_poisson_figure:
+            self._warned_poisson_figure = True
+            warnings.warn(
+                "fxdp: this ε is the Poisson-sampling figure, but the model was made private with "
+                "poisson_sampling=False (fixed-size batches): it is not a proven bound for them, and their real "
+                "ε can be larger. For an ε that holds, use poisson_sampling=True, or make_private(..., "
+                "poisson_sampling=False, fixed_batch_accounting='per_epoch') for a bound without amplification",
+                stacklevel=2)
         return self.accountant.get_epsilon(delta)
 
     def _prepare_data(self, data_loader: DataLoader, poisson_sampling: bool,
@@ -174,7 +223,8 @@ class PrivacyEngine:
                 check_poisson_group(ddp.process_group)
             dp_loader = DPDataLoader.from_data_loader(data_loader, generator=generator, distributed=ddp is not None)
             sample_rate = dp_loader.sample_rate
-            return dp_loader, sample_rate, int(len(data_loader.dataset) * sample_rate)
+            # rounded, not truncated: 49 samples at rate 1/49 expect 1 (int(49 * (1 / 49)) is 0)
+            return dp_loader, sample_rate, max(1, round(len(data_loader.dataset) * sample_rate))
         if ddp is not None:  # a DistributedSampler's share per rank: the global batch is world_size of them
             return data_loader, 1.0 / len(data_loader), global_batch_size(data_loader, ddp.process_group)
         return data_loader, 1.0 / len(data_loader), data_loader.batch_size
@@ -185,6 +235,45 @@ class PrivacyEngine:
             self.accountant.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=sample_rate)
 
         return step_accountant
+
+    def _per_epoch_accountant_hook(self, loader: "_EpochsCounted", steps_per_epoch: int):
+        """``fixed_batch_accounting="per_epoch"``: the first step after the loader began an epoch records one
+        Gaussian mechanism at sample rate 1 (a sample's one batch of the epoch may be any of its steps); so
+        does every ``steps_per_epoch``-th step without a new epoch (batches from elsewhere). A later step of
+        the epoch with less noise than any recorded for it records one more: the sample's batch may be it."""
+        recorded = []  # the noise multipliers recorded for the current epoch
+        steps = [0]  # steps since the last record of a new epoch
+
+        def step_accountant(optimizer: DPOptimizer) -> None:
+            sigma = optimizer.noise_multiplier
+            if loader.epoch_begun or steps[0] == steps_per_epoch:
+                loader.epoch_begun, steps[0] = False, 0
+                recorded.clear()
+            steps[0] += 1
+            if not recorded or sigma < min(recorded):
+                recorded.append(sigma)
+                self.accountant.step(noise_multiplier=sigma, sample_rate=1.0)
+
+        return step_accountant
+
+    def _check_not_private_elsewhere(self, module: nn.Module) -> None:
+        """Refuse a model whose parameters another live engine made private: each accountant would count
+        only its own steps, so neither would report the privacy spent."""
+        for name, p in module.named_parameters():
+            engine, where = _PRIVATE_BY.get(p, (lambda: None, None))
+            if engine() is not None and engine() is not self:
+                at = f" (make_private called at {where.relative})" if where is not None else ""
+                raise AlreadyPrivateError(
+                    f"fxdp: parameter '{name}' of this {type(module).__name__} was already made private by another "
+                    f"PrivacyEngine{at}, whose accountant has recorded {len(engine().accountant)} steps. Two engines "
+                    "would each count only their own steps, so neither would report the privacy spent. Keep "
+                    "training with the first engine's model and optimizer, or give this engine a fresh copy of the "
+                    "model (copy.deepcopy of the original, before make_private)")
+
+    def _claim(self, module: nn.Module) -> None:
+        where, me = location_of_caller(), weakref.ref(self)
+        for p in module.parameters():
+            _PRIVATE_BY[p] = (me, where)
 
     # -- checkpoints ---------------------------------------------------------------------------------
 
@@ -248,6 +337,47 @@ def _check_types(module, optimizer, data_loader) -> None:
         raise TypeError(f"fxdp: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"fxdp: data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
+
+
+class _EpochsCounted(DataLoader):
+    """The user's loader (its dataset, batches, collate function and workers) for
+    ``fixed_batch_accounting="per_epoch"``: it notes when an epoch begins, an iteration that may put every
+    sample in a batch again, however many batches the one before yielded."""
+
+    def __init__(self, data_loader: DataLoader):
+        super().__init__(data_loader.dataset, batch_sampler=data_loader.batch_sampler,
+                         collate_fn=data_loader.collate_fn, **loader_options(data_loader))
+        self.epoch_begun = False
+
+    def __iter__(self):
+        self.epoch_begun = True
+        return super().__iter__()
+
+
+def _check_fixed_batch_accounting(accounting: str, poisson_sampling: bool, data_loader: DataLoader,
+                                  module: nn.Module) -> Optional[int]:
+    """The loader's batches per epoch for ``fixed_batch_accounting="per_epoch"`` (``None`` otherwise), after
+    checking that the bound holds for it: every sample in at most one batch of an epoch."""
+    if accounting not in FIXED_BATCH_ACCOUNTING:
+        raise ValueError(f"fxdp: fixed_batch_accounting must be one of {FIXED_BATCH_ACCOUNTING}, got {accounting!r}")
+    if accounting == "poisson":
+        return None
+    if poisson_sampling:
+        raise ValueError("fxdp: fixed_batch_accounting='per_epoch' is for a loader kept as it is; pass "
+                         "poisson_sampling=False with it (Poisson sampling is accounted as Poisson)")
+    if isinstance(module, (DistributedDataParallel, DPDistributedDataParallel)):
+        raise ValueError("fxdp: fixed_batch_accounting='per_epoch' is for one process: a DistributedSampler may "
+                         "repeat samples to even out the ranks. Use poisson_sampling=True across processes")
+    sampler = getattr(data_loader.batch_sampler, "sampler", None)
+    once_each = isinstance(sampler, SequentialSampler) or (isinstance(sampler, RandomSampler)
+                                                           and not sampler.replacement
+                                                           and sampler.num_samples == len(sampler.data_source))
+    if not once_each:
+        raise ValueError(
+            f"fxdp: fixed_batch_accounting='per_epoch' needs a loader that puts every sample in at most one batch "
+            f"per epoch (DataLoader(dataset, batch_size=..., shuffle=True or False)); its sampler is "
+            f"{type(sampler).__name__}, which may repeat samples")
+    return len(data_loader)
 
 
 def _check_optimizer_params_in_module(module: nn.Module, optimizer: Optimizer) -> None:

@@ -245,10 +245,10 @@ def test_calibrated_noise_lands_within_one_percent_below_the_target(
     assert 0.99 * target_epsilon <= accountant.get_epsilon(target_delta) <= target_epsilon
 
 
-def test_calibration_from_epochs_uses_int_epochs_over_sample_rate():
-    q = 64 / 1437
+def test_calibration_from_epochs_counts_every_step_begun():
+    q = 64 / 1437  # 20 / q = 449.06...: the 450th step is taken, and spends privacy
     by_epochs = get_noise_multiplier(target_epsilon=3.0, target_delta=1e-5, sample_rate=q, epochs=20)
-    by_steps = get_noise_multiplier(target_epsilon=3.0, target_delta=1e-5, sample_rate=q, steps=int(20 / q))
+    by_steps = get_noise_multiplier(target_epsilon=3.0, target_delta=1e-5, sample_rate=q, steps=450)
     assert by_epochs == by_steps
 
 
@@ -258,7 +258,7 @@ def test_calibration_from_epochs_uses_int_epochs_over_sample_rate():
         (dict(steps=100, epochs=1), "exactly one of steps and epochs"),
         (dict(), "exactly one of steps and epochs"),
         (dict(steps=0), "steps is 0"),
-        (dict(epochs=0.001), r"int\(epochs / sample_rate\)"),
+        (dict(epochs=1e-12), r"ceil\(epochs / sample_rate\)"),
         (dict(steps=100, sample_rate=0.0), "sample_rate is 0"),
         (dict(steps=100, target_epsilon=0.0), "target_epsilon"),
         (dict(steps=100, target_delta=0.0), "delta"),

@@ -266,3 +266,135 @@ def test_memory_manager_physical_batches_give_the_same_training_and_accounting(m
     assert sum(logical_sizes) == sum(physical_sizes) and len(physical_sizes) > len(logical_sizes)
     for a, b in zip(whole, split):
         torch.testing.assert_close(a, b)
+
+
+# --- the privacy engine's own part of every training flow being accounted (issue 21, items 5-7 and 9) -----
+
+
+def test_a_second_engine_on_a_model_already_private_is_refused_naming_the_first():
+    import gc
+
+    model = classifier()
+    first = PrivacyEngine()
+    dp_model, optimizer, loader = private(first, "fx", model=model)
+    train(dp_model, optimizer, [next(iter(loader))])
+    before = [p.detach().clone() for p in model.parameters()]
+    second = PrivacyEngine()
+    for again in (model, dp_model):  # the original model, or the one make_private returned
+        with pytest.raises(fxdp.diagnostics.AlreadyPrivateError,
+                           match=r"already made private by another PrivacyEngine \(make_private called at "
+                                 r"tests/test_privacy_engine.py:\d+\), whose accountant has recorded 1 steps"):
+            private(second, "hooks", model=again)
+    assert len(second.accountant) == 0 and len(first.accountant) == 1
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    del first, dp_model, optimizer, loader
+    gc.collect()  # once the first engine is gone, nobody else counts this model's steps
+    private(second, "fx", model=model)
+
+
+@pytest.mark.parametrize("samples, batch_size", [(49, 1), (100, 3), (1437, 64), (10, 3), (93, 1)])
+def test_the_expected_batch_size_is_the_rounded_expectation(samples, batch_size):
+    loader = DataLoader(dataset(samples), batch_size=batch_size)
+    _, optimizer, dp_loader = private(PrivacyEngine(), "fx", data=dataset(samples), batch_size=batch_size)
+    assert optimizer.expected_batch_size == round(samples / len(loader)) >= 1
+    assert dp_loader.sample_rate == 1 / len(loader)
+
+
+def test_make_private_with_epsilon_calibrates_for_every_step_the_loader_yields():
+    """93 batches an epoch: 1 / (1 / 93) is 92.99999999999999 in floating point; calibrating for int() of it,
+    one step fewer than the loader yields, ended above the target."""
+    from fxdp.accounting import get_noise_multiplier, steps_in_epochs
+
+    assert steps_in_epochs(1, 1 / 93) == 93 and steps_in_epochs(2, 1 / 93) == 186
+    assert steps_in_epochs(1.5, 0.1) == 15 and steps_in_epochs(0.101, 0.01) == 11  # a partial step counts
+    assert (get_noise_multiplier(target_epsilon=1.0, target_delta=DELTA, sample_rate=1 / 93, epochs=1)
+            == get_noise_multiplier(target_epsilon=1.0, target_delta=DELTA, sample_rate=1 / 93, steps=93))
+    torch.manual_seed(0)
+    engine = PrivacyEngine()
+    model = nn.Linear(6, 3)
+    dp_model, optimizer, loader = engine.make_private_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(dataset(93), batch_size=1), target_epsilon=1.0, target_delta=DELTA, epochs=1,
+        max_grad_norm=1.0)
+    train(dp_model, optimizer, loader)
+    assert len(engine.accountant) == len(loader) == 93
+    assert 0.999 <= engine.get_epsilon(DELTA) <= 1.0
+
+
+def _fixed_batches(model, engine, loader, **kwargs):
+    return engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                               data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+                               poisson_sampling=False, **kwargs)
+
+
+def test_the_poisson_figure_for_fixed_size_batches_is_flagged_once_where_epsilon_is_reported():
+    engine = PrivacyEngine()
+    dp_model, optimizer, loader = _fixed_batches(classifier(), engine, DataLoader(dataset(), batch_size=16))
+    train(dp_model, optimizer, loader)
+    with pytest.warns(UserWarning, match=r"Poisson-sampling figure.*poisson_sampling=False.*"
+                                         r"fixed_batch_accounting='per_epoch'"):
+        eps = engine.get_epsilon(DELTA)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the second report is silent
+        assert engine.get_epsilon(DELTA) == eps
+    assert "not a proven bound" in PrivacyEngine.get_epsilon.__doc__
+    poisson = PrivacyEngine()  # Poisson sampling: the figure holds, nothing to say
+    dp_model, optimizer, loader = private(poisson, "fx")
+    train(dp_model, optimizer, loader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        poisson.get_epsilon(DELTA)
+
+
+def test_per_epoch_accounting_records_one_unsampled_mechanism_per_epoch_begun():
+    from fxdp.accounting import RDPAccountant
+
+    engine = PrivacyEngine()
+    loader = DataLoader(dataset(64), batch_size=16, shuffle=True)  # 4 batches an epoch
+    dp_model, optimizer, counted = _fixed_batches(classifier(), engine, loader, fixed_batch_accounting="per_epoch")
+    train(dp_model, optimizer, counted)  # a whole epoch: one mechanism
+    assert engine.accountant.history == [(1.0, 1.0, 1)]
+    train(dp_model, optimizer, [next(iter(counted))])  # an epoch begun and left after one batch: one more
+    assert engine.accountant.history == [(1.0, 1.0, 2)]
+    it = iter(counted)  # a third epoch, whose second step has less noise: its batch may hold the sample
+    train(dp_model, optimizer, [next(it)])
+    optimizer.noise_multiplier = 0.5
+    train(dp_model, optimizer, [next(it)])
+    optimizer.noise_multiplier = 0.7  # more noise than recorded for this epoch: nothing new
+    train(dp_model, optimizer, [next(it)])
+    assert engine.accountant.history == [(1.0, 1.0, 3), (0.5, 1.0, 1)]
+    reference = RDPAccountant()
+    reference.history = [(1.0, 1.0, 3), (0.5, 1.0, 1)]
+    assert engine.get_epsilon(DELTA) == reference.get_epsilon(DELTA)
+    assert engine.get_epsilon(DELTA) > PrivacyEngine().accountant.get_epsilon(DELTA)
+
+
+def test_per_epoch_accounting_calibrates_for_whole_epochs():
+    engine = PrivacyEngine()
+    model = classifier()
+    dp_model, optimizer, loader = engine.make_private_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(dataset(64), batch_size=16, shuffle=True), target_epsilon=8.0, target_delta=DELTA,
+        epochs=2, max_grad_norm=1.0, poisson_sampling=False, fixed_batch_accounting="per_epoch")
+    for _ in range(2):
+        train(dp_model, optimizer, loader)
+    assert engine.accountant.history == [(optimizer.noise_multiplier, 1.0, 2)]
+    assert 0.99 * 8.0 <= engine.get_epsilon(DELTA) <= 8.0
+
+
+@pytest.mark.parametrize("loader, poisson, match", [
+    (DataLoader(dataset(), batch_size=16, sampler=torch.utils.data.RandomSampler(dataset(), replacement=True)),
+     False, "its sampler is RandomSampler, which may repeat samples"),
+    (DataLoader(dataset(), batch_size=16), True, "pass poisson_sampling=False with it"),
+])
+def test_per_epoch_accounting_refuses_what_it_cannot_bound(loader, poisson, match):
+    engine = PrivacyEngine()
+    model = classifier()
+    with pytest.raises(ValueError, match=match):
+        engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+                            noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=poisson,
+                            fixed_batch_accounting="per_epoch")
+    with pytest.raises(ValueError, match="fixed_batch_accounting must be one of"):
+        _fixed_batches(classifier(), engine, loader, fixed_batch_accounting="shuffled")

@@ -11,7 +11,7 @@ This package is pure math and imports nothing from the rest of fxdp.
 """
 
 from fxdp.accounting.accountant import Accountant
-from fxdp.accounting.calibration import get_noise_multiplier
+from fxdp.accounting.calibration import get_noise_multiplier, steps_in_epochs
 from fxdp.accounting.pld import PLDAccountant
 from fxdp.accounting.rdp import DEFAULT_ORDERS, RDPAccountant, compute_rdp, epsilon_from_rdp
 from fxdp.accounting.registry import ACCOUNTANTS, create_accountant
@@ -26,4 +26,5 @@ __all__ = [
     "create_accountant",
     "epsilon_from_rdp",
     "get_noise_multiplier",
+    "steps_in_epochs",
 ]

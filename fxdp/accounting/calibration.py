@@ -14,6 +14,18 @@ _SIGMA_MAX = 2.0 ** 20
 _MAX_BISECTIONS = 300  # each shrinks the bracket by at least 10% (of log sigma)
 
 
+def steps_in_epochs(epochs: float, sample_rate: float) -> int:
+    """The number of steps in ``epochs`` epochs of ``1 / sample_rate`` steps each, rounded up (a partial
+    step spends privacy too). A quotient within floating-point error of a whole number is that number:
+    with 93 batches an epoch, ``1 / (1 / 93)`` is 92.99999999999999, and ``int`` of it would calibrate for
+    one step fewer than the loader yields."""
+    quotient = epochs / sample_rate
+    nearest = round(quotient)
+    if abs(quotient - nearest) <= 1e-9 * max(1.0, quotient):
+        return int(nearest)
+    return math.ceil(quotient)
+
+
 def get_noise_multiplier(
     *,
     target_epsilon: float,
@@ -27,9 +39,10 @@ def get_noise_multiplier(
     """The noise multiplier whose ``steps`` Poisson-subsampled Gaussian steps spend ε in
     ``[(1 - epsilon_tolerance) * target_epsilon, target_epsilon]`` at ``target_delta``.
 
-    Give ``steps``, or ``epochs`` (then ``steps = int(epochs / sample_rate)``). ε falls as the noise
-    grows, so the noise multiplier is found by bisection (split points interpolated); the one returned
-    never spends more than the target.
+    Give ``steps``, or ``epochs`` (then ``steps = steps_in_epochs(epochs, sample_rate)``, the
+    ``epochs / sample_rate`` steps rounded up, so that the steps taken never outnumber those calibrated
+    for). ε falls as the noise grows, so the noise multiplier is found by bisection (split points
+    interpolated); the one returned never spends more than the target.
     """
     if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, (int, float)):
         raise ValueError(f"target_epsilon must be a number > 0, got {target_epsilon!r}")
@@ -51,8 +64,8 @@ def get_noise_multiplier(
     if epochs is not None:
         if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not epochs > 0:
             raise ValueError(f"epochs must be a number > 0, got {epochs!r}")
-        steps = int(epochs / q)
-        name = f"steps = int(epochs / sample_rate) = int({epochs} / {q})"
+        steps = steps_in_epochs(epochs, q)
+        name = f"steps = ceil(epochs / sample_rate) = ceil({epochs} / {q})"
     else:
         name = "steps"
     steps = check_num_steps(steps, name)

@@ -11,6 +11,7 @@ This package imports nothing else from fxdp, so every other module can use it.
 
 from fxdp.diagnostics.errors import (
     ROOT_NAME,
+    AlreadyPrivateError,
     BatchDimAnalysisError,
     BatchMixingError,
     FxdpError,
@@ -37,10 +38,12 @@ from fxdp.diagnostics.source import (
     SourceLocation,
     location_from_stack_trace,
     location_from_traceback,
+    location_of_caller,
     relative_path,
 )
 
 __all__ = [
+    "AlreadyPrivateError",
     "BatchDimAnalysisError",
     "BatchMixingError",
     "CompileReport",
@@ -70,6 +73,7 @@ __all__ = [
     "expect_module",
     "location_from_stack_trace",
     "location_from_traceback",
+    "location_of_caller",
     "op_name",
     "relative_path",
     "render_findings",

@@ -73,6 +73,11 @@ class ExportModeError(FxdpError, RuntimeError):
     (inside attention) switched on, was called in eval mode: its outputs would still be dropped out."""
 
 
+class AlreadyPrivateError(FxdpError, ValueError):
+    """A model whose parameters another live ``PrivacyEngine`` already made private was given to
+    ``make_private`` again: each engine's accountant would count only its own steps."""
+
+
 class NotPrivateError(FxdpError, ValueError):
     """The model cannot be trained with DP-SGD as it is; ``findings`` says why and where."""
 

@@ -84,3 +84,12 @@ def location_from_traceback(tb) -> Optional[SourceLocation]:
         if not is_library_file(frame.filename):
             user = SourceLocation(frame.filename, frame.lineno, frame.name, (frame.line or "").strip())
     return user
+
+
+def location_of_caller() -> Optional[SourceLocation]:
+    """The innermost frame of the current call stack that is in the user's code (who called fxdp)."""
+    user = None
+    for frame in traceback.extract_stack():
+        if not is_library_file(frame.filename):
+            user = SourceLocation(frame.filename, frame.lineno, frame.name, (frame.line or "").strip())
+    return user
