@@ -199,6 +199,36 @@ def test_a_private_untraceable_model_is_verified_and_its_gradients_are_right():
     assert compiled.verification.startswith("verified on a batch of 5")
 
 
+class Squeezes(nn.Module):
+    """Untraceable, one output value per sample, returned as (N,): a binary classifier or a regressor."""
+
+    def __init__(self, centers=False):
+        super().__init__()
+        self.fc, self.head, self.centers = nn.Linear(4, 3), nn.Linear(3, 1), centers
+
+    def forward(self, x):
+        if x.sum() > -1e9 and self.centers:
+            x = x - x.mean(0)
+        return self.head(torch.tanh(self.fc(x))).squeeze(-1)
+
+
+def test_a_model_with_one_value_per_sample_is_verified_and_its_gradients_are_right():
+    torch.manual_seed(0)
+    model = Squeezes().double()
+    compiled = fxdp.compile_for_dp(model, strict=True)
+    assert fxdp.report(compiled).engine == "hooks"
+    assert_matches(model, compiled, x_of(5, 4))
+    assert compiled.verification.startswith("verified on a batch of 5")
+
+
+def test_a_model_with_one_value_per_sample_that_mixes_samples_is_refused():
+    torch.manual_seed(0)
+    compiled = fxdp.compile_for_dp(Squeezes(centers=True).double())
+    with pytest.raises(SampleMixingError) as info:
+        compiled(x_of(5, 4))
+    assert info.value.findings[0].message.startswith("the output of sample(s) [1, 2, 3, 4] (output #0) changed")
+
+
 def test_a_random_untraceable_model_is_checked_for_mixing_without_a_false_alarm():
     class FunctionalDropout(ScalesUntraceably):
         def forward(self, x):

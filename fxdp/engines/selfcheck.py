@@ -179,7 +179,8 @@ def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: in
         others[j] = False
         a_rest, b_rest = a.movedim(batch_dim, 0)[others], b.movedim(batch_dim, 0)[others]
         tol = 1e-6 * (1 + a_rest.abs().max().item()) if a_rest.numel() else 0.0
-        moved = (a_rest - b_rest).abs().flatten(1).amax(1) if a_rest.numel() else torch.zeros(0)
+        # one row per other sample, whatever the output's rank (a (N,) output has no dimension 1)
+        moved = (a_rest - b_rest).abs().reshape(n - 1, -1).amax(1) if a_rest.numel() else torch.zeros(0)
         rows = [i for i, d in zip([i for i in range(n) if i != j], moved.tolist()) if d > tol]
         if rows:
             return (f"the output of sample(s) {rows[:5]} (output #{k}) changed by up to {max(moved.tolist()):.3g} "
