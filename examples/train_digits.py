@@ -44,8 +44,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     noise.add_argument("--noise-multiplier", type=float, default=None,
                        help="fixed noise multiplier sigma (instead of --target-epsilon)")
     parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--accountant", default="rdp", choices=["rdp", "pld"],
-                        help='"pld" needs pip install "fxdp[accounting]"')
+    parser.add_argument("--accountant", default="pld", choices=["pld", "rdp"],
+                        help="pld: privacy-loss distributions, the tightest bound (the default); rdp: Renyi DP")
     parser.add_argument("--grad-sample-mode", default="fx", choices=["fx", "hooks", "ew", "functorch"],
                         help="fx: the compiled graph; hooks: the backward-hook engine")
     parser.add_argument("--max-physical-batch-size", type=int, default=None,

@@ -1,7 +1,7 @@
 """``PrivacyEngine``: the one place that puts compile, DP optimizer, Poisson sampling and accounting
 together, with the surface Opacus users know::
 
-    engine = PrivacyEngine()                          # accountant="rdp", secure_mode=False
+    engine = PrivacyEngine()                          # accountant="pld", secure_mode=False
     model, optimizer, loader = engine.make_private(
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.1, max_grad_norm=1.0)
     for x, y in loader:
@@ -64,15 +64,17 @@ class PrivacyEngine:
     """Makes a model, its optimizer and its data loader private, and accounts for the privacy spent.
 
     Args:
-        accountant: the accountant's name for :func:`fxdp.accounting.create_accountant` (``"rdp"``, built
-            in; ``"pld"`` with the optional ``dp-accounting`` package).
+        accountant: the accountant's name for :func:`fxdp.accounting.create_accountant`: ``"pld"`` (the
+            default, privacy-loss distributions: the tightest bound, at most Opacus's default PRV figure),
+            ``"rdp"`` (Rényi DP, a looser bound, pure math), ``"prv"`` (Opacus's name, served by the PLD
+            accountant) or ``"gdp"`` (a central-limit approximation, not a bound).
         secure_mode: noise from the OS's cryptographic source, guarded against the floating-point
             attack (:mod:`fxdp.optim.noise`). The Poisson sampler takes a ``torch.Generator`` (Mersenne
             Twister, not a cryptographic generator); in secure mode it is seeded with 63 bits from the
             OS, so its draws cannot be replayed from a known seed.
     """
 
-    def __init__(self, accountant: str = "rdp", secure_mode: bool = False):
+    def __init__(self, accountant: str = "pld", secure_mode: bool = False):
         self.accountant_name = accountant
         self.accountant = create_accountant(accountant)
         self.secure_mode = secure_mode

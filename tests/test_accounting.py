@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from fxdp.accounting import (
     DEFAULT_ORDERS,
+    GDPAccountant,
     PLDAccountant,
     RDPAccountant,
     create_accountant,
@@ -177,14 +178,16 @@ def test_bad_step_arguments_are_value_errors_naming_them(kwargs, name):
 
 def test_create_accountant_names_the_choices():
     assert isinstance(create_accountant("rdp"), RDPAccountant)
-    with pytest.raises(ValueError, match="'rdp', 'pld'"):
-        create_accountant("prv")
+    assert isinstance(create_accountant("prv"), PLDAccountant)  # Opacus's default, under its name
+    assert isinstance(create_accountant("gdp"), GDPAccountant)
+    with pytest.raises(ValueError, match="'pld', 'rdp', 'prv', 'gdp'"):
+        create_accountant("moments")
 
 
 def test_pld_without_dp_accounting_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "dp_accounting", None)  # makes `import dp_accounting` fail
     for make in (PLDAccountant, lambda: create_accountant("pld")):
-        with pytest.raises(ImportError, match=r'pip install "fxdp\[accounting\]"'):
+        with pytest.raises(ImportError, match=r"a dependency of fxdp that is missing here: pip install dp-accounting"):
             make()
     with pytest.raises(ImportError, match="dp-accounting"):
         get_noise_multiplier(
@@ -262,7 +265,7 @@ def test_calibration_from_epochs_counts_every_step_begun():
         (dict(steps=100, sample_rate=0.0), "sample_rate is 0"),
         (dict(steps=100, target_epsilon=0.0), "target_epsilon"),
         (dict(steps=100, target_delta=0.0), "delta"),
-        (dict(steps=100, accountant="prv"), "'rdp', 'pld'"),
+        (dict(steps=100, accountant="moments"), "'pld', 'rdp', 'prv', 'gdp'"),
         (dict(steps=100, epsilon_tolerance=1.0), "epsilon_tolerance"),
         # noise large enough to meet it drives epsilon from ~0.004 straight to 0 (total variation <= delta)
         (dict(steps=1, sample_rate=1.0, target_epsilon=1e-4), "larger epsilon_tolerance"),
@@ -314,12 +317,11 @@ def test_default_orders_are_documented_ones():
     assert DEFAULT_ORDERS[152:] == (128.0, 256.0, 512.0, 1024.0)
 
 
-# --- PLD (needs dp-accounting) -------------------------------------------------------------------------
+# --- PLD (dp-accounting), the privacy engine's default ------------------------------------------------
 
 
 @pytest.mark.parametrize("history, delta, epsilon", PLD_REFERENCE)
 def test_pld_epsilon_matches_dp_accounting_reference(history, delta, epsilon):
-    pytest.importorskip("dp_accounting")
     accountant = _history_accountant("pld", history)
     assert accountant.mechanism == "pld"
     assert accountant.get_epsilon(delta) == pytest.approx(epsilon, rel=1e-6)
@@ -328,7 +330,6 @@ def test_pld_epsilon_matches_dp_accounting_reference(history, delta, epsilon):
 
 
 def test_pld_calibration_lands_within_one_percent_below_the_target():
-    pytest.importorskip("dp_accounting")
     sigma = get_noise_multiplier(
         target_epsilon=3.0, target_delta=1e-5, sample_rate=1.0, steps=5, accountant="pld"
     )
@@ -338,7 +339,6 @@ def test_pld_calibration_lands_within_one_percent_below_the_target():
 
 
 def test_pld_state_dict_round_trip_and_edge_cases():
-    pytest.importorskip("dp_accounting")
     before = _history_accountant("pld", [(3.0, 1.0, 5)])
     after = PLDAccountant()
     after.load_state_dict(before.state_dict())
@@ -350,3 +350,51 @@ def test_pld_state_dict_round_trip_and_edge_cases():
     assert _history_accountant("pld", [(0.0, 0.1, 1)]).get_epsilon(1e-5) == math.inf
     with pytest.raises(ValueError, match="delta"):
         before.get_epsilon(0.0)
+
+
+def test_the_privacy_engines_default_is_the_pld_bound_at_most_opacus_prv_figure():
+    """Opacus 1.6's default accountant is PRV; for the same steps it reported (measured 2026-12-03, opacus
+    1.6.0's PRVAccountant, delta 1e-5): 1.8384, 2.7611, 3.5450, 1.8562. The default here must not report
+    more, nor less than the exact value, of which the PLD figure is an upper bound (pessimistic grid)."""
+    from fxdp.privacy_engine import PrivacyEngine
+
+    engine = PrivacyEngine()
+    assert isinstance(engine.accountant, PLDAccountant)
+    opacus_prv = {(1.0, 0.01, 1000): 1.8384, (2.6, 1 / 6, 90): 2.7611, (0.8, 0.004, 10000): 3.5450,
+                  (5.0, 0.5, 20): 1.8562}
+    for entry, prv in opacus_prv.items():
+        pld = _history_accountant("pld", [entry]).get_epsilon(1e-5)
+        rdp = _history_accountant("rdp", [entry]).get_epsilon(1e-5)
+        assert pld <= prv < rdp
+
+
+# --- GDP (the central-limit approximation, for Opacus code) ---------------------------------------------
+
+
+@pytest.mark.parametrize("history", [[(1.0, 0.01, 1000)], [(2.6, 1 / 6, 90)], [(0.8, 0.004, 10000), (1.2, 0.01, 50)]])
+def test_gdp_epsilon_solves_the_gdp_tradeoff_at_delta(history):
+    """mu^2 = sum q^2 T (e^(1/sigma^2) - 1); at the epsilon returned, Phi(-e/mu + mu/2) - e^e Phi(-e/mu - mu/2)
+    is delta (Bu et al. 2020), evaluated here independently with scipy."""
+    from scipy.stats import norm
+
+    accountant = _history_accountant("gdp", history)
+    with pytest.warns(UserWarning, match="central-limit approximation, not a bound"):
+        eps = accountant.get_epsilon(1e-5)
+    mu = math.sqrt(sum(q * q * t * (math.exp(1 / s ** 2) - 1) for s, q, t in history))
+    assert norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2) == pytest.approx(1e-5, rel=1e-6)
+    assert eps < _history_accountant("pld", history).get_epsilon(1e-5)  # below the bound: why it warns
+
+
+def test_gdp_edge_cases_and_a_single_warning():
+    import warnings
+
+    with pytest.warns(UserWarning):
+        assert _history_accountant("gdp", [(1.0, 0.0, 10)]).get_epsilon(1e-5) == 0.0
+    accountant = _history_accountant("gdp", [(0.0, 0.1, 1)])
+    with pytest.warns(UserWarning):
+        assert accountant.get_epsilon(1e-5) == math.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert accountant.get_epsilon(1e-5) == math.inf  # warned once
+    with pytest.warns(UserWarning):
+        assert _history_accountant("gdp", [(0.03, 0.1, 1)]).get_epsilon(1e-5) == math.inf

@@ -335,9 +335,9 @@ def test_poisson_sampling_across_ranks_uses_the_global_rate(ranks, mode):
     assert p0["expected_batch_size"] == p1["expected_batch_size"] == 10
     assert p0["history"] == p1["history"] == [(1.0, 0.25, 4)]
     assert p0["epsilon"] == p1["epsilon"]
-    from fxdp.accounting import RDPAccountant
+    from fxdp.accounting import PLDAccountant
 
-    alone = RDPAccountant()
+    alone = PLDAccountant()  # the engine's default
     for _ in range(4):
         alone.step(noise_multiplier=1.0, sample_rate=0.25)
     assert p0["epsilon"] == pytest.approx(alone.get_epsilon(1e-5), rel=1e-12)

@@ -8,9 +8,8 @@ composed distribution (Meiser & Mohammad 2018; Koskela et al. 2020; Doroshenko e
 DP-SGD settings 5–20% below the RDP accountant's ε for the same steps, because the RDP-to-(ε, δ)
 conversion loses what the PLD keeps.
 
-The numerical work is done by ``dp_accounting.pld.PLDAccountant``; this class records the history in
-fxdp's format and builds the matching ``dp-accounting`` event from it. Install the package with
-``pip install "fxdp[accounting]"``.
+The numerical work is done by ``dp_accounting.pld.PLDAccountant`` (a dependency of fxdp); this class
+records the history in fxdp's format and builds the matching ``dp-accounting`` event from it.
 """
 
 from __future__ import annotations
@@ -21,8 +20,8 @@ from typing import Any, Optional, Tuple
 from fxdp.accounting.accountant import Accountant, HistoryEntry, check_delta
 
 _INSTALL_HINT = (
-    'the "pld" accountant needs Google\'s dp-accounting package: pip install "fxdp[accounting]" '
-    '(or pip install dp-accounting), or use the built-in accountant="rdp"'
+    'the "pld" accountant (fxdp\'s default) needs Google\'s dp-accounting package, a dependency of fxdp that '
+    'is missing here: pip install dp-accounting, or use accountant="rdp" (pure math, a looser bound)'
 )
 
 
@@ -36,7 +35,7 @@ def import_dp_accounting() -> Any:
 
 
 class PLDAccountant(Accountant):
-    """PLD accountant for DP-SGD with Poisson sampling (add/remove neighbouring); needs ``dp-accounting``.
+    """PLD accountant for DP-SGD with Poisson sampling (add/remove neighbouring), through ``dp-accounting``.
 
     Tighter than :class:`~fxdp.accounting.rdp.RDPAccountant`, and slower: about a second per
     :meth:`get_epsilon` for thousands of steps (the composed distribution is cached until the next step).
