@@ -1,0 +1,111 @@
+"""What a compiled or wrapped model was built from, checked before every forward: which layer and parameter
+objects sit where, and which parameters were trainable where that matters.
+
+A compiled graph calls the layers and reads the parameters it was compiled with; a hooks engine hooked the
+layers that were trainable when it was wrapped. After ``model.fc = nn.Linear(...)``, ``model.fc.weight =
+nn.Parameter(...)`` or ``p.requires_grad_(True)`` that no longer describes the model: the new layer would never
+be called (or never be hooked), the old one's parameters would reach the optimizer with no per-sample
+gradient. :class:`StructureWatch` notices such a change in a few dictionary look-ups per forward (one per
+edge of the watched part of the module tree), so that the engine builds itself again, or refuses, before
+the forward runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from torch import nn
+
+
+@dataclass
+class StructureWatch:
+    """``entries``: ``(container, key, object, what)``, where ``container`` is a module's ``_modules`` or
+    ``_parameters`` dict and ``what`` says in words what replacing the object means; ``sizes``: such dicts and
+    their lengths (a parameter or layer added or removed); ``flags``: ``(parameter, requires_grad, what)``."""
+
+    entries: List[Tuple[dict, str, object, str]] = field(default_factory=list)
+    sizes: List[Tuple[dict, int, str]] = field(default_factory=list)
+    flags: List[Tuple[nn.Parameter, bool, str]] = field(default_factory=list)
+
+    def changed(self) -> Optional[str]:
+        """What changed since the watch was made (the first change found, in words), or None."""
+        for container, key, obj, what in self.entries:
+            if container.get(key) is not obj:
+                return what
+        for container, size, what in self.sizes:
+            if len(container) != size:
+                return what
+        for param, flag, what in self.flags:
+            if param.requires_grad is not flag:
+                return what
+        return None
+
+    def add_path(self, root: nn.Module, path: str, root_name: str) -> Optional[object]:
+        """Watch every step of ``path`` (``"encoder.layer.0.fc"`` or ``"fc.weight"``) from ``root``; returns
+        the object at its end (None, watching nothing, where ``root`` has no layer or parameter there)."""
+        steps: List[Tuple[dict, str, object, str]] = []
+        module: object = root
+        parts = path.split(".") if path else []
+        for k, part in enumerate(parts):
+            if not isinstance(module, nn.Module):
+                return None
+            name = ".".join(parts[:k + 1])
+            if part in module._modules:
+                container, kind = module._modules, "layer"
+            elif part in module._parameters:
+                container, kind = module._parameters, "parameter"
+            else:
+                return None
+            obj = container[part]
+            steps.append((container, part, obj, f"{kind} '{name}' of {root_name} was replaced"))
+            module = obj
+        self._extend(steps)
+        return module
+
+    def add_subtree(self, module: nn.Module, name: str, root_name: str, flags: bool = False) -> None:
+        """Watch every layer and parameter inside ``module`` (named ``name`` in ``root_name``), and the
+        trainability of its parameters where ``flags``."""
+        prefix = f"{name}." if name else ""
+        steps = []
+        for sub_name, sub in module.named_modules(remove_duplicate=True):
+            where = prefix + sub_name if sub_name else (name or "the model")
+            for key, child in sub._modules.items():
+                steps.append((sub._modules, key, child, f"layer '{prefix}{sub_name + '.' if sub_name else ''}{key}' "
+                                                        f"of {root_name} was replaced"))
+            for key, param in sub._parameters.items():
+                steps.append((sub._parameters, key, param, f"parameter '{prefix}{sub_name + '.' if sub_name else ''}"
+                                                           f"{key}' of {root_name} was replaced"))
+            self.sizes.append((sub._modules, len(sub._modules), f"a layer was added to or removed from '{where}' "
+                                                                 f"of {root_name}"))
+            self.sizes.append((sub._parameters, len(sub._parameters), f"a parameter was added to or removed from "
+                                                                       f"'{where}' of {root_name}"))
+        self._extend(steps)
+        if flags:
+            for param_name, param in module.named_parameters(prefix=name, remove_duplicate=True):
+                self.add_flag(param, param_name)
+
+    def add_flag(self, param: nn.Parameter, name: str) -> None:
+        state = "frozen" if not param.requires_grad else "trainable"
+        self.flags.append((param, param.requires_grad,
+                           f"parameter '{name}', {state} when the model was compiled, was "
+                           f"{'unfrozen' if state == 'frozen' else 'frozen'}"))
+
+    def _extend(self, steps: Iterable[Tuple[dict, str, object, str]]) -> None:
+        seen = {(id(c), k) for c, k, _, _ in self.entries}
+        for step in steps:
+            if (id(step[0]), step[1]) not in seen:
+                seen.add((id(step[0]), step[1]))
+                self.entries.append(step)
+
+
+def parameters_of(modules: Sequence[nn.Module], params: Sequence[nn.Parameter] = ()) -> Dict[int, nn.Parameter]:
+    """Every parameter of ``modules`` and ``params``, by id (the set a retired-parameter check compares)."""
+    found: Dict[int, nn.Parameter] = {id(p): p for p in params}
+    for module in modules:
+        for p in module.parameters():
+            found[id(p)] = p
+    return found
+
+
+__all__ = ["StructureWatch", "parameters_of"]
