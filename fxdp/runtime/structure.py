@@ -86,10 +86,9 @@ class StructureWatch:
                 self.add_flag(param, param_name)
 
     def add_flag(self, param: nn.Parameter, name: str) -> None:
-        state = "frozen" if not param.requires_grad else "trainable"
         self.flags.append((param, param.requires_grad,
-                           f"parameter '{name}', {state} when the model was compiled, was "
-                           f"{'unfrozen' if state == 'frozen' else 'frozen'}"))
+                           f"parameter '{name}', {'frozen' if not param.requires_grad else 'trainable'} when fxdp "
+                           f"compiled (or wrapped) the model, was {'unfrozen' if not param.requires_grad else 'frozen'}"))
 
     def _extend(self, steps: Iterable[Tuple[dict, str, object, str]]) -> None:
         seen = {(id(c), k) for c, k, _, _ in self.entries}
