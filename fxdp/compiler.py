@@ -324,7 +324,7 @@ def _watch_model(gm: torch.fx.GraphModule, model: nn.Module, loss_reduction: str
         for path in ctx.paths:
             end = watch.add_path(root, path, name)
             if isinstance(end, nn.Module):
-                watch.add_subtree(end, path, name)
+                watch.add_subtree(end, path, name, sizes=False)  # a stock layer's forward finds no new one
     for use in guard.frozen:
         watch.add_flag(use.param, use.name)
     guard.watch, guard.rebuild = watch, _rebuild
@@ -370,10 +370,7 @@ def _rebuild(compiled: torch.fx.GraphModule, why: str, args: tuple, kwargs: dict
             f"fxdp: {why} since the model was compiled. Compiled again, it needs the {rep.engine} engine "
             f"({rep.fallback_reason}), which cannot take the compiled graph's place: compile the changed model "
             "again with fxdp.compile_for_dp (or call make_private again with it)")
-    old_params = {id(p): p for p in ctx.objects[_COMPILED].values() if isinstance(p, nn.Parameter)}
-    for path, obj in ctx.objects[_COMPILED].items():
-        if isinstance(obj, nn.Module) and path in ctx.paths:
-            old_params.update((id(p), p) for p in obj.parameters())
+    old_params = {id(p): p for _, _, p, _ in guard.watch.entries if isinstance(p, nn.Parameter)}  # as compiled
     new_params = list(new.parameters())
     kept = set(map(id, new_params))
     if sink is not None:

@@ -41,12 +41,13 @@ def batch(seed=1, n=6):
     return torch.randn(n, 3, generator=g), torch.randn(n, 2, generator=g)
 
 
-def per_sample_grads(model, x, y, params):
+def per_sample_grads(model, x, y, params, copied=True):
     """Each sample's gradient alone (batches of one), on a copy of the plain model (the hooks engine's hooks
-    on the model itself are dead in a copy)."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    model = copy.deepcopy(model)
-    params = [model.get_parameter(names[id(p)]) for p in params]
+    on the model itself are dead in a copy); ``copied=False``: ``model`` is a function of the model."""
+    if copied:
+        names = {id(p): name for name, p in model.named_parameters()}
+        model = copy.deepcopy(model)
+        params = [model.get_parameter(names[id(p)]) for p in params]
     rows = [torch.autograd.grad(loss_of(model(x[i:i + 1]), y[i:i + 1]), params) for i in range(len(x))]
     return [torch.stack(r) for r in zip(*rows)]
 
@@ -214,6 +215,24 @@ def test_a_replaced_layer_is_trained_privately_once_the_optimizer_holds_it_inste
         assert any("compiled again before a forward: layer 'head'" in n for n in fxdp.report(private).notes)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_parameter_replaced_inside_a_layer_after_make_private_is_refused_at_the_step(mode):
+    torch.manual_seed(0)
+    model = Net()
+    private, optimizer, engine = make_private(model, mode)
+    old = model.fc.weight
+    model.fc.weight = nn.Parameter(torch.randn(4, 3))
+    before = snapshot(model)
+    before[id(old)] = (old, old.detach().clone())
+    optimizer.zero_grad()
+    with pytest.warns(UserWarning, match="parameter 'fc.weight' of the .* was replaced"):
+        loss_of(private(batch(1)[0]), batch(1)[1]).backward()
+    with pytest.raises(fxdp.PerSampleError, match="parameter 'fc.weight' is in the optimizer, but the model no "
+                                                   "longer uses it"):
+        optimizer.step()
+    assert_nothing_moved(before, engine)
+
+
 # -- compile_for_dp / the hooks engine directly: per-sample gradients after a change -----------------
 
 
@@ -316,3 +335,38 @@ def test_a_copy_of_a_compiled_model_watches_its_own_layers():
     with pytest.warns(UserWarning, match="layer 'head' of the compiled model was replaced"):
         copied(x)
     assert model.head is not copied.head
+
+
+class Keyword(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x, gate=None):
+        h = torch.tanh(self.fc(x))
+        return self.head(h if gate is None else h * gate)
+
+
+@pytest.mark.parametrize("materialise", [False, True])
+def test_a_model_compiled_with_example_inputs_is_compiled_again_with_the_forwards_inputs(materialise):
+    torch.manual_seed(0)
+    model = Keyword()
+    x, y = batch(1)
+    gate = torch.rand(1, 4)
+    dp = _compile_with(model, {"x": x, "gate": gate}, materialise)
+    model.head = nn.Linear(4, 2)
+    params = list(model.parameters())
+    expected = per_sample_grads(lambda v: model(v, gate=gate), x, y, params, copied=False)
+    with pytest.warns(UserWarning, match="layer 'head' of the model it was compiled from was replaced"):
+        out = dp(x, gate=gate)
+    loss_of(out, y).backward()
+    rows = _sink_rows(dp, params, len(x)) if not materialise else [p.grad_sample for p in params]
+    for got, g in zip(rows, expected):
+        torch.testing.assert_close(got, g if materialise else g.reshape(len(x), -1).pow(2).sum(1),
+                                   atol=1e-5, rtol=1e-4)
+
+
+def _compile_with(model, example_inputs, materialise):
+    return fxdp.compile_for_dp(model, example_inputs, loss_reduction="sum",
+                               sink=None if materialise else BookkeepingSink())

@@ -13,9 +13,12 @@ the forward runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter, is_not
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from torch import nn
+
+_REQUIRES_GRAD = attrgetter("requires_grad")
 
 
 @dataclass
@@ -28,16 +31,25 @@ class StructureWatch:
     sizes: List[Tuple[dict, int, str]] = field(default_factory=list)
     flags: List[Tuple[nn.Parameter, bool, str]] = field(default_factory=list)
 
+    _columns: Optional[tuple] = field(default=None, repr=False, compare=False)  # entries and flags by column
+
+    def __getstate__(self):
+        return {**vars(self), "_columns": None}
+
     def changed(self) -> Optional[str]:
-        """What changed since the watch was made (the first change found, in words), or None."""
-        for container, key, obj, what in self.entries:
-            if container.get(key) is not obj:
-                return what
+        """What changed since the watch was made (the first change found, in words), or None. The look-ups
+        run in C (``map``): this runs before every forward."""
+        if self._columns is None:
+            self._columns = (tuple(c for c, _, _, _ in self.entries), tuple(k for _, k, _, _ in self.entries),
+                             tuple(o for _, _, o, _ in self.entries), tuple(p for p, _, _ in self.flags),
+                             tuple(f for _, f, _ in self.flags))
+        containers, keys, objects, params, flags = self._columns
+        if any(map(is_not, map(dict.get, containers, keys), objects)):
+            return next(what for container, key, obj, what in self.entries if container.get(key) is not obj)
+        if any(map(is_not, map(_REQUIRES_GRAD, params), flags)):
+            return next(what for param, flag, what in self.flags if param.requires_grad is not flag)
         for container, size, what in self.sizes:
             if len(container) != size:
-                return what
-        for param, flag, what in self.flags:
-            if param.requires_grad is not flag:
                 return what
         return None
 
@@ -63,9 +75,9 @@ class StructureWatch:
         self._extend(steps)
         return module
 
-    def add_subtree(self, module: nn.Module, name: str, root_name: str, flags: bool = False) -> None:
-        """Watch every layer and parameter inside ``module`` (named ``name`` in ``root_name``), and the
-        trainability of its parameters where ``flags``."""
+    def add_subtree(self, module: nn.Module, name: str, root_name: str, sizes: bool = True) -> None:
+        """Watch every layer and parameter inside ``module`` (named ``name`` in ``root_name``); with ``sizes``
+        also that none is added (a forward that looks for one, ``if self.extra is not None``)."""
         prefix = f"{name}." if name else ""
         steps = []
         for sub_name, sub in module.named_modules(remove_duplicate=True):
@@ -76,21 +88,21 @@ class StructureWatch:
             for key, param in sub._parameters.items():
                 steps.append((sub._parameters, key, param, f"parameter '{prefix}{sub_name + '.' if sub_name else ''}"
                                                            f"{key}' of {root_name} was replaced"))
-            self.sizes.append((sub._modules, len(sub._modules), f"a layer was added to or removed from '{where}' "
-                                                                 f"of {root_name}"))
-            self.sizes.append((sub._parameters, len(sub._parameters), f"a parameter was added to or removed from "
-                                                                       f"'{where}' of {root_name}"))
+            if sizes:
+                self.sizes.append((sub._modules, len(sub._modules), f"a layer was added to or removed from "
+                                                                     f"'{where}' of {root_name}"))
+                self.sizes.append((sub._parameters, len(sub._parameters), f"a parameter was added to or removed "
+                                                                           f"from '{where}' of {root_name}"))
         self._extend(steps)
-        if flags:
-            for param_name, param in module.named_parameters(prefix=name, remove_duplicate=True):
-                self.add_flag(param, param_name)
 
     def add_flag(self, param: nn.Parameter, name: str) -> None:
+        self._columns = None
         self.flags.append((param, param.requires_grad,
                            f"parameter '{name}', {'frozen' if not param.requires_grad else 'trainable'} when fxdp "
                            f"compiled (or wrapped) the model, was {'unfrozen' if not param.requires_grad else 'frozen'}"))
 
     def _extend(self, steps: Iterable[Tuple[dict, str, object, str]]) -> None:
+        self._columns = None
         seen = {(id(c), k) for c, k, _, _ in self.entries}
         for step in steps:
             if (id(step[0]), step[1]) not in seen:
