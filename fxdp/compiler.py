@@ -326,7 +326,7 @@ def _watch_model(gm: torch.fx.GraphModule, model: nn.Module, loss_reduction: str
             if isinstance(end, nn.Module):
                 watch.add_subtree(end, path, name, sizes=False)  # a stock layer's forward finds no new one
     for use in guard.frozen:
-        watch.add_flag(use.param, use.name)
+        watch.add_frozen(use.param, use.name)
     guard.watch, guard.rebuild = watch, _rebuild
 
 

@@ -27,6 +27,7 @@ contributes nothing. The compiled engine (``fxdp.compile_for_dp``) checks both;
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 import weakref
 from typing import Any, Dict, List, Optional
@@ -171,7 +172,7 @@ class GradSampleModule(GradSampleModuleBase):
         self._watch.add_subtree(self._module, "", "the wrapped model")
         for param_name, param in self._module.named_parameters():
             if not param.requires_grad:
-                self._watch.add_flag(param, param_name)
+                self._watch.add_frozen(param, param_name)
         if self.strict and without_rule:
             self.remove_hooks()
             raise ValueError(
@@ -315,6 +316,10 @@ class GradSampleModule(GradSampleModuleBase):
         getattr(self, SINK_ATTR).retire([p for i, p in before.items() if i not in ids], why, now)
         if self.verify and self.verification != "running":
             self.verification = "not yet run"
+        report = self.__dict__.get("fxdp_report")  # set by compile_for_dp / make_private
+        if report is not None:
+            self.fxdp_report = dataclasses.replace(report,
+                                                   notes=(*report.notes, f"hooked again before a forward: {why}"))
         warnings.warn(f"fxdp (hooks engine): {why}: its layers were hooked again before this forward"
                       + (" and it is tested again on this batch" if self.verify else "")
                       + ". A DP optimizer trains a new parameter only if it holds it, and refuses to step while it "

@@ -10,5 +10,5 @@ from fxdp.runtime.guards import BatchSource, FrozenUse, TrainabilityChangedError
 from fxdp.runtime.structure import StructureWatch
 from fxdp.runtime.ops import PerSampleSite, per_sample_call, per_sample_function
 
-__all__ = ["BatchSource", "FrozenUse", "PerSampleSite", "StructureWatch", "TrainabilityChangedError", "batch_size", "input_signature",
-           "per_sample_call", "per_sample_function"]
+__all__ = ["BatchSource", "FrozenUse", "PerSampleSite", "StructureWatch", "TrainabilityChangedError", "batch_size",
+           "input_signature", "per_sample_call", "per_sample_function"]

@@ -13,8 +13,8 @@ the forward runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import attrgetter, is_not
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from operator import attrgetter, is_not, ne
+from typing import Iterable, List, Optional, Tuple
 
 from torch import nn
 
@@ -32,9 +32,10 @@ class StructureWatch:
     flags: List[Tuple[nn.Parameter, bool, str]] = field(default_factory=list)
 
     _columns: Optional[tuple] = field(default=None, repr=False, compare=False)  # entries and flags by column
+    _keys: Optional[set] = field(default=None, repr=False, compare=False)  # (id of container, key) watched
 
-    def __getstate__(self):
-        return {**vars(self), "_columns": None}
+    def __getstate__(self):  # both are rebuilt from the lists (ids differ in a copy)
+        return {**vars(self), "_columns": None, "_keys": None}
 
     def changed(self) -> Optional[str]:
         """What changed since the watch was made (the first change found, in words), or None. The look-ups
@@ -42,15 +43,15 @@ class StructureWatch:
         if self._columns is None:
             self._columns = (tuple(c for c, _, _, _ in self.entries), tuple(k for _, k, _, _ in self.entries),
                              tuple(o for _, _, o, _ in self.entries), tuple(p for p, _, _ in self.flags),
-                             tuple(f for _, f, _ in self.flags))
-        containers, keys, objects, params, flags = self._columns
+                             tuple(f for _, f, _ in self.flags), tuple(c for c, _, _ in self.sizes),
+                             tuple(n for _, n, _ in self.sizes))
+        containers, keys, objects, params, flags, sized, sizes = self._columns
         if any(map(is_not, map(dict.get, containers, keys), objects)):
             return next(what for container, key, obj, what in self.entries if container.get(key) is not obj)
         if any(map(is_not, map(_REQUIRES_GRAD, params), flags)):
             return next(what for param, flag, what in self.flags if param.requires_grad is not flag)
-        for container, size, what in self.sizes:
-            if len(container) != size:
-                return what
+        if any(map(ne, map(len, sized), sizes)):
+            return next(what for container, size, what in self.sizes if len(container) != size)
         return None
 
     def add_path(self, root: nn.Module, path: str, root_name: str) -> Optional[object]:
@@ -81,42 +82,35 @@ class StructureWatch:
         prefix = f"{name}." if name else ""
         steps = []
         for sub_name, sub in module.named_modules(remove_duplicate=True):
-            where = prefix + sub_name if sub_name else (name or "the model")
+            at = prefix + (f"{sub_name}." if sub_name else "")
             for key, child in sub._modules.items():
-                steps.append((sub._modules, key, child, f"layer '{prefix}{sub_name + '.' if sub_name else ''}{key}' "
-                                                        f"of {root_name} was replaced"))
+                steps.append((sub._modules, key, child, f"layer '{at}{key}' of {root_name} was replaced"))
             for key, param in sub._parameters.items():
-                steps.append((sub._parameters, key, param, f"parameter '{prefix}{sub_name + '.' if sub_name else ''}"
-                                                           f"{key}' of {root_name} was replaced"))
+                steps.append((sub._parameters, key, param, f"parameter '{at}{key}' of {root_name} was replaced"))
             if sizes:
-                self.sizes.append((sub._modules, len(sub._modules), f"a layer was added to or removed from "
-                                                                     f"'{where}' of {root_name}"))
-                self.sizes.append((sub._parameters, len(sub._parameters), f"a parameter was added to or removed "
-                                                                           f"from '{where}' of {root_name}"))
+                self._columns = None
+                where = at[:-1] or "the model"
+                self.sizes.append((sub._modules, len(sub._modules),
+                                   f"a layer was added to or removed from '{where}' of {root_name}"))
+                self.sizes.append((sub._parameters, len(sub._parameters),
+                                   f"a parameter was added to or removed from '{where}' of {root_name}"))
         self._extend(steps)
 
-    def add_flag(self, param: nn.Parameter, name: str) -> None:
+    def add_frozen(self, param: nn.Parameter, name: str) -> None:
+        """Watch that the frozen ``param`` (named ``name``) stays frozen."""
         self._columns = None
         self.flags.append((param, param.requires_grad,
-                           f"parameter '{name}', {'frozen' if not param.requires_grad else 'trainable'} when fxdp "
-                           f"compiled (or wrapped) the model, was {'unfrozen' if not param.requires_grad else 'frozen'}"))
+                           f"parameter '{name}', frozen when fxdp compiled (or wrapped) the model, was unfrozen"))
 
     def _extend(self, steps: Iterable[Tuple[dict, str, object, str]]) -> None:
         self._columns = None
-        seen = {(id(c), k) for c, k, _, _ in self.entries}
+        if self._keys is None:
+            self._keys = {(id(c), k) for c, k, _, _ in self.entries}
         for step in steps:
-            if (id(step[0]), step[1]) not in seen:
-                seen.add((id(step[0]), step[1]))
+            key = (id(step[0]), step[1])
+            if key not in self._keys:
+                self._keys.add(key)
                 self.entries.append(step)
 
 
-def parameters_of(modules: Sequence[nn.Module], params: Sequence[nn.Parameter] = ()) -> Dict[int, nn.Parameter]:
-    """Every parameter of ``modules`` and ``params``, by id (the set a retired-parameter check compares)."""
-    found: Dict[int, nn.Parameter] = {id(p): p for p in params}
-    for module in modules:
-        for p in module.parameters():
-            found[id(p)] = p
-    return found
-
-
-__all__ = ["StructureWatch", "parameters_of"]
+__all__ = ["StructureWatch"]
