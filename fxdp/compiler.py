@@ -383,6 +383,9 @@ def _rebuild(compiled: torch.fx.GraphModule, why: str, args: tuple, kwargs: dict
     compiled.__dict__.update(mine)
     compiled.__class__ = type(new)
     compiled.fxdp_batch.fxdp_relink(compiled)
+    # forward calls go on being numbered: a call before the change and one after, then one backward, hold
+    # different samples (the sink keeps their rows apart by call)
+    compiled.fxdp_batch.calls = guard.calls
     warnings.warn(f"fxdp: {why}: the model was compiled again before this forward (fxdp.report(model) says "
                   "how). A DP optimizer trains a new parameter only if it holds it, and "
                   "refuses to step while it holds one the model no longer uses", stacklevel=6)

@@ -370,3 +370,20 @@ def test_a_model_compiled_with_example_inputs_is_compiled_again_with_the_forward
 def _compile_with(model, example_inputs, materialise):
     return fxdp.compile_for_dp(model, example_inputs, loss_reduction="sum",
                                sink=None if materialise else BookkeepingSink())
+
+
+def test_a_forward_before_the_change_and_one_after_then_one_backward_keep_their_samples_apart():
+    torch.manual_seed(0)
+    model = Net()
+    dp = fxdp.compile_for_dp(model, loss_reduction="sum")
+    (x1, y1), (x2, y2) = batch(1), batch(2)
+    before = copy.deepcopy(model)
+    loss = loss_of(dp(x1), y1)
+    model.head = nn.Linear(2, 2)
+    with pytest.warns(UserWarning, match="layer 'head' of the model it was compiled from was replaced"):
+        loss = loss + loss_of(dp(x2), y2)
+    loss.backward()
+    first = per_sample_grads(before, x1, y1, [before.fc.weight, before.w])
+    second = per_sample_grads(model, x2, y2, [model.fc.weight, model.w])
+    for p, a, b in zip([model.fc.weight, model.w], first, second):
+        torch.testing.assert_close(p.grad_sample, torch.cat([a, b]), atol=1e-5, rtol=1e-4)
