@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect as inspect_module
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -22,6 +24,7 @@ from fxdp.diagnostics import (
     CompileReport,
     FxdpError,
     Kind,
+    ModelChangedError,
     NotPrivateError,
     PassError,
     PassReport,
@@ -43,7 +46,7 @@ from fxdp.export_capture import ExportShapeError, symbolic_batch
 from fxdp.engines.wrappers import AlreadyCompiledError, unwrap_or_refuse  # noqa: F401  (re-exported)
 from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.bookkeeping import BookkeepingSink, describe_plans, plan_graph
-from fxdp.grad_sample.sink import GradientSink, GradSampleSink
+from fxdp.grad_sample.sink import GradientSink, GradSampleSink, sink_of
 from fxdp.passes.batch_dim import batched_input_names, bind_inputs, propagate_batch_dim
 from fxdp.passes.inplace import remove_inplace_ops
 from fxdp.passes.per_sample import batch_source, insert_per_sample_ops, one_sample_layouts, update_site_layouts
@@ -242,6 +245,7 @@ def compile_for_dp(
         gm.register_forward_hook(OutputType(traced.output_type))
     setattr(gm, _REPORT_ATTR, _make_report(model, traced, reports, notes=notes))
     _install_guards(gm, analysed, example_inputs, batch_dim, strict, batch_inputs)
+    _watch_model(gm, model, loss_reduction, example_inputs is not None)
     return gm
 
 
@@ -266,9 +270,21 @@ class _GuardContext:
     strict: bool
     batch_inputs: Optional[Tuple[str, ...]]  # pinned once known (the user's, or found on a batch of several)
     compiled: Optional[torch.fx.GraphModule] = None  # its report is updated on the first batch
+    # what compiling again needs (fxdp.runtime.structure): the model compiled, how, and what the graph reads
+    original: Optional[nn.Module] = None
+    loss_reduction: str = "mean"
+    with_example_inputs: bool = False
+    paths: Tuple[str, ...] = ()  # the layers and parameters the graph calls or reads
+    objects: Optional[dict] = None  # root name -> {path or prefix of one: the object there at compile time}
 
     def __getstate__(self):  # the compiled model holds this context: a pickled copy must not hold it back
         return {**vars(self), "compiled": None}
+
+    def fxdp_relink(self, model, guard: runtime.BatchSource) -> None:
+        """A copy of the compiled model (deepcopy, pickle): its report and its watch are the copy's own."""
+        self.compiled = model
+        if self.original is not None:
+            _watch_model(model, self.original, self.loss_reduction, self.with_example_inputs, guard)
 
 
 def _install_guards(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule, example_inputs, batch_dim: int,
@@ -285,6 +301,119 @@ def _install_guards(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule, ex
         values = tuple(bind_inputs(analysed, example_inputs))
         _pin_batch_inputs(guard, values)
         guard.remember(runtime.input_signature(values), values)
+
+
+_COMPILED, _ORIGINAL = "the compiled model", "the model it was compiled from"
+
+
+def _watch_model(gm: torch.fx.GraphModule, model: nn.Module, loss_reduction: str, with_example_inputs: bool,
+                 guard: Optional[runtime.BatchSource] = None) -> None:
+    """Let the compiled model notice, before each forward, that a layer or parameter its graph uses was
+    replaced (on it or on ``model``) or that a frozen parameter it cannot train was unfrozen, and then be
+    compiled again in place (:func:`_rebuild`)."""
+    guard = guard if guard is not None else gm.fxdp_batch
+    ctx = guard.context
+    ctx.original, ctx.loss_reduction, ctx.with_example_inputs = model, loss_reduction, with_example_inputs
+    ctx.paths = tuple(dict.fromkeys(
+        str(node.target) for node in gm.graph.nodes if node.op in ("call_module", "get_attr")
+        and isinstance(_resolve(gm, str(node.target)), (nn.Module, nn.Parameter))))
+    watch = runtime.StructureWatch()
+    ctx.objects = {}
+    for root, name in ((gm, _COMPILED), (model, _ORIGINAL)):
+        ctx.objects[name] = {prefix: _resolve(root, prefix) for path in ctx.paths for prefix in _prefixes(path)}
+        for path in ctx.paths:
+            end = watch.add_path(root, path, name)
+            if isinstance(end, nn.Module):
+                watch.add_subtree(end, path, name, sizes=False)  # a stock layer's forward finds no new one
+    for use in guard.frozen:
+        watch.add_frozen(use.param, use.name)
+    guard.watch, guard.rebuild = watch, _rebuild
+
+
+def _prefixes(path: str) -> List[str]:
+    parts = path.split(".")
+    return [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
+
+
+def _resolve(root: nn.Module, path: str):
+    """The layer or parameter at ``path`` in ``root`` (None if there is none)."""
+    obj: Any = root
+    for part in path.split("."):
+        if not isinstance(obj, nn.Module):
+            return None
+        obj = obj._modules.get(part, obj._parameters.get(part))
+    return obj
+
+
+def _rebuild(compiled: torch.fx.GraphModule, why: str, args: tuple, kwargs: dict) -> None:
+    """The watch's callback: ``compiled`` changed since it was compiled (``why``). Bring what was replaced on it
+    over to the model it was compiled from, compile that again with the same settings and sink, and put the
+    new graph in ``compiled``'s place; parameters the model no longer uses are retired in the sink (a DP
+    optimizer still holding one refuses to step). Raises instead where the result would not be a graph."""
+    guard = compiled.fxdp_batch
+    ctx = guard.context
+    original = ctx.original
+    _copy_replacements(compiled, ctx)
+    inputs = None
+    if ctx.with_example_inputs:  # compiled with example inputs: compile again with these ones
+        inputs = (args[0] if len(args) == 1 else tuple(args)) if not kwargs else dict(
+            inspect_module.signature(original.forward).bind(*args, **kwargs).arguments)
+    sink = sink_of(compiled)
+    new = compile_for_dp(original, inputs, batch_dim=ctx.batch_dim, loss_reduction=ctx.loss_reduction,
+                         strict=ctx.strict, sink=sink, batch_inputs=ctx.batch_inputs)
+    rep = report(new)
+    if rep.engine != "fx" or not isinstance(new, torch.fx.GraphModule):
+        remove = getattr(new, "remove_hooks", None)
+        if callable(remove):
+            remove()
+        raise ModelChangedError(
+            f"fxdp: {why} since the model was compiled. Compiled again, it needs the {rep.engine} engine "
+            f"({rep.fallback_reason}), which cannot take the compiled graph's place: compile the changed model "
+            "again with fxdp.compile_for_dp (or call make_private again with it)")
+    old_params = {id(p): p for _, _, p, _ in guard.watch.entries if isinstance(p, nn.Parameter)}  # as compiled
+    new_params = list(new.parameters())
+    kept = set(map(id, new_params))
+    if sink is not None:
+        sink.retire([p for i, p in old_params.items() if i not in kept], why, new_params)
+    note = f"compiled again before a forward: {why}"
+    setattr(new, _REPORT_ATTR, dataclasses.replace(rep, notes=(*rep.notes, note)))
+    mine = {k: v for k, v in compiled.__dict__.items() if "hook" in k or k == "training"}  # the user's too
+    compiled.__dict__.clear()
+    compiled.__dict__.update(new.__dict__)
+    compiled.__dict__.update(mine)
+    compiled.__class__ = type(new)
+    compiled.fxdp_batch.fxdp_relink(compiled)
+    # forward calls go on being numbered: a call before the change and one after, then one backward, hold
+    # different samples (the sink keeps their rows apart by call)
+    compiled.fxdp_batch.calls = guard.calls
+    warnings.warn(f"fxdp: {why}: the model was compiled again before this forward (fxdp.report(model) says "
+                  "how). A DP optimizer trains a new parameter only if it holds it, and "
+                  "refuses to step while it holds one the model no longer uses", stacklevel=6)
+
+
+def _copy_replacements(compiled: torch.fx.GraphModule, ctx: "_GuardContext") -> None:
+    """A layer or parameter replaced on the compiled model is replaced on the model it was compiled from too
+    (they share layers and parameters; checkpoints hold the latter's), so that compiling that again sees it."""
+    done: List[str] = []
+    for prefix in sorted(ctx.objects[_COMPILED], key=lambda p: p.count(".")):
+        if any(prefix.startswith(d + ".") for d in done):
+            continue
+        now, then = _resolve(compiled, prefix), ctx.objects[_COMPILED][prefix]
+        if now is then:
+            continue
+        where = prefix.rpartition(".")
+        parent = _resolve(ctx.original, where[0]) if where[0] else ctx.original
+        theirs = _resolve(ctx.original, prefix)
+        if now is None or not isinstance(parent, nn.Module) or (
+                theirs is not ctx.objects[_ORIGINAL].get(prefix) and theirs is not now):
+            raise ModelChangedError(
+                f"fxdp: '{prefix}' was {'removed from' if now is None else 'replaced on'} the compiled model"
+                + ("" if now is None or theirs is ctx.objects[_ORIGINAL].get(prefix) else
+                   " and replaced by another object on the model it was compiled from")
+                + ", which fxdp cannot follow: change the model you passed to compile_for_dp (make_private) and "
+                "compile it again")
+        setattr(parent, where[2], now)
+        done.append(prefix)
 
 
 def _pin_batch_inputs(guard: runtime.BatchSource, values) -> None:

@@ -246,6 +246,14 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
 class CompiledGraphModule(torch.fx.GraphModule):
     """A GraphModule whose copies (deepcopy, pickle, torch.save) keep every attribute and forward hook."""
 
+    def __call__(self, *args, **kwargs):
+        # a model changed since it was compiled (a layer replaced, a parameter unfrozen) is compiled again
+        # before its forward runs (fxdp.runtime.structure): the graph's code calls what it was compiled with
+        guard = self.__dict__.get("fxdp_batch")
+        if guard is not None:
+            guard.before_forward(self, args, kwargs)
+        return super().__call__(*args, **kwargs)
+
     # torch.fx saves the code and re-traces it on load, which renames the nodes (the DP-aware ops'
     # sites refer to them by name): the graph itself is saved instead.
     def __reduce__(self):

@@ -255,7 +255,7 @@ class FunctionalWeight(nn.Module):
         return self.fc(x) @ self.w.t()  # <- w.t()
 
 
-def test_a_frozen_parameter_unfrozen_later_is_refused_at_the_next_forward():
+def test_a_frozen_parameter_unfrozen_later_is_compiled_again_at_the_next_forward():
     torch.manual_seed(0)
     model = FunctionalWeight()
     model.w.requires_grad_(False)
@@ -266,14 +266,33 @@ def test_a_frozen_parameter_unfrozen_later_is_refused_at_the_next_forward():
     assert_rows(model, expected)
     clear(model)
     model.w.requires_grad_(True)
+    expected, R = reference(model, (x,), [0])
+    with pytest.warns(UserWarning, match="parameter 'w', frozen when fxdp compiled .* was unfrozen: the model was "
+                                         "compiled again"):
+        out = compiled(x)
+    (out * R).sum().backward()
+    assert_rows(model, expected)
+    assert any("compiled again before a forward: parameter 'w'" in note for note in fxdp.report(compiled).notes)
+    clear(model)
+    model.w.requires_grad_(False)  # frozen again: its use stays a DP-aware op, which skips it while frozen
+    expected, R = reference(model, (x,), [0])
+    (compiled(x) * R).sum().backward()
+    assert_rows(model, expected)
+    assert model.w.grad is None and model.w.grad_sample is None
+
+
+def test_the_trainability_guard_still_refuses_when_the_graph_runs_without_the_check():
+    """``compiled.forward(x)`` bypasses the check before the forward: the guard inside the graph refuses."""
+    torch.manual_seed(0)
+    model = FunctionalWeight()
+    model.w.requires_grad_(False)
+    compiled = fxdp.compile_for_dp(model, example_inputs=torch.randn(4, 3), loss_reduction="sum")
+    model.w.requires_grad_(True)
     with pytest.raises(fxdp.runtime.TrainabilityChangedError,
                        match=rf"parameter 'w' was frozen.*node 't'.*test_guards.py:"
                              rf"{line_of(FunctionalWeight, '# <- w.t()')}.*Compile the model again"):
-        compiled(x)
-    assert model.w.grad is None and model.w.grad_sample is None
-    model.w.requires_grad_(False)  # frozen again: fine again
-    (compiled(x) * R).sum().backward()
-    assert_rows(model, expected)
+        compiled.forward(torch.randn(4, 3))
+    assert model.w.grad is None and getattr(model.w, "grad_sample", None) is None
 
 
 def test_a_frozen_layer_unfrozen_later_gets_per_sample_gradients():

@@ -58,6 +58,11 @@ class PerSampleError(FxdpError, RuntimeError):
     in backward, or when the DP optimizer read them); the message says which and what to do."""
 
 
+class ModelChangedError(FxdpError, RuntimeError):
+    """A model changed after it was compiled or wrapped (a layer or parameter replaced, a frozen parameter made
+    trainable) in a way fxdp cannot follow in place: compile it again (or call make_private again)."""
+
+
 class UnsupportedInputError(FxdpError, TypeError):
     """A model or layer was called with inputs an engine cannot locate the batch in (a non-tensor where the
     batch was recorded, tensor keyword arguments under the hooks engine, an output without a tensor)."""

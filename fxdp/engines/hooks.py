@@ -27,6 +27,7 @@ contributes nothing. The compiled engine (``fxdp.compile_for_dp``) checks both;
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 import weakref
 from typing import Any, Dict, List, Optional
@@ -49,6 +50,7 @@ from fxdp.engines.base import (
 from fxdp.grad_sample.recurrent import recurrent_forward, recurrent_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
+from fxdp.runtime.structure import StructureWatch
 
 
 def first_tensor_output(module_name: str, module: nn.Module, output: Any):
@@ -165,6 +167,12 @@ class GradSampleModule(GradSampleModuleBase):
                 visit(f"{name}.{child_name}" if name else child_name, child)
 
         visit("", self._module)
+        # which layers are hooked depends on the model's layers and on which parameters are trainable now
+        self._watch = StructureWatch()
+        self._watch.add_subtree(self._module, "", "the wrapped model")
+        for param_name, param in self._module.named_parameters():
+            if not param.requires_grad:
+                self._watch.add_frozen(param, param_name)
         if self.strict and without_rule:
             self.remove_hooks()
             raise ValueError(
@@ -282,6 +290,9 @@ class GradSampleModule(GradSampleModuleBase):
     # -- forward: the batch size the layers are checked against, and the one-time self-check -------
 
     def forward(self, *args, **kwargs):
+        why = self._watch.changed() if self._hook_handles else None
+        if why is not None:
+            self._hook_again(why)
         n = selfcheck.batch_size_of(args, kwargs, self.batch_dim)
         if (self.verify and self.verification == "not yet run" and self._hook_handles and torch.is_grad_enabled()
                 and n is not None and n >= 2):
@@ -291,6 +302,28 @@ class GradSampleModule(GradSampleModuleBase):
             return self._module(*args, **kwargs)
         finally:
             self._batch_size = previous
+
+    def _hook_again(self, why: str) -> None:
+        """The model changed since its layers were hooked (a layer or parameter replaced, a frozen parameter
+        unfrozen): hook them again, and test the model again on this batch. Parameters the model no longer has
+        are retired in the sink (a DP optimizer still holding one refuses to step)."""
+        before = {id(p): p for _, _, p, _ in self._watch.entries if isinstance(p, nn.Parameter)}
+        self.remove_hooks()
+        self.grad_sample_layers, self.generic_fallbacks = {}, []
+        self._add_hooks()
+        now = list(self._module.parameters())
+        ids = set(map(id, now))
+        getattr(self, SINK_ATTR).retire([p for i, p in before.items() if i not in ids], why, now)
+        if self.verify and self.verification != "running":
+            self.verification = "not yet run"
+        report = self.__dict__.get("fxdp_report")  # set by compile_for_dp / make_private
+        if report is not None:
+            self.fxdp_report = dataclasses.replace(report,
+                                                   notes=(*report.notes, f"hooked again before a forward: {why}"))
+        warnings.warn(f"fxdp (hooks engine): {why}: its layers were hooked again before this forward"
+                      + (" and it is tested again on this batch" if self.verify else "")
+                      + ". A DP optimizer trains a new parameter only if it holds it, and refuses to step while it "
+                      "holds one the model no longer uses", stacklevel=5)
 
     def _self_check(self, args, kwargs, n: int) -> None:
         """Test the model once on this batch (see :mod:`fxdp.engines.selfcheck`); raise what it finds."""

@@ -108,6 +108,22 @@ class GradientSink(abc.ABC):
     def clear(self, params: Iterable[nn.Parameter]) -> None:
         """Forget everything recorded for ``params`` (the optimizer calls it after each step)."""
 
+    # -- parameters the model no longer uses ------------------------------------------------------------
+
+    def retire(self, gone: Iterable[nn.Parameter], why: str, current: Iterable[nn.Parameter] = ()) -> None:
+        """The model no longer uses ``gone`` (``why``: a layer was replaced after it was compiled), and uses
+        ``current``. An optimizer still holding a retired trainable parameter refuses to step: it would move
+        it by noise alone."""
+        retired = self.__dict__.setdefault("_retired", {})
+        for p in current:
+            retired.pop(p, None)
+        for p in gone:
+            retired[p] = why
+
+    def retired_reason(self, p: nn.Parameter) -> Optional[str]:
+        """Why the model no longer uses ``p`` (see :meth:`retire`), or None."""
+        return self.__dict__.get("_retired", {}).get(p)
+
 
 class GradSampleSink(GradientSink):
     """The materialising sink: per-sample gradients become ``p.grad_sample``.

@@ -245,6 +245,7 @@ class DPOptimizer(Optimizer):
                 "would be mixed into the next one"
             )
         params = self._trainable_params()
+        self._check_params_are_the_models(params)
         skip, self._skip_next = self._skip_next, False
         if skip:
             self._accumulate(params)
@@ -340,6 +341,21 @@ class DPOptimizer(Optimizer):
                 "backward pass (optimizer.signal_skip_step() before it to accumulate a logical batch)"
             )
         return next(iter(rows.values()), 0)
+
+    def _check_params_are_the_models(self, params: List[nn.Parameter]) -> None:
+        """Before anything moves: every trainable parameter is still one the model uses, and has its bound
+        under per_layer clipping (a parameter frozen when the optimizer was built and unfrozen since has none)."""
+        for p in params:
+            why = self.sink.retired_reason(p)
+            if why is not None:
+                raise PerSampleError(
+                    f"fxdp: parameter '{self._name(p)}' is in the optimizer, but the model no longer uses it ({why}), "
+                    "so DP-SGD would move it by noise alone. Call make_private again with the changed model and an "
+                    "optimizer over its parameters (the privacy engine's accountant keeps the privacy spent so far), "
+                    "or freeze the old parameter (requires_grad_(False)) and add the new ones with "
+                    "optimizer.add_param_group")
+            if self.clipping == "per_layer":
+                self._bound(p)
 
     def _check_finite(self, norms: Dict[nn.Parameter, torch.Tensor]) -> None:
         if not norms or bool(torch.isfinite(torch.stack([_wide(sq).sum() for sq in norms.values()])).all()):
@@ -438,7 +454,8 @@ class DPOptimizer(Optimizer):
     def _bound(self, p: nn.Parameter) -> float:
         if p not in self._bounds:
             raise PerSampleError(f"fxdp: parameter '{self._name(p)}' has no per_layer bound: it was frozen when "
-                                 "the DPOptimizer was built. Build it again with a bound for every trainable parameter")
+                                 "the DPOptimizer was built and is trainable now. Freeze it again, or build the "
+                                 "DPOptimizer (make_private) again with one bound per trainable parameter")
         return self._bounds[p]
 
     def _name(self, p: nn.Parameter) -> str:

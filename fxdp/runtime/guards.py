@@ -37,14 +37,16 @@ import torch.fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fxdp.diagnostics import FxdpError, UnsupportedInputError
+from fxdp.diagnostics import FxdpError, ModelChangedError, UnsupportedInputError
+from fxdp.runtime.structure import StructureWatch
 
 _MAX_SIGNATURES = 256  # analysed shape signatures kept per model (oldest dropped first)
 
 
-class TrainabilityChangedError(FxdpError, RuntimeError):
+class TrainabilityChangedError(ModelChangedError):
     """A parameter frozen at compile time is trainable now, and the compiled graph records no
-    per-sample gradient for (some of) its uses."""
+    per-sample gradient for (some of) its uses (the compiled model is compiled again before a forward where
+    that happens; this guard is what remains should the graph's code run without it)."""
 
 
 @dataclass
@@ -81,6 +83,11 @@ class BatchSource:
     # other one, which needs no second analysis. None: every new shape is analysed.
     symbolic_batch: Any = field(default=None, repr=False)
     _seen: "OrderedDict[Any, tuple]" = field(default_factory=OrderedDict, repr=False)
+    # What the graph was compiled from (its layers and parameters, which frozen parameters it cannot train),
+    # checked before every forward (fxdp.tracing.CompiledGraphModule.__call__); on a change, ``rebuild(model,
+    # why, args, kwargs)`` (set by the compiler) compiles the model again in place, or raises.
+    watch: Optional[StructureWatch] = field(default=None, repr=False)
+    rebuild: Optional[Callable[[Any, str, tuple, dict], None]] = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         return f"BatchSource(input {self.input_index}, dim {self.dim})"
@@ -88,8 +95,18 @@ class BatchSource:
     def fxdp_relink(self, model) -> None:
         """A copy of the compiled model (deepcopy, pickle) holds a copy of this guard: the report the first
         batch's analysis updates is the copy's own (the context drops its model when copied)."""
-        if self.context is not None and hasattr(self.context, "compiled"):
+        relink = getattr(self.context, "fxdp_relink", None)
+        if callable(relink):  # the compiler's context: it also watches the copy's own layers
+            relink(model, self)
+        elif self.context is not None and hasattr(self.context, "compiled"):
             self.context.compiled = model
+
+    def before_forward(self, model, args: tuple, kwargs: dict) -> None:
+        """Compile ``model`` again (or refuse) if it changed since it was compiled (see ``watch``)."""
+        if self.watch is not None and self.rebuild is not None:
+            why = self.watch.changed()
+            if why is not None:
+                self.rebuild(model, why, args, kwargs)
 
     def size_of(self, inputs: Tuple[Any, ...]) -> int:
         x = inputs[self.input_index]
