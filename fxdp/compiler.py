@@ -39,7 +39,7 @@ from fxdp.engines import (
 from fxdp.engines.base import user_hooks
 from fxdp.engines.hooks import fallback_self_check
 from fxdp.engines.whole_model import whole_model_op
-from fxdp.export_capture import ExportShapeError, symbolic_batch
+from fxdp.export_capture import FRONT_END, ExportShapeError, symbolic_batch
 from fxdp.engines.wrappers import AlreadyCompiledError, unwrap_or_refuse  # noqa: F401  (re-exported)
 from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.bookkeeping import BookkeepingSink, describe_plans, plan_graph
@@ -205,7 +205,7 @@ def compile_for_dp(
         setattr(wrapped, _REPORT_ATTR, rep)
         return wrapped
 
-    hooked = _user_hooks(model)
+    hooked = _user_hooks(model, traced.front_end)
     if hooked:  # the graph would drop the root's hooks and see the layers' hooks twice
         where = f"the model has hooks of yours on {', '.join(hooked)}"
         if any("backward" in h for h in hooked):  # torch.func cannot re-run backward hooks: hooks engine
@@ -373,6 +373,16 @@ def _wrap(model: nn.Module, engine: str, *, batch_first: bool, loss_reduction: s
     return _WRAPPERS[engine](model, batch_first=batch_first, loss_reduction=loss_reduction, sink=sink)
 
 
-def _user_hooks(model: nn.Module) -> List[str]:
+def _user_hooks(model: nn.Module, front_end: Optional[str]) -> List[str]:
+    """The modules with hooks of the user's that the graph would not replay (they send the model to another
+    engine), as ``'name' (kinds)``."""
+    ignore = _records_into_the_output if front_end == FRONT_END else None
     return [f"'{name or '<model>'}' ({', '.join(kinds)})" for name, m in model.named_modules()
-            if (kinds := user_hooks(m))]
+            if (kinds := user_hooks(m, ignore=ignore))]
+
+
+def _records_into_the_output(hook: Callable) -> bool:
+    """transformers 5 records hidden states and attentions (``output_hidden_states=True``) with forward hooks
+    that append a layer's output to a list the model then returns, and change nothing. torch.export runs
+    them as it captures the model, so the graph returns what they record: nothing is left for them to do."""
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
