@@ -15,7 +15,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from fxdp import runtime
+from fxdp import meta, runtime
 from fxdp.diagnostics import (
     BatchDimAnalysisError,
     BatchMixingError,
@@ -44,6 +44,7 @@ from fxdp.engines.wrappers import AlreadyCompiledError, unwrap_or_refuse  # noqa
 from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.bookkeeping import BookkeepingSink, describe_plans, plan_graph
 from fxdp.grad_sample.sink import GradientSink, GradSampleSink
+from fxdp.layout import PACKED, BatchLayout
 from fxdp.passes.batch_dim import batched_input_names, bind_inputs, propagate_batch_dim
 from fxdp.passes.inplace import remove_inplace_ops
 from fxdp.passes.per_sample import batch_source, insert_per_sample_ops, one_sample_layouts, update_site_layouts
@@ -229,6 +230,13 @@ def compile_for_dp(
     if unsupported:
         if strict:
             raise NotPrivateError(unsupported, "strict=True: fxdp cannot compute per-sample gradients on the graph for:")
+        packed = [n.target for n in gm.graph.nodes if n.op == "placeholder" and _is_packed(n.meta.get(meta.BATCH_DIM))]
+        if packed:  # the whole model re-runs each sample alone: it cannot split such an input into samples
+            raise NotPrivateError([f for r in reports for f in r.findings if f.severity is not Severity.INFO], (
+                f"fxdp: input(s) {', '.join(map(repr, packed))} hold the samples' entries one after another (the flat "
+                "indices of an EmbeddingBag with offsets), which only the EmbeddingBag layer can split into samples; "
+                "the graph engine cannot serve the op(s) below, and the whole-model engine cannot split the input. "
+                "Give the flat indices to the EmbeddingBag alone:"))
         wrapped = whole_model_op(model, gm, loss_reduction=loss_reduction, batch_dim=batch_dim, sink=sink)
         reason = (f"{len(unsupported)} parametrised op(s) the graph engine cannot handle (see per_sample findings); "
                   "the whole model runs as one op with the generic per-sample rule")
@@ -243,6 +251,10 @@ def compile_for_dp(
     setattr(gm, _REPORT_ATTR, _make_report(model, traced, reports, notes=notes))
     _install_guards(gm, analysed, example_inputs, batch_dim, strict, batch_inputs)
     return gm
+
+
+def _is_packed(layout) -> bool:
+    return isinstance(layout, BatchLayout) and layout.kind == PACKED
 
 
 def _bookkeeping_notes(sink: Optional[GradientSink], engine: str, gm: Optional[torch.fx.GraphModule] = None):

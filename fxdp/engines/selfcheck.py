@@ -78,7 +78,7 @@ class Bags:
     include_last: bool
 
     def count(self, args) -> int:
-        return args[self.offsets].shape[0] - int(self.include_last)
+        return max(args[self.offsets].shape[0] - int(self.include_last), 0)
 
     def entries(self, args) -> List[torch.Tensor]:
         starts = args[self.offsets].tolist()
@@ -115,8 +115,8 @@ def find_bags(model: nn.Module, args: Sequence[Any]) -> Optional[Bags]:
     if not all(isinstance(t, torch.Tensor) and t.dim() == 1 and not t.is_floating_point() and not t.is_complex()
                for t in (ids, offsets)):
         return None
-    if offsets.numel() == 0 or offsets[0] != 0 or bool((offsets.diff() < 0).any()) or offsets[-1] > ids.shape[0]:
-        return None
+    if offsets.numel() and (offsets[0] != 0 or bool((offsets.diff() < 0).any()) or offsets[-1] > ids.shape[0]):
+        return None  # (no offsets: an empty batch, as Poisson sampling draws)
     return Bags(0, 1, flags.pop())
 
 
