@@ -232,11 +232,14 @@ def compile_for_dp(
             raise NotPrivateError(unsupported, "strict=True: fxdp cannot compute per-sample gradients on the graph for:")
         packed = [n.target for n in gm.graph.nodes if n.op == "placeholder" and _is_packed(n.meta.get(meta.BATCH_DIM))]
         if packed:  # the whole model re-runs each sample alone: it cannot split such an input into samples
-            raise NotPrivateError([f for r in reports for f in r.findings if f.severity is not Severity.INFO], (
-                f"fxdp: input(s) {', '.join(map(repr, packed))} hold the samples' entries one after another (the flat "
-                "indices of an EmbeddingBag with offsets), which only the EmbeddingBag layer can split into samples; "
-                "the graph engine cannot serve the op(s) below, and the whole-model engine cannot split the input. "
-                "Give the flat indices to the EmbeddingBag alone:"))
+            wrapped = _wrap(model, "hooks", batch_first=(batch_dim == 0), loss_reduction=loss_reduction, sink=sink)
+            reason = (f"input(s) {', '.join(map(repr, packed))} hold the samples' entries one after another (an "
+                      f"EmbeddingBag's flat indices), and {len(unsupported)} parametrised op(s) the graph engine "
+                      "cannot handle (see per_sample findings); the whole-model engine cannot split such an input "
+                      "into samples, the hooks engine counts one sample per bag (and checks itself)")
+            setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, "hooks", reason,
+                                                        notes=_bookkeeping_notes(sink, "hooks")))
+            return wrapped
         wrapped = whole_model_op(model, gm, loss_reduction=loss_reduction, batch_dim=batch_dim, sink=sink)
         reason = (f"{len(unsupported)} parametrised op(s) the graph engine cannot handle (see per_sample findings); "
                   "the whole model runs as one op with the generic per-sample rule")

@@ -82,7 +82,7 @@ def _bind_inputs(placeholders: List[torch.fx.Node], example_inputs) -> List[Any]
 def packed_inputs(gm: torch.fx.GraphModule, placeholders: List[torch.fx.Node], values: List[Any]) -> FrozenSet[int]:
     """Positions of the 1-D inputs that an ``nn.EmbeddingBag`` called with offsets takes as its indices or
     per-sample weights: they are packed (:data:`fxdp.layout.PACKED`), the offsets say whose entry is whose."""
-    packed = set()
+    grouped_by = {}  # input position -> the offsets nodes its bag layers group it by
     position = {p: i for i, p in enumerate(placeholders)}
     for node in gm.graph.nodes:
         if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), torch.nn.EmbeddingBag):
@@ -93,8 +93,9 @@ def packed_inputs(gm: torch.fx.GraphModule, placeholders: List[torch.fx.Node], v
         for key in ("input", "per_sample_weights"):
             i = position.get(call.get(key))
             if i is not None and isinstance(values[i], torch.Tensor) and values[i].dim() == 1:
-                packed.add(i)
-    return frozenset(packed)
+                grouped_by.setdefault(i, set()).add(call["offsets"])
+    # grouped two ways, whose entries a sample owns would depend on the layer: no reading is the packed one
+    return frozenset(i for i, offsets in grouped_by.items() if len(offsets) == 1)
 
 
 def _first_tensor(values) -> Optional[torch.Tensor]:
