@@ -102,7 +102,8 @@ def _clipped_sum(model, ids, offsets, labels, bound: float):
     params = list(model.parameters())
     total = [torch.zeros_like(p) for p in params]
     for (one_ids, one_offsets), label in zip(_alone(ids, offsets), labels):
-        grads = torch.autograd.grad(F.cross_entropy(model(one_ids, one_offsets), label.view(1), reduction="sum"), params)
+        loss = F.cross_entropy(model(one_ids, one_offsets), label.view(1), reduction="sum")
+        grads = torch.autograd.grad(loss, params)
         norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
         factor = min(1.0, bound / (norm.item() + 1e-6))
         total = [t + factor * g for t, g in zip(total, grads)]

@@ -196,7 +196,7 @@ def test_a_loss_computed_inside_the_model_is_refused():
     assert "computes the loss with reduction='mean' inside the model" in finding.message
 
 
-# -- output_hidden_states=True: transformers 5 records the hidden states with forward hooks ------------------
+# -- output_hidden_states / output_attentions: transformers 5 records them with forward hooks -----------------
 
 def _deberta_v2():
     return transformers.DebertaV2ForSequenceClassification, transformers.DebertaV2Config(**_BERTISH)
@@ -212,15 +212,17 @@ def _phi3():
 def _with_hidden_states(builder):
     def build():
         cls, config = builder()
-        config.output_hidden_states = True
+        config.output_hidden_states = config.output_attentions = True
         return cls, config
     return build
 
 
 def _hidden_states_loss(out, inputs):
-    """The head's output and every hidden state, each its own weight: the first hidden state (the embeddings')
-    feeds all the others, and the last is the one the head reads."""
-    return _summed(out) + sum((h ** 2).sum() * (k + 1) for k, h in enumerate(out.hidden_states))
+    """The head's output, every hidden state and attention map, each its own weight: the first hidden state (the
+    embeddings') feeds all the others, and the last is the one the head reads."""
+    attentions = [a for a in out.attentions if a is not None]
+    return (_summed(out) + sum((h ** 2).sum() * (k + 1) for k, h in enumerate(out.hidden_states))
+            + sum((a * 3).sum() for a in attentions))
 
 
 @pytest.mark.parametrize("name, builder", [("gpt2", _gpt2), ("bert", _bert), ("deberta-v2", _deberta_v2)])
@@ -233,7 +235,8 @@ def test_output_hidden_states_stays_in_the_graph_engine(name, builder):
     _assert_graph_engine(compiled)
     if name != "deberta-v2":  # which collects them in its own loop
         assert any(m._forward_hooks for m in model.modules())  # transformers recorded them with hooks
-    assert len(compiled(**inputs).hidden_states) == 2  # the embeddings' output and the one layer's
+    out = compiled(**inputs)
+    assert len(out.hidden_states) == 2 and len(out.attentions) == 1  # the embeddings' output and the one layer's
     _assert_per_sample_gradients(model, compiled, inputs, _hidden_states_loss)
 
 
