@@ -17,7 +17,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from fxdp import runtime
+from fxdp import meta, runtime
 from fxdp.diagnostics import (
     BatchDimAnalysisError,
     BatchMixingError,
@@ -42,11 +42,12 @@ from fxdp.engines import (
 from fxdp.engines.base import user_hooks
 from fxdp.engines.hooks import fallback_self_check
 from fxdp.engines.whole_model import whole_model_op
-from fxdp.export_capture import ExportShapeError, symbolic_batch
+from fxdp.export_capture import FRONT_END, ExportShapeError, symbolic_batch
 from fxdp.engines.wrappers import AlreadyCompiledError, unwrap_or_refuse  # noqa: F401  (re-exported)
 from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.bookkeeping import BookkeepingSink, describe_plans, plan_graph
 from fxdp.grad_sample.sink import GradientSink, GradSampleSink, sink_of
+from fxdp.layout import PACKED, BatchLayout
 from fxdp.passes.batch_dim import batched_input_names, bind_inputs, propagate_batch_dim
 from fxdp.passes.inplace import remove_inplace_ops
 from fxdp.passes.per_sample import batch_source, insert_per_sample_ops, one_sample_layouts, update_site_layouts
@@ -208,7 +209,7 @@ def compile_for_dp(
         setattr(wrapped, _REPORT_ATTR, rep)
         return wrapped
 
-    hooked = _user_hooks(model)
+    hooked = _user_hooks(model, traced.front_end)
     if hooked:  # the graph would drop the root's hooks and see the layers' hooks twice
         where = f"the model has hooks of yours on {', '.join(hooked)}"
         if any("backward" in h for h in hooked):  # torch.func cannot re-run backward hooks: hooks engine
@@ -232,6 +233,16 @@ def compile_for_dp(
     if unsupported:
         if strict:
             raise NotPrivateError(unsupported, "strict=True: fxdp cannot compute per-sample gradients on the graph for:")
+        packed = [n.target for n in gm.graph.nodes if n.op == "placeholder" and _is_packed(n.meta.get(meta.BATCH_DIM))]
+        if packed:  # the whole model re-runs each sample alone: it cannot split such an input into samples
+            wrapped = _wrap(model, "hooks", batch_first=(batch_dim == 0), loss_reduction=loss_reduction, sink=sink)
+            reason = (f"input(s) {', '.join(map(repr, packed))} hold the samples' entries one after another (an "
+                      f"EmbeddingBag's flat indices), and {len(unsupported)} parametrised op(s) the graph engine "
+                      "cannot handle (see per_sample findings); the whole-model engine cannot split such an input "
+                      "into samples, the hooks engine counts one sample per bag (and checks itself)")
+            setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, "hooks", reason,
+                                                        notes=_bookkeeping_notes(sink, "hooks")))
+            return wrapped
         wrapped = whole_model_op(model, gm, loss_reduction=loss_reduction, batch_dim=batch_dim, sink=sink)
         reason = (f"{len(unsupported)} parametrised op(s) the graph engine cannot handle (see per_sample findings); "
                   "the whole model runs as one op with the generic per-sample rule")
@@ -247,6 +258,10 @@ def compile_for_dp(
     _install_guards(gm, analysed, example_inputs, batch_dim, strict, batch_inputs)
     _watch_model(gm, model, loss_reduction, example_inputs is not None)
     return gm
+
+
+def _is_packed(layout) -> bool:
+    return isinstance(layout, BatchLayout) and layout.kind == PACKED
 
 
 def _bookkeeping_notes(sink: Optional[GradientSink], engine: str, gm: Optional[torch.fx.GraphModule] = None):
@@ -502,6 +517,16 @@ def _wrap(model: nn.Module, engine: str, *, batch_first: bool, loss_reduction: s
     return _WRAPPERS[engine](model, batch_first=batch_first, loss_reduction=loss_reduction, sink=sink)
 
 
-def _user_hooks(model: nn.Module) -> List[str]:
+def _user_hooks(model: nn.Module, front_end: Optional[str]) -> List[str]:
+    """The modules with hooks of the user's that the graph would not replay (they send the model to another
+    engine), as ``'name' (kinds)``."""
+    ignore = _records_into_the_output if front_end == FRONT_END else None
     return [f"'{name or '<model>'}' ({', '.join(kinds)})" for name, m in model.named_modules()
-            if (kinds := user_hooks(m))]
+            if (kinds := user_hooks(m, ignore=ignore))]
+
+
+def _records_into_the_output(hook: Callable) -> bool:
+    """transformers 5 records hidden states and attentions (``output_hidden_states=True``) with forward hooks
+    that append a layer's output to a list the model then returns, and change nothing. torch.export runs
+    them as it captures the model, so the graph returns what they record: nothing is left for them to do."""
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"

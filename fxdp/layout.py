@@ -10,6 +10,9 @@ Kinds:
 - ``merged``: the batch was merged with neighbouring dimensions into dimension ``dim`` (``(N*T, d)``
   after a reshape). ``inner`` is the product of the sizes merged to the right of the batch, so that
   dimension ``dim`` has size ``outer * N * inner``;
+- ``packed``: the samples' entries one after another in dimension ``dim``, grouped by another tensor
+  (the flat indices of ``EmbeddingBag(input, offsets)``, whose offsets start each sample's bag). Only
+  an op whose batch rule knows the grouping reads it; any other op loses the batch there;
 - ``unknown``: no rule could tell (reported as unverified).
 """
 
@@ -25,6 +28,7 @@ BATCHED = "batched"
 BROADCAST = "broadcast"
 UNBATCHED = "unbatched"
 MERGED = "merged"
+PACKED = "packed"
 UNKNOWN = "unknown"
 
 
@@ -46,6 +50,10 @@ class BatchLayout:
     def merged(dim: int, inner: int) -> "BatchLayout":
         return BatchLayout(MERGED, dim, inner)
 
+    @staticmethod
+    def packed(dim: int = 0) -> "BatchLayout":
+        return BatchLayout(PACKED, dim)
+
     @property
     def is_batched(self) -> bool:
         """True when the tensor carries per-sample data (batched or merged)."""
@@ -56,8 +64,8 @@ class BatchLayout:
             return f"batch@{self.dim}"
         if self.kind == MERGED:
             return f"merged@{self.dim}(inner={self.inner})"
-        if self.kind == BROADCAST:
-            return f"broadcast@{self.dim}"
+        if self.kind in (BROADCAST, PACKED):
+            return f"{self.kind}@{self.dim}"
         return self.kind
 
     def to_batch_first(self, t: torch.Tensor, batch_size: int) -> torch.Tensor:
@@ -83,6 +91,8 @@ class BatchLayout:
             return t.expand(shape).movedim(self.dim, 0)
         if self.kind == UNBATCHED:
             return t.unsqueeze(0).expand(batch_size, *t.shape)
+        if self.kind == PACKED:  # as it is: the rule that reads it groups its entries by sample
+            return t
         raise ValueError(f"fxdp: cannot locate the batch in a tensor whose layout is {self}")
 
     def from_batch_first(self, t: torch.Tensor) -> torch.Tensor:
@@ -107,7 +117,7 @@ def parse_layout(text: str) -> BatchLayout:
         return BatchLayout(text)
     kind, _, rest = text.partition("@")
     dim, _, inner = rest.partition("(inner=")
-    kinds = {"batch": BATCHED, MERGED: MERGED, BROADCAST: BROADCAST}
+    kinds = {"batch": BATCHED, MERGED: MERGED, BROADCAST: BROADCAST, PACKED: PACKED}
     if kind not in kinds or not dim.lstrip("-").isdigit():
         raise ValueError(f"not a batch layout: {text!r}")
     return BatchLayout(kinds[kind], int(dim), int(inner.rstrip(")")) if inner else 1)

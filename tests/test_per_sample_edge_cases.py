@@ -261,3 +261,51 @@ def test_trainable_parameters_lists_what_named_parameters_lists():
         expected = {name: p for name, p in module.named_parameters() if p.requires_grad}
         got = trainable_parameters(module)
         assert list(got) == list(expected) and all(got[k] is expected[k] for k in expected)
+
+
+class ReturnsWhatFeedsItsOtherOutput(nn.Module):
+    """``h = f(x); return h, g(h)``: the loss reaches ``f`` through ``h`` and through ``g(h)``, each path once.
+    A weight shared through a layer (``self.keep(self.w)``) is a parametrised op the graph cannot serve."""
+
+    def __init__(self, shared_weight_through_a_layer: bool):
+        super().__init__()
+        self.f, self.g = nn.Linear(4, 5), nn.Linear(5, 3)
+        self.w, self.keep = nn.Parameter(torch.randn(5, 4)), nn.Identity()
+        self.through_a_layer = shared_weight_through_a_layer
+
+    def forward(self, x):
+        h = torch.tanh(self.f(x))
+        if self.through_a_layer:
+            h = h + x @ self.keep(self.w).t()
+        return h, self.g(h)
+
+
+def _two_output_loss(h, y, R_h, R_y, in_place=False):
+    if in_place:  # the second output changed after the model returned it (its own gradient is then doubled)
+        y.mul_(2)
+    return (h * R_h).sum() + (y * R_y).sum()
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["", "output_changed_in_place"])
+@pytest.mark.parametrize("sent_by", ["a_forward_hook_of_yours", "a_parameter_the_graph_cannot_serve"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_whole_model_engine_counts_a_returned_tensor_that_feeds_another_once(sent_by, reduction, in_place):
+    torch.manual_seed(0)
+    model = ReturnsWhatFeedsItsOtherOutput(shared_weight_through_a_layer=sent_by != "a_forward_hook_of_yours")
+    recorded = []
+    if sent_by == "a_forward_hook_of_yours":
+        model.f.register_forward_hook(lambda module, args, out: recorded.append(out.shape))
+    x, R_h, R_y = torch.randn(4, 4), torch.randn(1, 5), torch.randn(1, 3)
+    compiled = fxdp.compile_for_dp(model, example_inputs=(x,), loss_reduction=reduction)
+    rep = fxdp.report(compiled)
+    assert rep.engine == "fx+whole-model", str(rep)
+    recorded.clear()
+    loss = _two_output_loss(*compiled(x), R_h, R_y, in_place)
+    if sent_by == "a_forward_hook_of_yours":
+        assert recorded == [(4, 5)]  # the hook runs with the model, on the batch
+    (loss / 4 if reduction == "mean" else loss).backward()
+    for name, p in model.named_parameters():
+        rows = [torch.autograd.grad(_two_output_loss(*model(x[i:i + 1]), R_h, R_y, in_place), p, allow_unused=True)[0]
+                for i in range(4)]
+        expected = torch.stack([torch.zeros_like(p) if g is None else g for g in rows])
+        torch.testing.assert_close(p.grad_sample, expected, msg=name)

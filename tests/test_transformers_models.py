@@ -106,7 +106,8 @@ def _assert_per_sample_gradients(model, compiled, inputs, loss_fn, tol=(1e-9, 1e
     n = next(iter(inputs.values())).shape[0]
     grad_samples = {name: p.grad_sample for name, p in model.named_parameters() if p.requires_grad}
     for name, p in model.named_parameters():
-        del p.grad_sample
+        if p.requires_grad:
+            del p.grad_sample
     model.zero_grad()
     for i in range(n):
         one = {k: v[i:i + 1] for k, v in inputs.items()}
@@ -135,7 +136,7 @@ TEXT_MODELS = {"gpt2": _gpt2, "bert": _bert, "roberta": _roberta, "distilbert": 
                "opt": _opt, "t5-encoder": _t5_encoder}
 CAUSAL_LMS = ("gpt2", "llama", "opt")
 # Llama's and T5's RMS norms compute in float32 whatever the model's dtype: float32 round-off then
-_TOLERANCE = {"llama": (1e-6, 1e-5), "t5-encoder": (1e-6, 1e-5)}
+_TOLERANCE = {"llama": (1e-6, 1e-5), "t5-encoder": (1e-6, 1e-5), "phi3": (1e-6, 1e-5)}
 
 
 # each model with a padded mask and without one, each attention implementation once with each
@@ -193,3 +194,85 @@ def test_a_loss_computed_inside_the_model_is_refused():
     (finding,) = [f for f in info.value.findings if f.kind is Kind.MIXES_SAMPLES]
     assert finding.op == "aten.cross_entropy_loss.default"
     assert "computes the loss with reduction='mean' inside the model" in finding.message
+
+
+# -- output_hidden_states / output_attentions: transformers 5 records them with forward hooks -----------------
+
+def _deberta_v2():
+    return transformers.DebertaV2ForSequenceClassification, transformers.DebertaV2Config(**_BERTISH)
+
+
+def _phi3():
+    cfg = transformers.Phi3Config(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+                                  intermediate_size=32, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attention_dropout=0.0, pad_token_id=0, eos_token_id=0, bos_token_id=0, **_TEXT)
+    return transformers.Phi3ForCausalLM, cfg
+
+
+def _with_hidden_states(builder):
+    def build():
+        cls, config = builder()
+        config.output_hidden_states = config.output_attentions = True
+        return cls, config
+    return build
+
+
+def _hidden_states_loss(out, inputs):
+    """The head's output, every hidden state and attention map, each its own weight: the first hidden state (the
+    embeddings') feeds all the others, and the last is the one the head reads."""
+    attentions = [a for a in out.attentions if a is not None]
+    return (_summed(out) + sum((h ** 2).sum() * (k + 1) for k, h in enumerate(out.hidden_states))
+            + sum((a * 3).sum() for a in attentions))
+
+
+@pytest.mark.parametrize("name, builder", [("gpt2", _gpt2), ("bert", _bert), ("deberta-v2", _deberta_v2)])
+def test_output_hidden_states_stays_in_the_graph_engine(name, builder):
+    """The recording hooks change nothing and torch.export runs them as it captures the model, so the graph
+    returns the hidden states: they are no reason to leave the graph engine."""
+    model = _build(_with_hidden_states(builder), "eager")
+    inputs = {"input_ids": _token_ids(), "attention_mask": _padded_mask()}
+    compiled = fxdp.compile_for_dp(model, example_inputs=inputs, loss_reduction="sum")
+    _assert_graph_engine(compiled)
+    if name != "deberta-v2":  # which collects them in its own loop
+        assert any(m._forward_hooks for m in model.modules())  # transformers recorded them with hooks
+    out = compiled(**inputs)
+    assert len(out.hidden_states) == 2 and len(out.attentions) == 1  # the embeddings' output and the one layer's
+    _assert_per_sample_gradients(model, compiled, inputs, _hidden_states_loss)
+
+
+@pytest.mark.parametrize("name", ["gpt2-with-a-hook-of-yours", "phi3"])
+def test_output_hidden_states_in_the_whole_model_engine(name):
+    """A hook of the user's (or, for Phi-3, ops the graph engine cannot serve) sends the model to fx+whole-model:
+    each hidden state feeds the next, and each path from a parameter to the loss counts once."""
+    model = _build(_with_hidden_states(_gpt2 if name.startswith("gpt2") else _phi3), "eager")
+    seen = []
+    if name.startswith("gpt2"):
+        model.transformer.ln_f.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    inputs = {"input_ids": _token_ids(), "attention_mask": _padded_mask()}
+    compiled = fxdp.compile_for_dp(model, example_inputs=inputs, loss_reduction="sum")
+    assert fxdp.report(compiled).engine == "fx+whole-model", str(fxdp.report(compiled))
+    if name.startswith("gpt2"):
+        assert "hooks of yours on 'transformer.ln_f' (forward hook);" in fxdp.report(compiled).fallback_reason
+    _assert_per_sample_gradients(model, compiled, inputs, _hidden_states_loss, _TOLERANCE.get(name, (1e-9, 1e-7)))
+
+
+def test_an_encoder_decoder_in_the_whole_model_engine_counts_the_encoder_once():
+    """Whisper: the decoder's position lookup sends it to fx+whole-model; the encoder's output is returned and
+    also feeds the decoder."""
+    torch.manual_seed(0)
+    cfg = transformers.WhisperConfig(vocab_size=VOCAB, num_mel_bins=4, encoder_layers=1, decoder_layers=1, d_model=16,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                     decoder_ffn_dim=32, max_source_positions=4, max_target_positions=8, dropout=0.0,
+                                     attention_dropout=0.0, activation_dropout=0.0, use_cache=False, pad_token_id=0,
+                                     bos_token_id=0, eos_token_id=0, decoder_start_token_id=0)
+    model = transformers.WhisperModel._from_config(cfg, attn_implementation="eager").double().train()
+    gen = torch.Generator().manual_seed(3)
+    inputs = {"input_features": torch.randn(N, 4, 8, dtype=torch.float64, generator=gen),
+              "decoder_input_ids": torch.randint(1, VOCAB, (N, 5), generator=gen)}
+    compiled = fxdp.compile_for_dp(model, example_inputs=inputs, loss_reduction="sum")
+    assert fxdp.report(compiled).engine == "fx+whole-model"
+
+    def loss(out, inputs):
+        return (out.last_hidden_state ** 2).sum() + (out.encoder_last_hidden_state * 0.5).sum()
+
+    _assert_per_sample_gradients(model, compiled, inputs, loss)

@@ -94,11 +94,13 @@ def remove_dead_engine_hooks(model: nn.Module) -> None:
                     del hooks[key]
 
 
-def user_hooks(module: nn.Module) -> List[str]:
-    """What forward/backward hooks the user put on ``module`` itself (not fxdp's engines')."""
+def user_hooks(module: nn.Module, ignore: Optional[Callable[[Callable], bool]] = None) -> List[str]:
+    """What forward/backward hooks the user put on ``module`` itself (not fxdp's engines', nor those
+    ``ignore`` accepts)."""
     kinds = []
     for attr in _HOOK_DICTS:
-        if any(getattr(fn, _OWNER_ATTR, None) is None for fn in getattr(module, attr, {}).values()):
+        if any(getattr(fn, _OWNER_ATTR, None) is None and not (ignore is not None and ignore(fn))
+               for fn in getattr(module, attr, {}).values()):
             kinds.append(attr.strip("_").replace("_", " ")[:-1])
     return kinds
 

@@ -104,6 +104,7 @@ class GradSampleModule(GradSampleModuleBase):
         self.require_verified = require_verified
         self.verification = "not yet run" if verify else "off (verify=False)"
         self._batch_size: Optional[int] = None  # N of the forward in progress (None outside forward)
+        self._bags: Optional[tuple] = None  # with a batch of bags: (the flat indices, the offsets) in forward
         self._hook_handles: List[Any] = []
         # removes the hooks when this wrapper is garbage collected, without keeping it alive
         self._finalizer = weakref.finalize(self, remove_handles, self._hook_handles)
@@ -115,13 +116,13 @@ class GradSampleModule(GradSampleModuleBase):
     # of this wrapper's hooks are dead).
     def __getstate__(self):
         state = self.__dict__.copy()
-        for key in ("_hook_handles", "_finalizer", "_batch_size"):
+        for key in ("_hook_handles", "_finalizer", "_batch_size", "_bags"):
             state.pop(key, None)
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._batch_size = None
+        self._batch_size, self._bags = None, None
         self._hook_handles = []
         self._finalizer = weakref.finalize(self, remove_handles, self._hook_handles)
         self.grad_sample_layers, self.generic_fallbacks = {}, []
@@ -245,6 +246,13 @@ class GradSampleModule(GradSampleModuleBase):
                     "positionally, register a rule for the module with fxdp.register_grad_sampler, "
                     "or use grad_sample_mode='fx'."
                 )
+        if isinstance(mod, nn.EmbeddingBag) and inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() == 1:
+            self._check_bag_layer(name, mod, inputs, kwargs, out)
+            activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in inputs]
+            activations += [v.detach() for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+            kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+            out.register_hook(self._output_hook(mod, activations, kwargs))
+            return
         activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in inputs]
         if self._batch_size is not None:
             activations = self._check_layer_batch(name, mod, activations, out)
@@ -252,6 +260,29 @@ class GradSampleModule(GradSampleModuleBase):
         for k, other in enumerate(others, start=1):
             if other.requires_grad:
                 other.register_hook(self._unsupported_output_hook(name, mod, k))
+
+    def _check_bag_layer(self, name: str, mod: nn.EmbeddingBag, inputs, kwargs, out: torch.Tensor) -> None:
+        """An EmbeddingBag fed flat indices: its rule groups them into samples by the offsets, which must be
+        the model's own (the batch of bags the engine counted), and its output must have a row per bag."""
+        call = dict(zip(("input", "offsets", "per_sample_weights"), inputs), **kwargs)
+        bags = self._bags
+        if bags is None and self._batch_size is None:
+            return  # outside a forward of this wrapper (the self-check's runs of single samples)
+        if bags is None or call["input"] is not bags[0] or call.get("offsets") is not bags[1]:
+            raise selfcheck.LayerBatchError(
+                [selfcheck.finding(
+                    name, type(mod).__name__, Kind.MOVES_BATCH,
+                    "the layer takes flat indices grouped by offsets, which are not the model's first two inputs",
+                    "pass the flat indices and their offsets as the model's first two positional inputs, and give "
+                    "them to the layer as they are (the hooks engine then counts one sample per bag)")],
+                f"fxdp (hooks engine): layer '{name}' (EmbeddingBag) takes flat indices, and the hooks engine "
+                "cannot tell which entries belong to which sample, so its per-sample gradients would be wrong:")
+        if out.dim() == 0 or out.shape[0] != self._batch_size:
+            raise selfcheck.LayerBatchError(
+                [selfcheck.finding(name, type(mod).__name__, Kind.MOVES_BATCH,
+                                   f"the output has shape {tuple(out.shape)}, not one row per bag ({self._batch_size})",
+                                   "give the layer the model's flat indices and offsets as they are")],
+                f"fxdp (hooks engine): layer '{name}' (EmbeddingBag) does not return one row per sample:")
 
     def _check_layer_batch(self, name: str, mod: nn.Module, activations: List[Any], out: torch.Tensor):
         """Every tensor input and the output must have N rows at the batch dimension; an input with one
@@ -293,15 +324,18 @@ class GradSampleModule(GradSampleModuleBase):
         why = self._watch.changed() if self._hook_handles else None
         if why is not None:
             self._hook_again(why)
-        n = selfcheck.batch_size_of(args, kwargs, self.batch_dim)
+        bags = selfcheck.find_bags(self._module, args) if self.batch_dim == 0 else None
+        n = bags.count(args) if bags is not None else selfcheck.batch_size_of(args, kwargs, self.batch_dim)
         if (self.verify and self.verification == "not yet run" and self._hook_handles and torch.is_grad_enabled()
                 and n is not None and n >= 2):
-            self._self_check(args, kwargs, n)
-        previous, self._batch_size = self._batch_size, n
+            self._self_check(args, kwargs, n, bags)
+        previous = self._batch_size, self._bags
+        self._batch_size = n
+        self._bags = None if bags is None else (args[bags.ids], args[bags.offsets])
         try:
             return self._module(*args, **kwargs)
         finally:
-            self._batch_size = previous
+            self._batch_size, self._bags = previous
 
     def _hook_again(self, why: str) -> None:
         """The model changed since its layers were hooked (a layer or parameter replaced, a frozen parameter
@@ -325,7 +359,7 @@ class GradSampleModule(GradSampleModuleBase):
                       + ". A DP optimizer trains a new parameter only if it holds it, and refuses to step while it "
                       "holds one the model no longer uses", stacklevel=5)
 
-    def _self_check(self, args, kwargs, n: int) -> None:
+    def _self_check(self, args, kwargs, n: int, bags: Optional[selfcheck.Bags] = None) -> None:
         """Test the model once on this batch (see :mod:`fxdp.engines.selfcheck`); raise what it finds."""
         self.verification = "running"
         model = self._module
@@ -337,7 +371,7 @@ class GradSampleModule(GradSampleModuleBase):
                     return model(*a, **k)
 
                 with self._recompute():
-                    found, unverified = selfcheck.cross_sample_dependence(run, args, kwargs, self.batch_dim)
+                    found, unverified = selfcheck.cross_sample_dependence(run, args, kwargs, self.batch_dim, bags)
                 if found is not None:
                     raise selfcheck.SampleMixingError(
                         [selfcheck.finding("<model>", name, Kind.MIXES_SAMPLES, found,
@@ -349,7 +383,7 @@ class GradSampleModule(GradSampleModuleBase):
                     random = unverified is None and selfcheck.is_random(run, args, kwargs)
                 if unverified is None and not random:  # a random model draws other numbers for a batch of one
                     try:
-                        mismatch = self._compare_with_batches_of_one(run, args, kwargs, n)
+                        mismatch = self._compare_with_batches_of_one(run, args, kwargs, n, bags)
                     except selfcheck.UnsupportedOutputError as exc:  # raised again by the user's backward
                         mismatch, unverified = None, str(exc).split(", so")[0].replace("fxdp: ", "")
                     if mismatch is not None:
@@ -377,7 +411,8 @@ class GradSampleModule(GradSampleModuleBase):
         warnings.warn(message + "; fxdp.check_per_sample_gradients_are_correct can check it on a batch of "
                       "your choice", stacklevel=5)  # the user's call of the wrapper
 
-    def _compare_with_batches_of_one(self, run, args, kwargs, n: int, samples: int = 3):
+    def _compare_with_batches_of_one(self, run, args, kwargs, n: int, bags: Optional[selfcheck.Bags] = None,
+                                     samples: int = 3):
         """This engine's per-sample gradients on the first few samples against each sample alone."""
         k = min(n, samples)
         dim = self.batch_dim
@@ -391,9 +426,10 @@ class GradSampleModule(GradSampleModuleBase):
             for _, p in named:
                 p.grad, p.grad_sample = None, None
             self._batch_size = n
+            self._bags = None if bags is None else (args[bags.ids], args[bags.offsets])
             # the first output only: a loss over a layer's second output is refused by its own hook
             outs = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*sub_args, **sub_kwargs)))[:1]
-            self._batch_size = None
+            self._batch_size, self._bags = None, None
             projections = [torch.randn(t.shape, generator=generator).to(t) for t in outs]
             loss = sum((t * r).sum() for t, r in zip(outs, projections))
             if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
@@ -405,8 +441,9 @@ class GradSampleModule(GradSampleModuleBase):
             alone = []
             with self._recompute():
                 for i in range(k):
-                    one_args, one_kwargs = selfcheck.map_batched(sub_args, sub_kwargs, n, dim,
-                                                                 lambda t: t.narrow(dim, i, 1))
+                    one_args, one_kwargs = (bags.sample(sub_args, sub_kwargs, i, dim) if bags is not None else
+                                            selfcheck.map_batched(sub_args, sub_kwargs, n, dim,
+                                                                  lambda t: t.narrow(dim, i, 1)))
                     one = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*one_args, **one_kwargs)))[:1]
                     loss_i = sum((t * r.narrow(dim, i, 1)).sum() for t, r in zip(one, projections))
                     grads = torch.autograd.grad(loss_i, [p for _, p in named], allow_unused=True)
@@ -417,7 +454,7 @@ class GradSampleModule(GradSampleModuleBase):
                         "where no hook sees them")
             return selfcheck.compare_gradients(rows, alone)
         finally:
-            self._batch_size = None
+            self._batch_size, self._bags = None, None
             setattr(self, SINK_ATTR, sink)
             for p, grad, grad_sample in saved:
                 p.grad, p.grad_sample = grad, grad_sample

@@ -66,6 +66,60 @@ def batch_size_of(args: Sequence[Any], kwargs: Dict[str, Any], batch_dim: int) -
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Bags:
+    """A batch of bags, the classic text classifier's ``EmbeddingBag(ids, offsets)``: the positional input
+    ``ids`` (1-D) holds the samples' indices one after another, ``offsets`` where each sample's start (and, with
+    ``include_last``, where the last one ends). One bag is one sample; other inputs with a row per bag at
+    the batch dimension are batched as usual."""
+
+    ids: int
+    offsets: int
+    include_last: bool
+
+    def count(self, args) -> int:
+        return max(args[self.offsets].shape[0] - int(self.include_last), 0)
+
+    def entries(self, args) -> List[torch.Tensor]:
+        starts = args[self.offsets].tolist()
+        ends = starts[1:] if self.include_last else starts[1:] + [args[self.ids].shape[0]]
+        return [args[self.ids][a:b] for a, b in zip(starts[:self.count(args)], ends)]
+
+    def with_entries(self, args, bags: List[torch.Tensor]) -> tuple:
+        """``args`` with the bags' entries replaced by ``bags``."""
+        like = args[self.offsets]
+        offsets = torch.tensor([0] + [b.shape[0] for b in bags], dtype=like.dtype, device=like.device).cumsum(0)
+        new = list(args)
+        new[self.ids] = torch.cat(bags) if bags else args[self.ids][:0]
+        new[self.offsets] = offsets if self.include_last else offsets[:-1]
+        return tuple(new)
+
+    def sample(self, args, kwargs, i: int, batch_dim: int):
+        """(args, kwargs) of bag ``i`` alone, with its rows of the other batched inputs."""
+        n = self.count(args)
+        alone, alone_kwargs = map_batched(args, kwargs, n, batch_dim, lambda t: t.narrow(batch_dim, i, 1))
+        alone = list(alone)
+        alone[self.ids], alone[self.offsets] = args[self.ids], args[self.offsets]
+        return self.with_entries(tuple(alone), [self.entries(args)[i]]), alone_kwargs
+
+
+def find_bags(model: nn.Module, args: Sequence[Any]) -> Optional[Bags]:
+    """The :class:`Bags` of a model with ``nn.EmbeddingBag`` layers (all with one ``include_last_offset``)
+    whose first two positional inputs read as flat indices and their offsets: 1-D integer tensors, the
+    offsets starting at 0, non-decreasing, within the indices. The hooks engine checks at every call that
+    a bag layer fed a 1-D input receives these two."""
+    flags = {m.include_last_offset for m in model.modules() if isinstance(m, nn.EmbeddingBag)}
+    if len(flags) != 1 or len(args) < 2:
+        return None
+    ids, offsets = args[0], args[1]
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 1 and not t.is_floating_point() and not t.is_complex()
+               for t in (ids, offsets)):
+        return None
+    if offsets.numel() and (offsets[0] != 0 or bool((offsets.diff() < 0).any()) or offsets[-1] > ids.shape[0]):
+        return None  # (no offsets: an empty batch, as Poisson sampling draws)
+    return Bags(0, 1, flags.pop())
+
+
 def _is_batched(t: Any, n: int, batch_dim: int) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() > batch_dim and t.shape[batch_dim] == n
 
@@ -141,12 +195,22 @@ def _perturbed(args, kwargs, n: int, batch_dim: int, j: int):
     return new_args, new_kwargs, changed[0]
 
 
-def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: int
+def _perturbed_bag(args, kwargs, bags: Bags, j: int):
+    """The inputs with bag ``j``'s entries replaced by another bag's, and whether anything changed."""
+    entries = bags.entries(args)
+    donor = next((k for k in range(len(entries)) if k != j and not torch.equal(entries[k], entries[j])), None)
+    if donor is None:
+        return args, kwargs, False
+    entries[j] = entries[donor]
+    return bags.with_entries(args, entries), kwargs, True
+
+
+def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: int, bags: Optional[Bags] = None
                             ) -> Tuple[Optional[str], Optional[str]]:
     """Does sample i's output depend on sample j's input (i != j)? ``run(*args, **kwargs)`` runs the
-    model (hooks muted, state preserved by the caller). Returns (what was found, or None; why the test
-    could not run, or None)."""
-    n = batch_size_of(args, kwargs, batch_dim)
+    model (hooks muted, state preserved by the caller); ``bags``: the batch is one of bags. Returns (what
+    was found, or None; why the test could not run, or None)."""
+    n = bags.count(args) if bags is not None else batch_size_of(args, kwargs, batch_dim)
     if n is None or n < 2:
         return None, "the batch has fewer than two samples"
     if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
@@ -163,7 +227,8 @@ def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: in
                 return None, (f"output #{k} has shape {tuple(t.shape)}, without the batch ({n} samples) in "
                               f"dimension {batch_dim}")
         j = 0
-        new_args, new_kwargs, changed = _perturbed(args, kwargs, n, batch_dim, j)
+        new_args, new_kwargs, changed = (_perturbed_bag(args, kwargs, bags, j) if bags is not None
+                                         else _perturbed(args, kwargs, n, batch_dim, j))
         if not changed:
             return None, (f"no input with the batch ({n} samples) in dimension {batch_dim} differs between "
                           "samples, so none could be changed")

@@ -29,7 +29,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxdp.diagnostics.errors import PerSampleError
-from fxdp.layout import BatchLayout
+from fxdp.layout import PACKED, BatchLayout
 
 Position = Union[int, str]
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -258,6 +258,11 @@ def layout_grad_samples(
     expanded to the batch, ``cls.expand(N, -1, -1)``) builds per-sample rows from shared values:
     sample i's gradient is then the vjp of the whole call against row i of the output gradient.
     """
+    if any(lay is not None and lay.kind == PACKED for lay in layouts):
+        raise PerSampleError(  # passed whole, every sample would see all samples' entries
+            "an input holds the samples' entries packed one after another (the flat indices of an "
+            "EmbeddingBag with offsets), which the generic rule cannot split into samples; give the EmbeddingBag "
+            "its indices straight from the model's input")
     batched = [i for i, lay in enumerate(layouts) if lay is not None and lay.is_batched]
     if not batched:
         return _per_row_grad_samples(call, leaves, param_positions, out_layouts, grads, n)

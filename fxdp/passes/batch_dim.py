@@ -43,7 +43,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fxdp import meta
 from fxdp.diagnostics import BatchDimAnalysisError, Finding, Kind, MissingBatchRuleError, PassReport, PassResult, Severity
-from fxdp.layout import BROADCAST, UNBATCHED_LAYOUT, UNKNOWN, UNKNOWN_LAYOUT, BatchLayout
+from fxdp.layout import BROADCAST, PACKED, UNBATCHED_LAYOUT, UNKNOWN, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_inputs import (
     _bind_inputs,
     _first_tensor,
@@ -53,6 +53,7 @@ from fxdp.passes.batch_inputs import (
     input_name,
     named_batch_inputs,
     output_verdict,
+    packed_inputs,
 )
 from fxdp.passes.batch_rules import (
     Facts,
@@ -238,15 +239,20 @@ class BatchDimInterpreter(torch.fx.Interpreter):
         per = any(per_sample(lay) for _, lay in pairs)
         uses_facts = reads_facts(n, _flat_nodes(n), self.facts)
         broadcast = any(isinstance(lay, BatchLayout) and lay.kind == BROADCAST for _, lay in pairs)
+        packed = any(_is_packed(lay) for _, lay in pairs)
 
         rule = find_batch_rule(op)
+        if packed and not getattr(rule, "reads_packed", False):
+            self._unverified(n, pairs, f"{op_name(op)} receives the samples' entries packed one after another, "
+                                       "which only the offsets beside them tell apart")
+            return mirror(out, UNKNOWN_LAYOUT)
         if rule is None:
             if per:
                 self._unverified(n, pairs, f"fxdp has no batch rule for {op_name(op)}, so it cannot tell whether it "
                                            "keeps samples apart or where the batch is afterwards")
                 return mirror(out, UNKNOWN_LAYOUT)
             return mirror(out, UNBATCHED_LAYOUT)
-        if not (per or uses_facts or broadcast):
+        if not (per or uses_facts or broadcast or packed):
             return mirror(out, UNBATCHED_LAYOUT)  # nothing per-sample flows in: nothing to mix or move
         try:
             verdict = rule(call)
@@ -259,7 +265,7 @@ class BatchDimInterpreter(torch.fx.Interpreter):
                              f"({type(exc).__name__}: {exc}), so the op is unverified",
                              "Report this at fxdp with the op and its arguments; meanwhile check the op by hand.")
             return mirror(out, UNKNOWN_LAYOUT if per else UNBATCHED_LAYOUT)
-        return self._apply(n, call, verdict, per, rule)
+        return self._apply(n, call, verdict, per or packed, rule)
 
     def _apply(self, n: torch.fx.Node, call: OpCall, verdict: Verdict, per: bool, rule):
         if getattr(rule, "rearranges", False):
@@ -316,7 +322,7 @@ class BatchDimInterpreter(torch.fx.Interpreter):
                 self.raw.append(m)
 
     def _unverified(self, n: torch.fx.Node, pairs, message: str) -> None:
-        lays = ", ".join(str(lay) for _, lay in pairs if per_sample(lay))
+        lays = ", ".join(str(lay) for _, lay in pairs if per_sample(lay) or _is_packed(lay))
         if self.strict:
             loc = source_location(n)
             raise MissingBatchRuleError(
@@ -432,13 +438,16 @@ def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: 
         raise ValueError(f"fxdp batch_dim: batch_dim must be a non-negative int, got {batch_dim!r}")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values = _bind_inputs(placeholders, example_inputs)
-    first = _first_tensor(values)
+    packed = packed_inputs(gm, placeholders, values)
+    # a packed input's length is no batch size: the hypotheses are made without it
+    sized = [None if i in packed else v for i, v in enumerate(values)]
+    first = _first_tensor(sized)
     if first is None:
         raise BatchDimAnalysisError("fxdp batch_dim: example_inputs contain no tensor; give at least the "
                                     "batched input (a tensor with the batch at batch_dim).")
     last: list = []  # the hypothesis analysed last, and its run: not repeated if it is chosen
     if batch_inputs is not None:
-        chosen = named_batch_inputs(placeholders, values, batch_inputs, batch_dim)
+        chosen = named_batch_inputs(placeholders, sized, batch_inputs, batch_dim)
     else:
         if first.dim() <= batch_dim:
             raise BatchDimAnalysisError(
@@ -446,19 +455,19 @@ def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: 
                 f"{batch_dim} to hold the batch; pass batch_dim=<where the batch is> (0 for batch-first).")
 
         def verdict(hypothesis) -> str:
-            interpreter, layouts = _interpret(gm, placeholders, values, *hypothesis, batch_dim, False)
+            interpreter, layouts = _interpret(gm, placeholders, values, *hypothesis, batch_dim, False, packed)
             last[:] = [hypothesis, (interpreter, layouts)]
             if any(r.kind is Kind.MIXES_SAMPLES for r in interpreter.raw):
                 return "no"
             output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
             return output_verdict(interpreter.layouts.get(output), batch_dim)
 
-        chosen = choose_batch_inputs(placeholders, values, batch_dim, verdict)
+        chosen = choose_batch_inputs(placeholders, sized, batch_dim, verdict)
     n, batched = chosen
     if not strict and last and last[0] == chosen:
         interpreter, input_layouts = last[1]
     else:
-        interpreter, input_layouts = _interpret(gm, placeholders, values, n, batched, batch_dim, strict)
+        interpreter, input_layouts = _interpret(gm, placeholders, values, n, batched, batch_dim, strict, packed)
 
     findings: Tuple[Finding, ...] = ()
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
@@ -473,10 +482,16 @@ def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: 
     return PassResult(gm, PassReport(PASS_NAME, (), findings))
 
 
-def _interpret(gm, placeholders, values, n: int, batched: FrozenSet[int], batch_dim: int, strict: bool):
-    """Run the interpreter with the inputs at ``batched`` (placeholder positions) carrying ``n`` samples."""
-    input_layouts = {p: _input_layout(v, batch_dim, n) if i in batched else _shared_layout(v, batch_dim)
-                     for i, (p, v) in enumerate(zip(placeholders, values))}
+def _is_packed(layout) -> bool:
+    return isinstance(layout, BatchLayout) and layout.kind == PACKED
+
+
+def _interpret(gm, placeholders, values, n: int, batched: FrozenSet[int], batch_dim: int, strict: bool,
+               packed: FrozenSet[int] = frozenset()):
+    """Run the interpreter with the inputs at ``batched`` (placeholder positions) carrying ``n`` samples, and
+    those at ``packed`` their entries one after another."""
+    input_layouts = {p: BatchLayout.packed(0) if i in packed else _input_layout(v, batch_dim, n) if i in batched
+                     else _shared_layout(v, batch_dim) for i, (p, v) in enumerate(zip(placeholders, values))}
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_values = [_to_fake(v, mode) for v in values]
     # fake copies of every parameter and buffer, under every name (tied ones stay tied)

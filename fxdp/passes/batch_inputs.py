@@ -20,6 +20,10 @@ Without ``batch_inputs=`` fxdp decides from all inputs (positional and keyword) 
    batched inputs with ``batch_inputs=``.
 
 A model with a single batched-looking input costs one analysis, as before.
+
+*Packed* inputs (:func:`packed_inputs`) hold the samples' entries one after another, grouped by another
+input: the flat indices of ``nn.EmbeddingBag(input, offsets)``, the classic text classifier's ``(ids,
+offsets)``. Their length is no batch size; the offsets (one per sample) carry the batch.
 """
 
 from __future__ import annotations
@@ -73,6 +77,25 @@ def _bind_inputs(placeholders: List[torch.fx.Node], example_inputs) -> List[Any]
                 f"fxdp batch_dim: example_inputs has no value for the model input '{p.target}'.")
         values.append(p.args[0])
     return values
+
+
+def packed_inputs(gm: torch.fx.GraphModule, placeholders: List[torch.fx.Node], values: List[Any]) -> FrozenSet[int]:
+    """Positions of the 1-D inputs that an ``nn.EmbeddingBag`` called with offsets takes as its indices or
+    per-sample weights: they are packed (:data:`fxdp.layout.PACKED`), the offsets say whose entry is whose."""
+    grouped_by = {}  # input position -> the offsets nodes its bag layers group it by
+    position = {p: i for i, p in enumerate(placeholders)}
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), torch.nn.EmbeddingBag):
+            continue
+        call = dict(zip(("input", "offsets", "per_sample_weights"), node.args), **node.kwargs)
+        if not isinstance(call.get("offsets"), torch.fx.Node):
+            continue
+        for key in ("input", "per_sample_weights"):
+            i = position.get(call.get(key))
+            if i is not None and isinstance(values[i], torch.Tensor) and values[i].dim() == 1:
+                grouped_by.setdefault(i, set()).add(call["offsets"])
+    # grouped two ways, whose entries a sample owns would depend on the layer: no reading is the packed one
+    return frozenset(i for i, offsets in grouped_by.items() if len(offsets) == 1)
 
 
 def _first_tensor(values) -> Optional[torch.Tensor]:

@@ -105,31 +105,60 @@ def _flatten(args: tuple, kwargs: dict) -> Tuple[List[Any], Callable[[List[Any]]
     return leaves, lambda new: pytree.tree_unflatten(list(new), spec)
 
 
-def _on_backward(outputs: List[torch.Tensor], record) -> None:
-    """Call ``record(grads)`` once the gradients of all ``outputs`` are known (never if none needs them).
+class _OwnOutputs(torch.autograd.Function):
+    """The identity on a call's tensor outputs, whose backward hands their gradients to ``record``.
+
+    A hook on an output tensor receives the gradient of every use of it, its uses inside the call included:
+    where one returned tensor also feeds another (``h = f(x); return h, g(h)``), ``h``'s would hold ``g``'s
+    share too, and the generic rule, which back-propagates through every output, would count that path
+    twice. The outputs handed on are new tensors (sharing storage and version counter, so an in-place
+    change is still caught where the call saved them): only uses after the call reach this backward."""
+
+    @staticmethod
+    def forward(ctx, record, *outputs):
+        ctx.record = record
+        ctx.set_materialize_grads(False)  # an output the loss does not use: None
+        return tuple(t.detach() for t in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        with torch.enable_grad():  # see _on_backward
+            ctx.record(list(grads))
+        return (None, *grads)
+
+
+def _on_backward(out, outputs: List[torch.Tensor], record):
+    """``out``, arranged so that ``record(grads)`` is called once the gradients of all ``outputs`` (the
+    tensors in ``out``, in order) are known, never if none needs them. Several outputs are replaced (see
+    :class:`_OwnOutputs`): the caller hands on what this returns.
 
     ``record`` runs with grad mode on: backward hooks run with it off, and some kernels (the CPU LSTM)
     then take an inference path that the per-sample vjp cannot differentiate."""
-    needing = [t for t in outputs if t.requires_grad]
+    needing = [k for k, t in enumerate(outputs) if t.requires_grad]
     if not torch.is_grad_enabled() or not needing:
-        return
-
-    def record_with_grad_mode(grads):
-        with torch.enable_grad():
-            record(grads)
-
+        return out
     if len(outputs) == 1:
-        outputs[0].register_hook(lambda g: record_with_grad_mode([g]))
-        return
-    positions = [k for k, t in enumerate(outputs) if t.requires_grad]
+        def record_with_grad_mode(g):
+            with torch.enable_grad():
+                record([g])
+
+        outputs[0].register_hook(record_with_grad_mode)
+        return out
 
     def all_grads(grads):
         full = [None] * len(outputs)
-        for k, g in zip(positions, grads):
+        for k, g in zip(needing, grads):
             full[k] = g
-        record_with_grad_mode(full)
+        record(full)
 
-    torch.autograd.graph.register_multi_grad_hook(needing, all_grads)
+    own = dict(zip(needing, _OwnOutputs.apply(all_grads, *[outputs[k] for k in needing])))
+    leaves, spec = pytree.tree_flatten(out)
+    k = -1
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            k += 1
+            leaves[i] = own.get(k, leaf)
+    return pytree.tree_unflatten(leaves, spec)
 
 
 def _out_layouts(site: PerSampleSite, count: int) -> List[BatchLayout]:
@@ -224,8 +253,7 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
 
         record = _generic_recorder(call, all_leaves, all_layouts, positions, out_layouts, n, site)
 
-    _on_backward(outputs, record)
-    return out
+    return _on_backward(out, outputs, record)
 
 
 def _recurrent_call(module: nn.Module, site: PerSampleSite, n: int, leaves, layouts, args, kwargs):
@@ -267,5 +295,4 @@ def per_sample_function(site: PerSampleSite, n: int, *args, **kwargs):
         a, k = rebuild(flat)
         return call_fn(*a, **k)
 
-    _on_backward(outputs, _generic_recorder(call, leaves, layouts, param_positions, out_layouts, n, site))
-    return out
+    return _on_backward(out, outputs, _generic_recorder(call, leaves, layouts, param_positions, out_layouts, n, site))

@@ -15,7 +15,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from fxdp.runtime import inplace_ops as out_of_place
-from fxdp.layout import BROADCAST, UNBATCHED_LAYOUT, UNKNOWN_LAYOUT, BatchLayout
+from fxdp.layout import BROADCAST, PACKED, UNBATCHED, UNBATCHED_LAYOUT, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
     _FIX_INDEX, _FIX_LAYER, _FIX_PAIR, OpCall, Verdict, _at, _fn, _inner, _keys, _modules, _moved, _norm_dim,
     _where, mirror, per_sample, rearranging, register_batch_rule,
@@ -269,7 +269,18 @@ def _embedding(call: OpCall) -> Verdict:
 
 
 def _embedding_bag(call: OpCall) -> Verdict:
+    """nn.EmbeddingBag: a 2-D input holds one bag per row; a 1-D one (packed) the bags one after another,
+    each starting at its offset: one offset per sample, so the offsets carry the batch, and the output has
+    one row per bag."""
     x, lay = call.args[0], call.arg_layouts[0]
+    if isinstance(lay, BatchLayout) and lay.kind == PACKED:
+        offsets, weights = call.layout(1, "offsets"), call.layout(2, "per_sample_weights")
+        if call.module.include_last_offset:  # N + 1 offsets: no input has the N rows the graph would read
+            return Verdict(UNKNOWN_LAYOUT)
+        if (isinstance(offsets, BatchLayout) and offsets == BatchLayout.at(0)
+                and (weights is None or weights == lay or weights.kind == UNBATCHED)):
+            return Verdict(BatchLayout.at(0))
+        return Verdict(UNKNOWN_LAYOUT)
     if x.dim() == 2:
         if per_sample(lay) and lay.dim == 1:
             return Verdict(lay, fix=_FIX_LAYER, mixes="pools the bag dimension (dim 1), which is the batch dimension")
@@ -301,6 +312,7 @@ register_batch_rule(_keys("scatter", "scatter_add", "scatter_reduce", "index_add
                           "index_fill_"))(_scatter)
 register_batch_rule(_keys("take"))(_take)
 register_batch_rule(_fn("embedding") + _modules("Embedding"))(_embedding)
+_embedding_bag.reads_packed = True  # see fxdp.layout.PACKED
 register_batch_rule(_modules("EmbeddingBag"))(_embedding_bag)
 # x[index] = value, as the inplace pass rewrites it
 register_batch_rule([out_of_place.index_assign])(_index_assign)
