@@ -128,6 +128,8 @@ class PrivacyEngine:
             **across_ranks,
         )
         dp_optimizer.attach_step_hook(self._accountant_hook(sample_rate))
+        if isinstance(data_loader, DPDataLoader):  # a step then knows how many batches it covers, and empty ones
+            data_loader.batch_observer = dp_optimizer.observe_batch
         if ddp is not None:
             compiled = wrap_like(compiled, ddp)
         return compiled, dp_optimizer, data_loader

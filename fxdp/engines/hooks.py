@@ -165,6 +165,9 @@ class GradSampleModule(GradSampleModuleBase):
                 visit(f"{name}.{child_name}" if name else child_name, child)
 
         visit("", self._module)
+        # every call of the model, through this wrapper or not, is a forward call of its own (LayerCapture.call)
+        self._hook_handles.append(self._module.register_forward_pre_hook(
+            mark_engine_hook(_count_forward_call(weakref.ref(self)), self)))
         if self.strict and without_rule:
             self.remove_hooks()
             raise ValueError(
@@ -214,8 +217,13 @@ class GradSampleModule(GradSampleModuleBase):
             if set(call) - {"input", "hx"} or not rows or (n is not None and rows != n):
                 wrapper._on_layer_output(name, mod, inputs, kwargs, output)
                 return None
-            sink = getattr(wrapper, SINK_ATTR)
-            return recurrent_forward(mod, x, call.get("hx"), deliver=sink.add, loss_reduction=wrapper.loss_reduction,
+            sink, forward_call = getattr(wrapper, SINK_ATTR), wrapper.forward_calls
+
+            def deliver(capture):
+                capture.call = forward_call
+                sink.add(capture)
+
+            return recurrent_forward(mod, x, call.get("hx"), deliver=deliver, loss_reduction=wrapper.loss_reduction,
                                      param_grads=not getattr(sink, "skips_param_grads", False))
 
         self._hook_handles.append(module.register_forward_hook(
@@ -402,6 +410,15 @@ class GradSampleModule(GradSampleModuleBase):
             )
 
         return hook
+
+
+def _count_forward_call(owner):
+    def pre_hook(module, inputs):
+        wrapper = owner()
+        if wrapper is not None:
+            wrapper.forward_calls += 1
+
+    return pre_hook
 
 
 def fallback_self_check(model: nn.Module, example_inputs, batch_dim: int, strict: bool) -> PassReport:
