@@ -289,6 +289,9 @@ class DPOptimizer(Optimizer):
         self.sink.clear(self._all_params())
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         self._needs_zero_grad = False
+        if self._logical_batches and not self._summed:
+            # what earlier batches left is gone: only the batch handed out last can still reach the step
+            self._logical_batches = 1
 
     def observe_batch(self, *, empty: bool, new_epoch: bool = False) -> None:
         """Told by the data loader as it hands out each logical batch (``make_private`` wires its Poisson
@@ -296,8 +299,9 @@ class DPOptimizer(Optimizer):
         empty, and whether it is the first of a pass over the loader. A step then refuses to run on more
         than one logical batch, and lets a step with no per-sample gradient through only when the batch was
         empty (noise only, as Poisson sampling requires)."""
-        if new_epoch or self._logical_batches is None:
-            self._logical_batches = 0  # (a pass left before its last step, by break, is forgotten)
+        if self._logical_batches is None or (new_epoch and not self._summed):
+            # a pass left by break is forgotten, unless skip steps accumulated part of its batch for the next step
+            self._logical_batches = 0
         self._logical_batches += 1
         self._batch_empty = bool(empty)
 
