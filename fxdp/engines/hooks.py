@@ -67,9 +67,10 @@ def first_tensor_output(module_name: str, module: nn.Module, output: Any):
 class GradSampleModule(GradSampleModuleBase):
     """Wraps ``model`` so that ``loss.backward()`` also sets ``p.grad_sample`` (hooks engine).
 
-    ``p.grad_sample[i]`` is the gradient sample ``i`` alone would give; uses of a parameter within
-    one backward pass add up (tied weights, a module called twice); successive backward passes append
-    along dim 0 until :meth:`zero_grad` (see :mod:`fxdp.grad_sample.accumulate`).
+    ``p.grad_sample[i]`` is the gradient sample ``i`` alone would give; uses of a parameter add up per
+    sample over the forward calls and backward passes of one batch (tied weights, a module called twice,
+    two views, two losses) until :meth:`zero_grad` (see :mod:`fxdp.grad_sample.sink`). Every call of the
+    model, through this wrapper or not, is a forward call of its own.
 
     ``strict=True`` raises instead of using the generic rule for a module without a registered
     rule. :attr:`generic_fallbacks` lists the modules that use it.
