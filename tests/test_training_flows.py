@@ -384,7 +384,7 @@ def test_a_bad_setting_is_refused_when_set_and_nothing_moves(name, value):
     loss_of(dp, batch).backward()
     before = snapshot(model, opt, engine)
     old = getattr(opt, name)
-    with pytest.raises(fxdp.diagnostics.PrivacySettingError, match=name):
+    with pytest.raises(fxdp.PrivacySettingError, match=name):
         setattr(opt, name, value)
     assert getattr(opt, name) == old
     opt.step()  # the batch still steps, with the settings it had, and is counted once
@@ -406,7 +406,7 @@ def test_a_setting_changed_behind_its_setter_is_refused_before_the_step(change):
         opt.clipping = "per_layer"
     else:
         opt.__dict__["_noise_multiplier"] = math.nan
-    with pytest.raises(fxdp.diagnostics.PrivacySettingError):
+    with pytest.raises(fxdp.PrivacySettingError):
         opt.step()
     assert_unchanged(model, opt, before, engine)
 

@@ -181,7 +181,7 @@ def _apply(op, model, dp, opt, oracle, outputs, original_is_private) -> bool:
             if name == "max_grad_norm":
                 oracle.max_grad_norm = value
         else:
-            with pytest.raises(fxdp.diagnostics.PrivacySettingError):
+            with pytest.raises(fxdp.PrivacySettingError):
                 setattr(opt, name, value)
             return True
     elif kind == "step":

@@ -230,7 +230,8 @@ class GradSampleSink(GradientSink):
         rows = {}
         for p in params:
             if refusal is None:  # one batch: per sample, the calls' uses add up
-                rows[p] = sum(sums[p] for _, sums in calls.values() if p in sums)
+                parts = [sums[p] for _, sums in calls.values() if p in sums]
+                rows[p] = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
             else:  # the calls' rows one after the other (zeros where a call did not use p)
                 rows[p] = torch.cat([sums[p] if p in sums else p.new_zeros((n, *p.shape))
                                      for _, (n, sums) in sorted(calls.items())])

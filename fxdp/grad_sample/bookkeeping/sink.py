@@ -169,7 +169,9 @@ class BookkeepingSink(GradientSink):
             shared = self._shared_norms({p: uses for p, uses in pending.items() if p not in earlier})
             for p, uses in pending.items():
                 _same_batch(p, uses)
-                if p in earlier:
+                if len(uses) > 1:
+                    self.tied[p] = len(uses)
+                if p in earlier:  # (the same path as tied uses: the norm of the per-sample sum)
                     uses = earlier[p].uses + uses
                     _same_batch(p, uses)
                 if p in shared:
@@ -177,7 +179,6 @@ class BookkeepingSink(GradientSink):
                 elif len(uses) == 1:
                     norms = uses[0].squared_norms()
                 else:
-                    self.tied[p] = len(uses)
                     norms = _tied_squared_norms(uses, self.method)
                 segments[p] = _Segment(norms, uses)
         with self._lock:
