@@ -251,7 +251,7 @@ def _step(model, opt, oracle, outputs) -> bool:
 
 
 @pytest.mark.filterwarnings("ignore:fxdp \\(hooks engine\\) could not verify")  # a batch of one sample twice
-@pytest.mark.parametrize("mode", ["fx-bookkeeping", "fx", "hooks"])
+@pytest.mark.parametrize("mode", ["fx-bookkeeping", "fx", "hooks", "ew", "functorch"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=operations)
 def test_random_flows_take_private_steps_or_refuse_them(mode, ops):
