@@ -420,3 +420,18 @@ def test_a_valid_change_is_what_the_accountant_records():
         loss_of(dp, next(batches)).backward()
         opt.step()
     assert engine.accountant.history == [(1.0, pytest.approx(0.25), 1), (2.0, pytest.approx(0.25), 1)]
+
+
+def test_the_loader_tells_an_empty_batch_of_any_structure():
+    """What EmptyBatchCollate yields for an empty batch reads as empty; a batch with a sample does not."""
+    from collections import namedtuple
+
+    from fxdp.data.loader import EmptyBatchCollate, is_empty_batch
+
+    Pair = namedtuple("Pair", "x label")
+    samples = [(torch.randn(2), 1), {"ids": torch.arange(3), "text": "a"}, Pair(torch.randn(2), 0)]
+    for sample in samples:
+        collate = EmptyBatchCollate(torch.utils.data.default_collate, [sample])
+        assert is_empty_batch(collate([])), sample
+        assert not is_empty_batch(collate([sample, sample])), sample
+    assert not is_empty_batch(object())  # a batch of a type of the user's: not known to be empty
