@@ -394,8 +394,9 @@ def test_a_bad_setting_is_refused_when_set_and_nothing_moves(name, value):
 
 @pytest.mark.parametrize("change", ["bound edited in place", "clipping reassigned", "noise behind the setter"])
 def test_a_setting_changed_behind_its_setter_is_refused_before_the_step(change):
-    engine, model, dp, opt, loader = make_private(clipping="per_layer" if change == "bound edited in place" else "flat",
-                                                 **({"max_grad_norm": [1.0] * 4} if change == "bound edited in place" else {}))
+    per_layer = change == "bound edited in place"
+    engine, model, dp, opt, loader = make_private(clipping="per_layer" if per_layer else "flat",
+                                                 max_grad_norm=[1.0] * 4 if per_layer else 1.0)
     batch = next(iter(loader))
     opt.zero_grad()
     loss_of(dp, batch).backward()

@@ -244,7 +244,8 @@ class GradSampleSink(GradientSink):
         and the step refused (see :class:`StepCalls`)."""
         if not any(getattr(p, "grad_sample", None) is not None for p in self._step.params.values()):
             self._step.reset()  # nothing of the step is held any more: this pass starts a new one
-        earlier = {i: p.grad_sample for i, p in self._step.params.items() if getattr(p, "grad_sample", None) is not None}
+        earlier = {i: p.grad_sample for i, p in self._step.params.items()
+                   if getattr(p, "grad_sample", None) is not None}
         refusal = refusal or self._step.problem(calls)
         for p, g in rows.items():
             previous = earlier.get(id(p))
@@ -322,5 +323,5 @@ def sink_of(model: nn.Module) -> Optional[GradientSink]:
     return sink if isinstance(sink, GradientSink) else None
 
 
-__all__: List[str] = ["LayerCapture", "GradientSink", "GradSampleSink", "StepCalls", "batch_size_problem", "check_grad_sample", "sink_of",
-                      "SINK_ATTR", "PerSampleError", "PrivacySettingError"]
+__all__: List[str] = ["LayerCapture", "GradientSink", "GradSampleSink", "StepCalls", "batch_size_problem",
+                      "check_grad_sample", "sink_of", "SINK_ATTR", "PerSampleError", "PrivacySettingError"]

@@ -27,6 +27,13 @@ Clipping:
   then has norm at most ``sqrt(sum_k C_k^2)``, so that is the sensitivity, and every parameter gets
   noise of std ``sigma * sqrt(sum_k C_k^2)``: the same privacy as flat clipping with that bound.
 
+One step is one private step, or an error before anything moves (parameters, optimizer state, the
+accountant's steps): the settings are checked by their setters and again at every step; the sink refuses
+records of more than one batch (:mod:`fxdp.grad_sample.sink`); the data loader, when it reports to
+:meth:`DPOptimizer.observe_batch`, says how many logical batches a step covers and whether its batch was
+empty; a step with no per-sample gradient is refused unless that batch was empty (noise only, as Poisson
+sampling requires) — a gradient without per-sample gradients means the original model was run.
+
 Conventions: a frozen parameter (``requires_grad=False``) is ignored; a trainable parameter unused in
 a step contributes a zero clipped sum and still gets noise (noise must not depend on the data); a tied
 parameter is one object whose per-sample gradients arrive summed over its uses (the sink's convention).
@@ -139,18 +146,18 @@ class DPOptimizer(Optimizer):
         params = self._trainable_params()
         if self.clipping == "flat":
             if isinstance(value, (list, tuple)):
-                raise PrivacySettingError("fxdp: max_grad_norm is a list of bounds, which needs clipping='per_layer'; "
-                                 "flat clipping takes one float")
+                raise PrivacySettingError("fxdp: max_grad_norm is a list of bounds, which needs "
+                                          "clipping='per_layer'; flat clipping takes one float")
             self._bounds = None
             self._max_grad_norm = _positive_bound(value, "max_grad_norm")
             return
         if not isinstance(value, (list, tuple)):
             raise PrivacySettingError("fxdp: clipping='per_layer' needs max_grad_norm as a list with one bound per "
-                             f"trainable parameter ({len(params)} here: {self._names_of(params)})")
+                                      f"trainable parameter ({len(params)} here: {self._names_of(params)})")
         if len(value) != len(params):
             raise PrivacySettingError(f"fxdp: clipping='per_layer' got {len(value)} bounds in max_grad_norm for "
-                             f"{len(params)} trainable parameters ({self._names_of(params)}); give one bound "
-                             "per trainable parameter, in the optimizer's order")
+                                      f"{len(params)} trainable parameters ({self._names_of(params)}); give one "
+                                      "bound per trainable parameter, in the optimizer's order")
         bounds = [_positive_bound(c, f"max_grad_norm[{k}]") for k, c in enumerate(value)]
         self._bounds = dict(zip(params, bounds))
         self._max_grad_norm = bounds
@@ -229,11 +236,11 @@ class DPOptimizer(Optimizer):
         self.noise_multiplier = self._noise_multiplier
         self.expected_batch_size = self._expected_batch_size
         self.generator = self._generator
-        value = self._max_grad_norm
-        if self.clipping == "flat" or self._bounds is None or not isinstance(value, list) or len(value) != len(self._bounds):
+        value, bounds = self._max_grad_norm, self._bounds
+        if self.clipping == "flat" or bounds is None or not isinstance(value, list) or len(value) != len(bounds):
             self.max_grad_norm = value  # (a clipping mode changed by assignment: its bounds checked afresh)
         else:  # the list may have been edited in place: its bounds checked, for the parameters they were given to
-            self._bounds = dict(zip(self._bounds, [_positive_bound(c, f"max_grad_norm[{k}]") for k, c in enumerate(value)]))
+            self._bounds = dict(zip(bounds, [_positive_bound(c, f"max_grad_norm[{k}]") for k, c in enumerate(value)]))
 
     # -- what torch.optim.Optimizer users reach for -------------------------------------------------
 
