@@ -158,6 +158,8 @@ class PrivacyEngine:
             self._poisson_figure_for_fixed_batches |= not poisson_sampling
             dp_optimizer.attach_step_hook(self._accountant_hook(sample_rate))
         self._claim(module)
+        if isinstance(data_loader, DPDataLoader):  # a step then knows how many batches it covers, and empty ones
+            data_loader.batch_observer = dp_optimizer.observe_batch
         if ddp is not None:
             compiled = wrap_like(compiled, ddp)
         return compiled, dp_optimizer, data_loader

@@ -20,12 +20,19 @@ from fxdp.grad_sample import compute_grad_samples, register_grad_sampler
 from fxdp.grad_sample.bookkeeping import (
     BookkeepingSink, call_without_param_grads, describe_plans, plan_graph, plan_layer,
 )
-from fxdp.grad_sample.sink import GradSampleSink, LayerCapture, sink_of
+from fxdp.grad_sample.sink import GradSampleSink, LayerCapture, PerSampleError, sink_of
 from per_sample_reference import batch_loss, expected_grad_samples
 
 def attach(model, sinks, loss_reduction):
-    """Every layer with trainable parameters of its own delivers a LayerCapture to each sink in backward."""
-    handles, rerunning = [], [False]  # the generic rule re-runs the layer: no capture of that
+    """Every layer with trainable parameters of its own delivers a LayerCapture to each sink in backward,
+    naming the model's forward call it belongs to."""
+    handles, rerunning, calls = [], [False], [0]  # the generic rule re-runs the layer: no capture of that
+
+    def count_call(mod, inputs):
+        if not rerunning[0]:
+            calls[0] += 1
+
+    handles.append(model.register_forward_pre_hook(count_call))
     for module in model.modules():
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if not own:
@@ -36,6 +43,7 @@ def attach(model, sinks, loss_reduction):
                 return
             n = inputs[0].shape[0]
             acts = [x.detach() for x in inputs if isinstance(x, torch.Tensor)]
+            call = calls[0]
 
             def on_grad(grad):
                 g = grad * n if loss_reduction == "mean" else grad  # the mean's 1/N undone
@@ -48,7 +56,7 @@ def attach(model, sinks, loss_reduction):
                         rerunning[0] = False
 
                 capture = LayerCapture(batch_size=n, grad_samples=grad_samples, module=mod, activations=acts,
-                                       backprops=g, params=own)
+                                       backprops=g, params=own, call=call)
                 for sink in sinks:
                     sink.add(capture)
 
@@ -199,11 +207,11 @@ def test_embedding_looked_up_alike_by_every_sample(row, expanded, padding_idx):
     idx = torch.tensor([row]).expand(3, 4)
     idx = idx if expanded else idx.clone()
     book, m = run_and_check(EmbedAndPool(padding_idx), idx)
-    use = book._segments[m.emb.weight][0].uses[0]
+    use = book._segments[m.emb.weight].uses[0]
     assert torch.equal(use.common_indices(), torch.tensor(row))
     different = torch.tensor([row, row, [4, 4, 4, 4]])
     book, m = run_and_check(EmbedAndPool(padding_idx), different)
-    assert book._segments[m.emb.weight][0].uses[0].common_indices() is None
+    assert book._segments[m.emb.weight].uses[0].common_indices() is None
 
 
 def test_embedding_scale_grad_by_freq_materialises():
@@ -318,13 +326,47 @@ def test_conv_called_twice_materialises_that_parameter_only():
 
 
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
-def test_two_backward_passes_append_rows_in_call_order(loss_reduction):
+def test_two_losses_on_one_forward_give_one_row_per_sample_in_both_sinks(loss_reduction):
+    """loss1.backward(retain_graph=True); loss2.backward(): each sample's row is its total gradient (what one
+    (loss1 + loss2).backward() gives), its norm the norm of that sum, in both sinks."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv1d(2, 3, 2), nn.Flatten(), nn.Linear(3 * 4, 2))
-    book, m = run_and_check(model, [torch.randn(3, 2, 5), torch.randn(5, 2, 5)], loss_reduction=loss_reduction)
-    assert book.squared_norms([m[2].weight])[m[2].weight].shape == (8,)
-    book.clear([m[2].weight])
-    assert book.squared_norms([m[2].weight]) == {} and m[0].weight in book.squared_norms([m[0].weight])
+    model = nn.Sequential(nn.Conv1d(2, 3, 2), nn.Flatten(), nn.Linear(3 * 4, 2)).double()
+    x = torch.randn(3, 2, 5, dtype=torch.float64)
+    want1, R1 = expected_grad_samples(model, x, seed=0)
+    want2, R2 = expected_grad_samples(model, x, seed=1)
+    sinks = [BookkeepingSink(), GradSampleSink()]
+    attach(model, sinks, loss_reduction)
+    out = model(x)
+    batch_loss(out, R1, loss_reduction).backward(retain_graph=True)
+    batch_loss(out, R2, loss_reduction).backward()
+    params = dict(model.named_parameters())
+    factors = {p: torch.rand(3, dtype=torch.float64) for p in params.values()}
+    for sink in sinks:
+        norms, sums = sink.squared_norms(params.values()), sink.clipped_sums(params.values(), factors)
+        for name, p in params.items():
+            total = want1[name] + want2[name]
+            torch.testing.assert_close(norms[p], total.flatten(1).pow(2).sum(1))
+            torch.testing.assert_close(sums[p], torch.tensordot(factors[p], total, dims=1))
+
+
+def test_backward_passes_over_two_batches_are_refused_by_both_sinks():
+    """forward x1, backward, forward x2, backward: another batch, refused when read (the optimizer's step),
+    whatever the batch sizes; cleared, the sink takes the next batch."""
+    model = nn.Linear(3, 2)
+    sinks = [BookkeepingSink(), GradSampleSink()]
+    attach(model, sinks, "sum")
+    for n2 in (4, 2):
+        model(torch.randn(4, 3)).sum().backward()
+        model(torch.randn(n2, 3)).sum().backward()
+        for sink in sinks:
+            with pytest.raises(PerSampleError, match="another batch" if n2 == 4 else r"batches of \[2, 4\] samples"):
+                sink.squared_norms([model.weight])
+            with pytest.raises(PerSampleError):
+                sink.clipped_sums([model.weight], {model.weight: torch.ones(4)})
+            sink.clear(list(model.parameters()))
+            assert sink.squared_norms([model.weight]) == {}
+    model(torch.randn(5, 3)).sum().backward()
+    assert all(sink.squared_norms([model.weight])[model.weight].shape == (5,) for sink in sinks)
 
 
 def test_clip_factors_of_the_wrong_length_are_an_error():

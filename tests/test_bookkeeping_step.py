@@ -199,7 +199,7 @@ def test_a_compiled_position_embedding_is_bookkept_from_its_one_row_of_indices()
     dp = fxdp.compile_for_dp(model, example_inputs=torch.randn(3, 5, 4), sink=sink)
     dp(torch.randn(6, 5, 4)).sum().backward()
     assert sink.plans[model.layer.pos].method == "index"
-    use = sink._segments[model.layer.pos.weight][0].uses[0]
+    use = sink._segments[model.layer.pos.weight].uses[0]
     assert torch.equal(use.common_indices(), torch.arange(5))
 
 

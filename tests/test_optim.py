@@ -206,6 +206,7 @@ def test_per_layer_noise_std_is_sigma_times_the_total_bound():
                       expected_batch_size=1, loss_reduction="sum", clipping="per_layer",
                       generator=torch.Generator().manual_seed(5))
     opt.zero_grad()
+    opt.observe_batch(empty=True)  # what the data loader says of an empty batch
     opt.step()  # nothing recorded: p.grad is pure noise
     noise = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert_gaussian(noise, sigma * math.sqrt(sum(c * c for c in bounds)))
@@ -232,6 +233,7 @@ def test_empty_batch_still_steps_with_noise(mode):
                       expected_batch_size=expected, sink=sink_of(dp_model), generator=torch.Generator().manual_seed(0))
     opt.attach_step_hook(hooked.append)
     opt.zero_grad()
+    opt.observe_batch(empty=True)  # the data loader handed out an empty batch, which the loop did not run
     opt.step()
     assert hooked == [opt] and opt.steps == 1
     moved = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())])

@@ -70,11 +70,13 @@ def test_without_poisson_sampling_the_loader_is_kept():
     engine = PrivacyEngine()
     model = classifier()
     loader = DataLoader(dataset(), batch_size=16, shuffle=True)
-    _, optimizer, same = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                             data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
-                                             poisson_sampling=False)
+    dp_model, optimizer, same = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                                    data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+                                                    poisson_sampling=False)
     assert same is loader and optimizer.expected_batch_size == 16
     optimizer.zero_grad()
+    x, y = next(iter(same))
+    nn.functional.cross_entropy(dp_model(x), y).backward()
     optimizer.step()
     assert engine.accountant.history == [(1.0, 0.25, 1)]
 

@@ -90,7 +90,7 @@ def test_lstm_and_rnn_projections_share_their_one_g_and_gru_projections_do_not(k
     w_ih, w_hh, b_ih, b_hh = rnn.weight_ih_l0, rnn.weight_hh_l0, rnn.bias_ih_l0, rnn.bias_hh_l0
     assert book.shared == ({w_ih: 2, w_hh: 2} if shares else {})
     assert shared_products == ([2] if shares else [])
-    biases = [book._segments[b][0].uses[0].gs for b in (b_ih, b_hh)]
+    biases = [book._segments[b].uses[0].gs for b in (b_ih, b_hh)]
     assert (biases[0] is biases[1]) == shares
 
     # per-layer clipping: different factors, so each projection's clipped sum is its own product

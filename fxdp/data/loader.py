@@ -57,6 +57,24 @@ def _empty_like_batch(batch: Any) -> Any:
     return batch
 
 
+def is_empty_batch(batch: Any) -> bool:
+    """Whether ``batch`` holds no sample, as :class:`EmptyBatchCollate` makes one: every batched tensor with
+    no row, every batched field of plain values empty. ``False`` where it cannot tell (a batch of a type of
+    the user's)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.dim() > 0 and batch.shape[0] == 0
+    if isinstance(batch, collections.abc.Mapping):
+        values = list(batch.values())
+    elif isinstance(batch, collections.abc.Sequence) and not isinstance(batch, (str, bytes)):
+        if not any(_is_structure(item) for item in batch):
+            return len(batch) == 0  # a batched field of plain values: one per sample
+        values = list(batch)
+    else:
+        return False
+    fields = [v for v in values if _is_structure(v)]
+    return bool(fields) and all(is_empty_batch(v) for v in fields)
+
+
 class DPDataLoader(DataLoader):
     """A DataLoader for DP-SGD: each of its ``steps`` batches contains every sample of ``dataset``
     independently with probability ``sample_rate`` (Poisson sampling), as the privacy accounting
@@ -65,6 +83,11 @@ class DPDataLoader(DataLoader):
 
     Build one from an ordinary loader with :meth:`from_data_loader`. Other keyword arguments
     (``num_workers``, ``pin_memory``, ...) are passed to :class:`torch.utils.data.DataLoader`.
+
+    ``batch_observer``: a callable told about each batch as it is handed out,
+    ``batch_observer(empty=..., new_epoch=...)`` (whether it holds no sample; whether it is the first of this
+    pass over the loader). ``make_private`` sets it to the DP optimizer's ``observe_batch``, so that a step
+    knows how many batches it covers and whether its batch was empty.
 
     ``distributed=True`` (under an initialised ``torch.distributed``): rank 0 draws a seed and
     broadcasts it, every rank draws the same inclusion masks from it and keeps its share of each
@@ -115,6 +138,19 @@ class DPDataLoader(DataLoader):
             collate_fn=EmptyBatchCollate(collate_fn or default_collate, dataset),
             **loader_kwargs,
         )
+        self.batch_observer: Optional[Callable[..., None]] = None
+
+    def __iter__(self):
+        batches = super().__iter__()
+        return batches if self.batch_observer is None else self._observed(batches, self.batch_observer)
+
+    @staticmethod
+    def _observed(batches, observer):
+        first = True
+        for batch in batches:  # told as the batch is handed out (workers may have loaded it long before)
+            observer(empty=is_empty_batch(batch), new_epoch=first)
+            first = False
+            yield batch
 
     @classmethod
     def from_data_loader(

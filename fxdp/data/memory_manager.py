@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any, Deque, Iterator, List
+from typing import Any, Deque, Iterator, List, Tuple
 
 from torch.utils.data import DataLoader, Sampler
 
@@ -19,13 +19,13 @@ from fxdp.data.loader import loader_options
 class _SplittingBatchSampler(Sampler[List[int]]):
     """Cuts each index list of ``logical`` into lists of at most ``max_size`` indices; an empty
     logical batch gives one empty list. For every list it yields it appends to ``is_last`` whether
-    that list ends its logical batch (read in the same order by the loader's iterator)."""
+    that list ends its logical batch, and its length (read in the same order by the loader's iterator)."""
 
     def __init__(self, logical: Sampler, max_size: int, expected_logical_size: float):
         self.logical = logical
         self.max_size = max_size
         self.expected_logical_size = expected_logical_size
-        self.is_last: Deque[bool] = collections.deque()
+        self.is_last: Deque[Tuple[bool, int]] = collections.deque()
 
     def __len__(self) -> int:
         # An estimate: the number varies with the Poisson batch sizes.
@@ -38,8 +38,9 @@ class _SplittingBatchSampler(Sampler[List[int]]):
             indices = list(indices)
             starts = range(0, len(indices), self.max_size) if indices else [0]
             for start in starts:
-                self.is_last.append(start + self.max_size >= len(indices))
-                yield indices[start : start + self.max_size]
+                physical = indices[start : start + self.max_size]
+                self.is_last.append((start + self.max_size >= len(indices), len(physical)))
+                yield physical
 
 
 class _PhysicalBatchLoader:
@@ -61,8 +62,15 @@ class _PhysicalBatchLoader:
     def __iter__(self) -> Iterator[Any]:
         # The sampler runs ahead of us when worker processes prefetch; batches come back in the
         # order it produced them, so its flags are read first in, first out.
+        observer = getattr(self.logical_data_loader, "batch_observer", None)  # see DPDataLoader
+        starts, first = True, True
         for batch in self._loader:
-            self._optimizer.signal_skip_step(do_skip=not self._sampler.is_last.popleft())
+            is_last, size = self._sampler.is_last.popleft()
+            if observer is not None and starts:  # a logical batch begins (empty: its one physical batch is)
+                observer(empty=size == 0, new_epoch=first)
+                first = False
+            self._optimizer.signal_skip_step(do_skip=not is_last)
+            starts = is_last
             yield batch
 
 

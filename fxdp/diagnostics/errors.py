@@ -63,6 +63,11 @@ class ModelChangedError(FxdpError, RuntimeError):
     trainable) in a way fxdp cannot follow in place: compile it again (or call make_private again)."""
 
 
+class PrivacySettingError(FxdpError, ValueError):
+    """A DP optimizer's setting (noise multiplier, clipping bound, expected batch size, ...) is not one a private
+    step can run with; raised when it is set, and again before a step if it was changed behind the setter."""
+
+
 class UnsupportedInputError(FxdpError, TypeError):
     """A model or layer was called with inputs an engine cannot locate the batch in (a non-tensor where the
     batch was recorded, tensor keyword arguments under the hooks engine, an output without a tensor)."""

@@ -135,6 +135,7 @@ class GradSampleModuleBase(nn.Module):
         self.loss_reduction = loss_reduction
         setattr(self, SINK_ATTR, sink if sink is not None else GradSampleSink())
         self._recomputing = False  # the generic rule re-runs modules: forward hooks stand aside meanwhile
+        self.forward_calls = 0  # forward calls so far: a capture names its call (LayerCapture.call)
 
     @property
     def module(self) -> nn.Module:
@@ -194,12 +195,15 @@ class GradSampleModuleBase(nn.Module):
         """A hook for ``module``'s output: its gradient, with the module's saved inputs, becomes one
         capture for the sink: the module's hand-written rule's, or the generic rule's (``generic``, or
         no rule), which runs each sample as a batch of one in the module's own layout."""
+        call = self.forward_calls
 
         def hook(grad: torch.Tensor) -> None:
             acts, backprops, n = self._to_batch_first(activations, grad)
             backprops = summed_loss_backprops(backprops, self.loss_reduction, n)
-            self._deliver(layer_capture(module, acts, backprops, batch_size=n, batch_dim=self.batch_dim,
-                                        kwargs=kwargs, generic=generic), module)
+            capture = layer_capture(module, acts, backprops, batch_size=n, batch_dim=self.batch_dim,
+                                    kwargs=kwargs, generic=generic)
+            capture.call = call
+            self._deliver(capture, module)
 
         return hook
 

@@ -1,8 +1,10 @@
 """The ``ew`` engine: PyTorch's ExpandedWeights (``torch.nn.utils._per_sample_grad``), for models made of
 the layers it knows, batch first.
 
-ExpandedWeights writes ``p.grad_sample`` itself, so this engine delivers no captures to its sink; the
-sink's read side (:class:`~fxdp.grad_sample.sink.GradSampleSink`) reads ``p.grad_sample``.
+ExpandedWeights writes ``p.grad_sample`` itself (the uses of the forward calls one backward pass reaches
+summed per sample), so this engine delivers no captures to its sink: it hands each backward pass's rows to
+the sink's :meth:`~fxdp.grad_sample.sink.GradSampleSink.add_rows`, which adds them per sample to the step's
+(one row per sample), and the sink's read side reads ``p.grad_sample``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from fxdp.diagnostics import PerSampleError, location_from_traceback
 from fxdp.engines.base import GradSampleModuleBase, trainable_own_params
-from fxdp.grad_sample.sink import GradientSink
+from fxdp.grad_sample.sink import SINK_ATTR, GradientSink
 
 # The layers whose functional ops ExpandedWeights implements (F.linear, F.conv*, F.embedding,
 # F.group_norm, F.instance_norm, F.layer_norm). Its RNN support is partial, so RNNs are not listed.
@@ -39,9 +41,9 @@ class ExpandedWeightsGradSampleModule(GradSampleModuleBase):
     """PyTorch's ExpandedWeights: the forward runs with every trainable parameter replaced by an
     ``ExpandedWeight``, whose backward writes ``grad_sample`` directly.
 
-    ExpandedWeights would add a second backward's per-sample gradients onto the first; this wrapper
-    sets the earlier ones aside when a backward pass starts and appends the new rows when it ends,
-    as the other engines do.
+    A backward pass's rows go to the sink as the other engines' do: this wrapper sets the step's earlier
+    rows aside when a backward pass starts, and hands the new ones with the forward calls the pass reached
+    to :meth:`~fxdp.grad_sample.sink.GradSampleSink.add_rows` when it ends.
     """
 
     def __init__(self, model: nn.Module, batch_first: bool = True, loss_reduction: str = "mean", *,
@@ -66,17 +68,21 @@ class ExpandedWeightsGradSampleModule(GradSampleModuleBase):
                 + ". Use grad_sample_mode='fx', 'hooks' or 'functorch', or freeze those parameters."
             )
         self._in_backward = False
+        self._backward_calls: Dict[int, int] = {}  # forward call -> batch size, for the backward in progress
 
     def forward(self, *args, **kwargs):
         from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
 
         self._in_backward = False
+        self.forward_calls += 1
         batch_size = _leading_size(args, kwargs)
         if batch_size == 0:  # ExpandedWeights refuses an empty batch: no rows to compute
-            return self._empty_batch_forward(args, kwargs)
+            out = self._module(*args, **kwargs)
+            self._watch_backward(out, 0, first_only=True)
+            return out
         params = [p for p in self._module.parameters() if p.requires_grad]
-        # call_for_per_sample_grads refuses parameters that still hold grad_sample; ours append
-        # across backward passes, so hide them while it checks.
+        # call_for_per_sample_grads refuses parameters that still hold grad_sample; ours are kept
+        # across the backward passes of a step, so hide them while it checks.
         hidden = _take_grad_samples(params)
         try:
             per_sample_forward = call_for_per_sample_grads(
@@ -90,45 +96,37 @@ class ExpandedWeightsGradSampleModule(GradSampleModuleBase):
             if "Expanded Weights" not in str(e) and "ExpandedWeights" not in str(e):
                 raise
             raise PerSampleError(self._explain(e)) from e
-        if torch.is_grad_enabled():
-            for t in pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._backward_starts)
+        self._watch_backward(out, batch_size)
         return out
 
-    def _empty_batch_forward(self, args, kwargs):
-        out = self._module(*args, **kwargs)
-        params = [p for p in self._module.parameters() if p.requires_grad]
-
-        def add_no_rows() -> None:
-            for p in params:
-                if getattr(p, "grad_sample", None) is None:
-                    p.grad_sample = p.new_zeros((0, *p.shape))
-
-        def hook(grad: torch.Tensor) -> None:
-            torch.autograd.Variable._execution_engine.queue_callback(add_no_rows)
-
-        if torch.is_grad_enabled():
-            for t in pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(hook)
-                    break
-        return out
-
-    def _backward_starts(self, grad: torch.Tensor) -> None:
-        # Runs before any layer's backward (outputs come last in the forward), once per backward.
-        if self._in_backward:
+    def _watch_backward(self, out, batch_size: int, first_only: bool = False) -> None:
+        """Hooks on this forward call's outputs: a backward pass that reaches one of them reaches the call."""
+        if not torch.is_grad_enabled():
             return
-        self._in_backward = True
-        earlier = _take_grad_samples(self._module.parameters())
+        call = self.forward_calls
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad: self._backward_reaches(call, batch_size))
+                if first_only:
+                    break
 
-        def backward_ends() -> None:
-            for p, previous in earlier.items():
-                new = getattr(p, "grad_sample", None)
-                p.grad_sample = previous if new is None else torch.cat([previous, new], dim=0)
-            self._in_backward = False
+    def _backward_reaches(self, call: int, batch_size: int) -> None:
+        # The first of these runs before any layer's backward (outputs come last in the forward)
+        if not self._in_backward:
+            self._in_backward = True
+            self._backward_calls = {}
+            params = [p for p in self._module.parameters() if p.requires_grad]
+            earlier = _take_grad_samples(params)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_ends(params, earlier))
+        self._backward_calls[call] = batch_size
 
-        torch.autograd.Variable._execution_engine.queue_callback(backward_ends)
+    def _backward_ends(self, params, earlier) -> None:
+        calls, self._backward_calls, self._in_backward = self._backward_calls, {}, False
+        rows = _take_grad_samples(params)
+        _restore_grad_samples(earlier)
+        if not rows and calls and not any(calls.values()):  # an empty batch: rows of no sample
+            rows = {p: p.new_zeros((0, *p.shape)) for p in params}
+        getattr(self, SINK_ATTR).add_rows(rows, calls)
 
     def _explain(self, error: RuntimeError) -> str:
         """Name the innermost module of the model that was running when ExpandedWeights gave up."""

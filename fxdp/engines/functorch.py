@@ -22,6 +22,7 @@ class FunctorchGradSampleModule(GradSampleModuleBase):
     """The whole model under the generic rule (see the module docstring)."""
 
     def forward(self, *args, **kwargs):
+        self.forward_calls += 1
         out = self._module(*args, **kwargs)
         if not torch.is_grad_enabled():
             return out

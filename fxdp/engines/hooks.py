@@ -69,9 +69,10 @@ def first_tensor_output(module_name: str, module: nn.Module, output: Any):
 class GradSampleModule(GradSampleModuleBase):
     """Wraps ``model`` so that ``loss.backward()`` also sets ``p.grad_sample`` (hooks engine).
 
-    ``p.grad_sample[i]`` is the gradient sample ``i`` alone would give; uses of a parameter within
-    one backward pass add up (tied weights, a module called twice); successive backward passes append
-    along dim 0 until :meth:`zero_grad` (see :mod:`fxdp.grad_sample.accumulate`).
+    ``p.grad_sample[i]`` is the gradient sample ``i`` alone would give; uses of a parameter add up per
+    sample over the forward calls and backward passes of one batch (tied weights, a module called twice,
+    two views, two losses) until :meth:`zero_grad` (see :mod:`fxdp.grad_sample.sink`). Every call of the
+    model, through this wrapper or not, is a forward call of its own.
 
     ``strict=True`` raises instead of using the generic rule for a module without a registered
     rule. :attr:`generic_fallbacks` lists the modules that use it.
@@ -174,6 +175,9 @@ class GradSampleModule(GradSampleModuleBase):
         for param_name, param in self._module.named_parameters():
             if not param.requires_grad:
                 self._watch.add_frozen(param, param_name)
+        # every call of the model, through this wrapper or not, is a forward call of its own (LayerCapture.call)
+        self._hook_handles.append(self._module.register_forward_pre_hook(
+            mark_engine_hook(_count_forward_call(weakref.ref(self)), self)))
         if self.strict and without_rule:
             self.remove_hooks()
             raise ValueError(
@@ -223,8 +227,13 @@ class GradSampleModule(GradSampleModuleBase):
             if set(call) - {"input", "hx"} or not rows or (n is not None and rows != n):
                 wrapper._on_layer_output(name, mod, inputs, kwargs, output)
                 return None
-            sink = getattr(wrapper, SINK_ATTR)
-            return recurrent_forward(mod, x, call.get("hx"), deliver=sink.add, loss_reduction=wrapper.loss_reduction,
+            sink, forward_call = getattr(wrapper, SINK_ATTR), wrapper.forward_calls
+
+            def deliver(capture):
+                capture.call = forward_call
+                sink.add(capture)
+
+            return recurrent_forward(mod, x, call.get("hx"), deliver=deliver, loss_reduction=wrapper.loss_reduction,
                                      param_grads=not getattr(sink, "skips_param_grads", False))
 
         self._hook_handles.append(module.register_forward_hook(
@@ -472,6 +481,15 @@ class GradSampleModule(GradSampleModuleBase):
             )
 
         return hook
+
+
+def _count_forward_call(owner):
+    def pre_hook(module, inputs):
+        wrapper = owner()
+        if wrapper is not None:
+            wrapper.forward_calls += 1
+
+    return pre_hook
 
 
 def fallback_self_check(model: nn.Module, example_inputs, batch_dim: int, strict: bool) -> PassReport:

@@ -37,6 +37,7 @@ def unwrap_or_refuse(model: nn.Module) -> nn.Module:
         gc.collect()  # a deleted wrapper in a reference cycle: its finalizer removes its hooks
         remove_dead_engine_hooks(model)
     live = [(name, wrapper) for name, wrapper in engine_hooks(model) if wrapper is not None]
+    live.sort(key=lambda found: found[0] == "<model>")  # a layer's name first: the model's own hook only counts calls
     if live:
         name, wrapper = live[0]
         raise AlreadyCompiledError(

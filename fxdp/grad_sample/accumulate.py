@@ -6,10 +6,10 @@ Conventions (the same as the incumbent's, so code written for it keeps working):
   ``loss_reduction="mean"`` the backprops carry a ``1/N`` factor, which
   :func:`~fxdp.grad_sample.generic.summed_loss_backprops` undoes.
 - Within one backward pass, the uses of a parameter add up (tied weights, a module called twice).
-- Successive backward passes without clearing append along dimension 0: after two backward passes
-  over batches of N1 and N2 samples, ``p.grad_sample`` has shape ``(N1 + N2, *p.shape)``, one row per
-  sample seen (as with gradient accumulation over virtual batches). Clear it with
-  :func:`zero_grad_sample` (the DP optimizer does) before the next logical batch.
+- One row per sample of the batch until cleared: the forward calls and backward passes of one batch
+  (two views, two losses) add up per sample; a backward pass over another batch is appended along
+  dimension 0 (``(N1 + N2, *p.shape)``), and the DP optimizer refuses to step on it. Clear it with
+  :func:`zero_grad_sample` (the DP optimizer does) before the next batch.
 
 The last two are the materialising sink's (:class:`~fxdp.grad_sample.sink.GradSampleSink`): engines
 hand it one :class:`~fxdp.grad_sample.sink.LayerCapture` per layer and backward pass

@@ -13,6 +13,16 @@ and, given one clip factor per sample, each parameter's clipped sum ``sum_i c_i 
 (:class:`GradSampleSink`, the default) or norms and re-weighted products from ``A`` and ``G``
 (book-keeping) — is the sink's business.
 
+One row per sample. Between two clears (one optimizer step), "sample i" is row i of the batch, in
+every sink and engine: the uses of a parameter in several forward calls (two views of a batch) and in
+several backward passes through the same forward calls (two losses, ``retain_graph=True``) add up per
+sample into ONE row, the gradient of the sample's total loss (what one ``(loss1 + loss2).backward()``
+gives). So the forward calls of one step must have one batch size, and a backward pass that reaches
+none of the forward calls the step's earlier backward passes reached (forward x1, backward, forward x2,
+backward: two batches) does not belong to the step. Such a step is refused: the read side raises a
+:class:`PerSampleError` and the optimizer does not step (:class:`StepCalls`). Gradients are accumulated
+over batches with the optimizer's skip steps, never by backward passes alone.
+
 Sink state lives on the model that owns the sink, never in a process-global: two models running
 backward at the same time (two threads) each fill their own sink. Within one sink, captures are kept
 per autograd graph task, so a backward pass that raised leaves nothing behind for the next one.
@@ -29,7 +39,7 @@ import torch
 from torch import nn
 
 # Re-exported: readers of this contract (the DP optimizer, which imports only this module) raise it too.
-from fxdp.diagnostics.errors import PerSampleError
+from fxdp.diagnostics.errors import PerSampleError, PrivacySettingError
 
 
 @dataclass
@@ -47,7 +57,7 @@ class LayerCapture:
     activations: Sequence[torch.Tensor] = ()  # A: the layer's tensor inputs, batch first
     backprops: Optional[torch.Tensor] = None  # G: gradient of the summed loss w.r.t. the output, batch first
     params: Sequence[nn.Parameter] = field(default_factory=tuple)  # the trainable parameters it covers
-    call: int = 0  # the model's forward call it belongs to: two calls before one backward are different samples
+    call: int = 0  # the model's forward call it belongs to (see StepCalls)
     backprops_scale: float = 1.0  # G of the summed loss = backprops_unscaled * backprops_scale
 
     @property
@@ -83,7 +93,8 @@ class GradientSink(abc.ABC):
     @abc.abstractmethod
     def squared_norms(self, params: Iterable[nn.Parameter]) -> Dict[nn.Parameter, torch.Tensor]:
         """Per-sample squared gradient norms, shape ``(N,)``, of each of ``params`` that received
-        per-sample gradients since :meth:`clear` (rows of successive backward passes concatenated)."""
+        per-sample gradients since :meth:`clear`: one row per sample of the batch, the uses of every
+        forward call and backward pass since then summed per sample."""
 
     @abc.abstractmethod
     def clipped_sums(
@@ -125,19 +136,85 @@ class GradientSink(abc.ABC):
         return self.__dict__.get("_retired", {}).get(p)
 
 
+class StepCalls:
+    """The forward calls the backward passes of one step reached, their batch size, and the parameters they
+    delivered for: the check that makes "sample i" row i of one batch (see the module docstring).
+
+    A sink asks :meth:`problem` about each backward pass before it merges the pass's records with the step's:
+    the pass's calls must have the step's batch size, and a pass after the first must reach a call an earlier
+    one reached. A pass that does not belong to the step is kept apart and makes the step *refused*: the sink's
+    read side raises :attr:`refusal` (so the DP optimizer refuses to step) until the step ends (:meth:`reset`),
+    when the sink is cleared or when none of the step's parameters holds records any more (``p.grad_sample``
+    cleared by hand). Backward passes alone (a model used outside training) never raise."""
+
+    def __init__(self):
+        self.calls: Dict[int, int] = {}  # forward call -> its batch size
+        self.params: Dict[int, nn.Parameter] = {}  # the parameters with records of this step, by id
+        self.refusal: Optional[str] = None  # why the optimizer must not step on this step's records
+
+    def reset(self) -> None:
+        self.calls, self.params, self.refusal = {}, {}, None
+
+    def problem(self, calls: Dict[int, int]) -> Optional[str]:
+        """Why a backward pass that reached ``calls`` (forward call -> batch size) does not belong to this
+        step, or None. Changes nothing."""
+        sizes = batch_size_problem([*calls.values(), *self.calls.values()])
+        if sizes is not None:
+            return sizes
+        if self.calls and calls and not set(calls) & set(self.calls):
+            return (
+                "fxdp: a backward pass since the last optimizer step reached none of the forward calls that the "
+                "earlier ones reached: it was another batch (forward x1, backward, forward x2, backward), which one "
+                "private step would clip as if one batch and account as one step at the rate of one. Call "
+                "optimizer.step() after each batch's backward (to cut a logical batch into physical batches that fit "
+                "in memory, use BatchMemoryManager, which signals optimizer.signal_skip_step() for all but the last), "
+                "or add the losses and call backward once; optimizer.zero_grad() forgets the batches seen so far"
+            )
+        return None
+
+    def add(self, calls: Dict[int, int], params: Iterable[nn.Parameter], refusal: Optional[str] = None) -> None:
+        """Record a backward pass (``refusal``: why it does not belong to the step, if it does not)."""
+        self.calls.update(calls)
+        self.params.update((id(p), p) for p in params)
+        self.refusal = self.refusal or refusal
+
+    def check_readable(self) -> None:
+        """Raise the refusal, if the step has one: the optimizer reads nothing of a refused step."""
+        if self.refusal is not None:
+            raise PerSampleError(self.refusal)
+
+
+def batch_size_problem(sizes: Iterable[int]) -> Optional[str]:
+    """Why forward calls of ``sizes`` cannot be one step's (see :class:`StepCalls`), or None."""
+    sizes = sorted(set(sizes))
+    if len(sizes) <= 1:
+        return None
+    return (
+        f"fxdp: forward calls with batches of {sizes} samples reached backward in one step. Within one optimizer "
+        "step sample i is row i of the batch: the uses of every forward call (two views of a batch) and of every "
+        "backward pass (two losses) add up per sample, so they need one batch size. Call optimizer.step() (and "
+        "optimizer.zero_grad()) between batches; to cut a logical batch into physical batches, use "
+        "BatchMemoryManager (a skip step between them)"
+    )
+
+
 class GradSampleSink(GradientSink):
     """The materialising sink: per-sample gradients become ``p.grad_sample``.
 
-    Within one forward call the uses of a parameter add up (tied weights, a layer called twice); the
-    rows of several forward calls before one backward are concatenated in call order (zeros where a
-    call did not use the parameter); successive backward passes append along dimension 0. The read side reads ``p.grad_sample``, so
-    it also serves engines that write it themselves (PyTorch's ExpandedWeights).
+    One row per sample (see the module docstring): the uses of a parameter within one forward call (tied
+    weights, a layer called twice), across the forward calls of one backward pass and across the backward
+    passes of one step add up per sample. Rows that cannot be one step's (forward calls of other batch
+    sizes, a backward pass over another batch) are appended along dimension 0 instead, one row per sample
+    seen, and the optimizer refuses to step on them (:class:`StepCalls`). The read side reads
+    ``p.grad_sample``, so it also serves engines that write it themselves (PyTorch's ExpandedWeights, which
+    hands each backward pass's rows to :meth:`add_rows`).
     """
 
     def __init__(self):
         self._lock = threading.Lock()
         # graph task -> forward call -> (batch size, sums of that call's uses)
         self._pending: Dict[int, Dict[int, tuple]] = {}
+        self._step = StepCalls()
 
     # A copied or pickled model (copy.deepcopy, torch.save) gets a fresh sink: what is pending belongs
     # to a backward pass of the original, and a lock cannot be copied.
@@ -163,14 +240,43 @@ class GradSampleSink(GradientSink):
     def _publish(self, task: int) -> None:
         with self._lock:
             calls = self._pending.pop(task, {})
+        sizes = {call: n for call, (n, _) in calls.items()}
+        refusal = batch_size_problem(sizes.values())
         params = list(dict.fromkeys(p for _, sums in calls.values() for p in sums))
+        rows = {}
         for p in params:
-            parts = [sums[p] if p in sums else p.new_zeros((n, *p.shape)) for _, (n, sums) in sorted(calls.items())]
-            g = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            previous = getattr(p, "grad_sample", None)
-            p.grad_sample = g if previous is None else torch.cat([previous, g], dim=0)
+            if refusal is None:  # one batch: per sample, the calls' uses add up
+                parts = [sums[p] for _, sums in calls.values() if p in sums]
+                rows[p] = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+            else:  # the calls' rows one after the other (zeros where a call did not use p)
+                rows[p] = torch.cat([sums[p] if p in sums else p.new_zeros((n, *p.shape))
+                                     for _, (n, sums) in sorted(calls.items())])
+        self.add_rows(rows, sizes, refusal)
+
+    def add_rows(self, rows: Dict[nn.Parameter, torch.Tensor], calls: Dict[int, int],
+                 refusal: Optional[str] = None) -> None:
+        """One backward pass's per-sample gradients (``calls``: the forward calls it reached -> their batch
+        size): added per sample to the step's rows if the pass belongs to the step, else appended to them
+        and the step refused (see :class:`StepCalls`)."""
+        if not any(getattr(p, "grad_sample", None) is not None for p in self._step.params.values()):
+            self._step.reset()  # nothing of the step is held any more: this pass starts a new one
+        earlier = {i: p.grad_sample for i, p in self._step.params.items()
+                   if getattr(p, "grad_sample", None) is not None}
+        refusal = refusal or self._step.problem(calls)
+        for p, g in rows.items():
+            previous = earlier.get(id(p))
+            if refusal is None and previous is not None and previous.shape[0] != g.shape[0]:
+                refusal = batch_size_problem([previous.shape[0], g.shape[0]])
+        self._step.add(calls, rows, refusal)
+        for p, g in rows.items():
+            previous = earlier.get(id(p))  # (rows from before the step are replaced)
+            if previous is None:
+                p.grad_sample = g
+            else:
+                p.grad_sample = torch.cat([previous, g]) if self._step.refusal else previous + g
 
     def squared_norms(self, params):
+        self._step.check_readable()
         return {
             p: p.grad_sample.reshape(p.grad_sample.shape[0], p.numel()).pow(2).sum(1)
             for p in params
@@ -178,6 +284,7 @@ class GradSampleSink(GradientSink):
         }
 
     def clipped_sums(self, params, factors):
+        self._step.check_readable()
         out = {}
         for p in params:
             if p in factors and getattr(p, "grad_sample", None) is not None:
@@ -186,6 +293,7 @@ class GradSampleSink(GradientSink):
         return out
 
     def clear(self, params):
+        self._step.reset()
         for p in params:
             if hasattr(p, "grad_sample"):
                 p.grad_sample = None
@@ -231,5 +339,5 @@ def sink_of(model: nn.Module) -> Optional[GradientSink]:
     return sink if isinstance(sink, GradientSink) else None
 
 
-__all__: List[str] = ["LayerCapture", "GradientSink", "GradSampleSink", "check_grad_sample", "sink_of", "SINK_ATTR",
-                      "PerSampleError"]
+__all__: List[str] = ["LayerCapture", "GradientSink", "GradSampleSink", "StepCalls", "batch_size_problem",
+                      "check_grad_sample", "sink_of", "SINK_ATTR", "PerSampleError", "PrivacySettingError"]

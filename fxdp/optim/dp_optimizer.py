@@ -27,6 +27,13 @@ Clipping:
   then has norm at most ``sqrt(sum_k C_k^2)``, so that is the sensitivity, and every parameter gets
   noise of std ``sigma * sqrt(sum_k C_k^2)``: the same privacy as flat clipping with that bound.
 
+One step is one private step, or an error before anything moves (parameters, optimizer state, the
+accountant's steps): the settings are checked by their setters and again at every step; the sink refuses
+records of more than one batch (:mod:`fxdp.grad_sample.sink`); the data loader, when it reports to
+:meth:`DPOptimizer.observe_batch`, says how many logical batches a step covers and whether its batch was
+empty; a step with no per-sample gradient is refused unless that batch was empty (noise only, as Poisson
+sampling requires) — a gradient without per-sample gradients means the original model was run.
+
 Conventions: a frozen parameter (``requires_grad=False``) is ignored; a trainable parameter unused in
 a step contributes a zero clipped sum and still gets noise (noise must not depend on the data); a tied
 parameter is one object whose per-sample gradients arrive summed over its uses (the sink's convention).
@@ -43,12 +50,17 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from fxdp.grad_sample.sink import GradientSink, GradSampleSink, PerSampleError
+from fxdp.grad_sample.sink import GradientSink, GradSampleSink, PerSampleError, PrivacySettingError
 from fxdp.optim.noise import add_gaussian_noise_
 
 CLIPPING_MODES = ("flat", "per_layer")
 LOSS_REDUCTIONS = ("mean", "sum")
 _EPS = 1e-6  # in the clip factor C / (norm + eps): a zero gradient gets factor 1, never a division by 0
+_NEEDS_EXPECTED_BATCH_SIZE = (
+    "fxdp: loss_reduction='mean' needs expected_batch_size (the expected number of samples per logical batch: "
+    "sample_rate * len(dataset) under Poisson sampling); the gradient is divided by it, not by the actual batch size")
+_SECURE_WITH_GENERATOR = ("fxdp: secure_mode draws noise from the OS's cryptographic source; a seeded generator "
+                          "would make the noise predictable. Pass generator=None")
 
 
 class DPOptimizer(Optimizer):
@@ -93,13 +105,8 @@ class DPOptimizer(Optimizer):
             raise TypeError("fxdp: the optimizer is already a DPOptimizer; wrap the original optimizer once")
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"fxdp: DPOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"fxdp: loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
         if clipping not in CLIPPING_MODES:
-            raise ValueError(f"fxdp: clipping must be one of {CLIPPING_MODES}, got {clipping!r}")
-        if secure_mode and generator is not None:
-            raise ValueError("fxdp: secure_mode draws noise from the OS's cryptographic source; a seeded "
-                             "generator would make the noise predictable. Pass generator=None")
+            raise PrivacySettingError(f"fxdp: clipping must be one of {CLIPPING_MODES}, got {clipping!r}")
         # the hook lists torch.optim.Optimizer.__init__ would create (we do not call it: the param
         # groups and state are the wrapped optimizer's)
         for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
@@ -107,21 +114,26 @@ class DPOptimizer(Optimizer):
                      "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
             setattr(self, name, collections.OrderedDict())
         self.original_optimizer = optimizer
-        self.loss_reduction = loss_reduction
         self.clipping = clipping
         self.sink: GradientSink = sink if sink is not None else GradSampleSink()
+        self.param_names: Dict[nn.Parameter, str] = dict(param_names or {})
+        # the settings, each validated by its setter (below) and all of them again before every step
+        self.loss_reduction = loss_reduction
         self.secure_mode = secure_mode
         self.generator = generator
-        self.param_names: Dict[nn.Parameter, str] = dict(param_names or {})
         self.noise_multiplier = noise_multiplier
         self.expected_batch_size = expected_batch_size
-        self.max_grad_norm = max_grad_norm  # validated by the setter below
+        self.max_grad_norm = max_grad_norm
         self._check_settings()
         self._step_hooks: List[Callable[["DPOptimizer"], None]] = []
         self._summed: Dict[nn.Parameter, torch.Tensor] = {}  # clipped sums of this logical batch so far
         self._skip_next = False
         self._needs_zero_grad = False  # a logical step ran and zero_grad() has not been called since
         self.steps = 0  # logical steps taken
+        # what the data loader said (observe_batch): logical batches begun since the last step (None: no
+        # loader reports), and whether the last one was empty
+        self._logical_batches: Optional[int] = None
+        self._batch_empty = False
 
     # -- settings ------------------------------------------------------------------------------------
 
@@ -134,21 +146,73 @@ class DPOptimizer(Optimizer):
         params = self._trainable_params()
         if self.clipping == "flat":
             if isinstance(value, (list, tuple)):
-                raise ValueError("fxdp: max_grad_norm is a list of bounds, which needs clipping='per_layer'; "
-                                 "flat clipping takes one float")
+                raise PrivacySettingError("fxdp: max_grad_norm is a list of bounds, which needs "
+                                          "clipping='per_layer'; flat clipping takes one float")
             self._bounds = None
             self._max_grad_norm = _positive_bound(value, "max_grad_norm")
             return
         if not isinstance(value, (list, tuple)):
-            raise ValueError("fxdp: clipping='per_layer' needs max_grad_norm as a list with one bound per "
-                             f"trainable parameter ({len(params)} here: {self._names_of(params)})")
+            raise PrivacySettingError("fxdp: clipping='per_layer' needs max_grad_norm as a list with one bound per "
+                                      f"trainable parameter ({len(params)} here: {self._names_of(params)})")
         if len(value) != len(params):
-            raise ValueError(f"fxdp: clipping='per_layer' got {len(value)} bounds in max_grad_norm for "
-                             f"{len(params)} trainable parameters ({self._names_of(params)}); give one bound "
-                             "per trainable parameter, in the optimizer's order")
+            raise PrivacySettingError(f"fxdp: clipping='per_layer' got {len(value)} bounds in max_grad_norm for "
+                                      f"{len(params)} trainable parameters ({self._names_of(params)}); give one "
+                                      "bound per trainable parameter, in the optimizer's order")
         bounds = [_positive_bound(c, f"max_grad_norm[{k}]") for k, c in enumerate(value)]
         self._bounds = dict(zip(params, bounds))
         self._max_grad_norm = bounds
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self._noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise PrivacySettingError(f"fxdp: noise_multiplier must be a finite number >= 0, got {value!r}")
+        self._noise_multiplier = float(value)
+
+    @property
+    def expected_batch_size(self) -> Optional[int]:
+        return self._expected_batch_size
+
+    @expected_batch_size.setter
+    def expected_batch_size(self, value: Optional[int]) -> None:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise PrivacySettingError(f"fxdp: expected_batch_size must be a positive int or None, got {value!r}")
+        if value is None and getattr(self, "_loss_reduction", None) == "mean":
+            raise PrivacySettingError(_NEEDS_EXPECTED_BATCH_SIZE)
+        self._expected_batch_size = value
+
+    @property
+    def loss_reduction(self) -> str:
+        return self._loss_reduction
+
+    @loss_reduction.setter
+    def loss_reduction(self, value: str) -> None:
+        if value not in LOSS_REDUCTIONS:
+            raise PrivacySettingError(f"fxdp: loss_reduction must be one of {LOSS_REDUCTIONS}, got {value!r}")
+        self._loss_reduction = value
+
+    @property
+    def secure_mode(self) -> bool:
+        return self._secure_mode
+
+    @secure_mode.setter
+    def secure_mode(self, value: bool) -> None:
+        if value and getattr(self, "_generator", None) is not None:
+            raise PrivacySettingError(_SECURE_WITH_GENERATOR)
+        self._secure_mode = bool(value)
+
+    @property
+    def generator(self) -> Optional[torch.Generator]:
+        return self._generator
+
+    @generator.setter
+    def generator(self, value: Optional[torch.Generator]) -> None:
+        if value is not None and getattr(self, "_secure_mode", False):
+            raise PrivacySettingError(_SECURE_WITH_GENERATOR)
+        self._generator = value
 
     @property
     def sensitivity(self) -> float:
@@ -163,16 +227,20 @@ class DPOptimizer(Optimizer):
         return self.noise_multiplier * self.sensitivity
 
     def _check_settings(self) -> None:
-        sigma = self.noise_multiplier
-        if not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0:
-            raise ValueError(f"fxdp: noise_multiplier must be a finite number >= 0, got {sigma!r}")
-        n = self.expected_batch_size
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n <= 0):
-            raise ValueError(f"fxdp: expected_batch_size must be a positive int or None, got {n!r}")
-        if self.loss_reduction == "mean" and n is None:
-            raise ValueError("fxdp: loss_reduction='mean' needs expected_batch_size (the expected number of "
-                             "samples per logical batch: sample_rate * len(dataset) under Poisson sampling); "
-                             "the gradient is divided by it, not by the actual batch size")
+        """Every setting again, as its setter checks it: an attribute of the optimizer's can be changed behind
+        a setter (a per-layer list of bounds edited in place, ``clipping`` reassigned), and a step must not run
+        on settings that no setter accepted."""
+        if self.clipping not in CLIPPING_MODES:
+            raise PrivacySettingError(f"fxdp: clipping must be one of {CLIPPING_MODES}, got {self.clipping!r}")
+        self.loss_reduction = self._loss_reduction
+        self.noise_multiplier = self._noise_multiplier
+        self.expected_batch_size = self._expected_batch_size
+        self.generator = self._generator
+        value, bounds = self._max_grad_norm, self._bounds
+        if self.clipping == "flat" or bounds is None or not isinstance(value, list) or len(value) != len(bounds):
+            self.max_grad_norm = value  # (a clipping mode changed by assignment: its bounds checked afresh)
+        else:  # the list may have been edited in place: its bounds checked, for the parameters they were given to
+            self._bounds = dict(zip(bounds, [_positive_bound(c, f"max_grad_norm[{k}]") for k, c in enumerate(value)]))
 
     # -- what torch.optim.Optimizer users reach for -------------------------------------------------
 
@@ -228,15 +296,34 @@ class DPOptimizer(Optimizer):
         self.sink.clear(self._all_params())
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         self._needs_zero_grad = False
+        if self._logical_batches and not self._summed:
+            # what earlier batches left is gone: only the batch handed out last can still reach the step
+            self._logical_batches = 1
+
+    def observe_batch(self, *, empty: bool, new_epoch: bool = False) -> None:
+        """Told by the data loader as it hands out each logical batch (``make_private`` wires its Poisson
+        loader, and a :class:`~fxdp.data.BatchMemoryManager` over it, to this method): whether the batch is
+        empty, and whether it is the first of a pass over the loader. A step then refuses to run on more
+        than one logical batch, and lets a step with no per-sample gradient through only when the batch was
+        empty (noise only, as Poisson sampling requires)."""
+        if self._logical_batches is None or (new_epoch and not self._summed):
+            # a pass left by break is forgotten, unless skip steps accumulated part of its batch for the next step
+            self._logical_batches = 0
+        self._logical_batches += 1
+        self._batch_empty = bool(empty)
 
     def step(self, closure: Optional[Callable[[], Any]] = None):
         """Clip and accumulate this physical batch; unless a skip was signalled, add noise once, scale,
         write ``p.grad`` and run the wrapped optimizer's step. Returns its result (the closure's loss
-        when a closure is given; ``None`` for a skipped step)."""
+        when a closure is given; ``None`` for a skipped step).
+
+        Every check runs before anything moves: a refused step leaves the parameters, the optimizer's state
+        and the accountant as they were."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_settings()
         if self._needs_zero_grad:
             raise PerSampleError(
                 "fxdp: DPOptimizer.step() was called again without optimizer.zero_grad() since the last "
@@ -244,16 +331,20 @@ class DPOptimizer(Optimizer):
                 "once per logical batch, before its backward pass; otherwise gradients of the last step "
                 "would be mixed into the next one"
             )
+        self._check_one_logical_batch()
         params = self._trainable_params()
         self._check_params_are_the_models(params)
-        skip, self._skip_next = self._skip_next, False
-        if skip:
-            self._accumulate(params)
+        factors = self._factors(params)
+        if self._skip_next:
+            self._skip_next = False
+            self._accumulate(params, factors)
             return None
-        self._write_private_grads(params)
+        self._write_private_grads(params, factors)
         result = self.original_optimizer.step()
         self._needs_zero_grad = True
         self.steps += 1
+        self._logical_batches = None if self._logical_batches is None else 0
+        self._batch_empty = False
         for hook in self._step_hooks:
             hook(self)
         return loss if closure is not None else result
@@ -261,15 +352,16 @@ class DPOptimizer(Optimizer):
     def _factors(self, params: List[nn.Parameter]) -> Dict[nn.Parameter, torch.Tensor]:
         """This physical batch's clip factors, one per sample, after checking its per-sample norms
         (empty where no sample was seen)."""
-        norms = self.sink.squared_norms(params)
+        norms = self.sink.squared_norms(params)  # (a sink refuses the records of more than one batch)
+        if not norms:
+            self._check_a_batch_was_seen(params)
         rows = self._check_rows(norms)
         self._check_finite(norms)
         self._check_every_gradient_is_per_sample(params, norms, rows)
         return self._clip_factors(norms) if norms else {}
 
-    def _accumulate(self, params: List[nn.Parameter]) -> None:
+    def _accumulate(self, params: List[nn.Parameter], factors: Dict[nn.Parameter, torch.Tensor]) -> None:
         """A skipped step: add this physical batch's clipped sums to the logical batch's."""
-        factors = self._factors(params)
         sums = self.sink.take_clipped_sums(list(factors), factors) if factors else {}
         self.sink.clear(params)
         for p, s in sums.items():
@@ -286,7 +378,7 @@ class DPOptimizer(Optimizer):
         factor = (self._max_grad_norm / (total.sqrt() + _EPS)).clamp(max=1.0)
         return {p: factor.to(sq.device) for p, sq in norms.items()}
 
-    def _write_private_grads(self, params: List[nn.Parameter]) -> None:
+    def _write_private_grads(self, params: List[nn.Parameter], factors: Dict[nn.Parameter, torch.Tensor]) -> None:
         """``p.grad = (S + N(0, std^2)) * scale``, S the clipped sum of the logical batch: this physical
         batch's plus those accumulated by skipped steps.
 
@@ -296,7 +388,6 @@ class DPOptimizer(Optimizer):
         one draw per parameter would give (:func:`~fxdp.optim.noise.add_gaussian_noise_`). No second
         copy of the gradients exists at any point. Scaling before the all-reduce of training across
         processes is the same sum."""
-        factors = self._factors(params)
         std = self.noise_std if self._adds_noise() else 0.0
         scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
         sums = self.sink.take_clipped_sums(list(factors), factors, alpha=scale) if factors else {}
@@ -356,6 +447,40 @@ class DPOptimizer(Optimizer):
                     "optimizer.add_param_group")
             if self.clipping == "per_layer":
                 self._bound(p)
+
+    def _check_one_logical_batch(self) -> None:
+        """A private step (with the skip steps before it) takes one logical batch: the accountant records one
+        step at the sampling rate. Two Poisson batches in one step would be clipped as if one batch and
+        accounted at the rate of one."""
+        if self._logical_batches is not None and self._logical_batches > 1:
+            raise PerSampleError(
+                f"fxdp: the data loader handed out {self._logical_batches} batches since the last optimizer step, "
+                "but one private step takes one batch (the accountant records one step at the sampling rate). "
+                "Call optimizer.step() once per batch, an empty one too (it adds noise only); to cut a batch that "
+                "does not fit in memory into physical batches, use BatchMemoryManager, which signals the skip steps"
+            )
+
+    def _check_a_batch_was_seen(self, params: List[nn.Parameter]) -> None:
+        """No per-sample gradient since the last step: the step would add noise only, and be counted. That
+        is right for an empty batch, and a useless (silently counted) step otherwise."""
+        plain = next((p for p in params if p.grad is not None and bool(p.grad.ne(0).any())), None)
+        if plain is not None:
+            raise PerSampleError(
+                f"fxdp: parameter '{self._name(plain)}' received a gradient in backward but no parameter received "
+                "a per-sample gradient: the backward pass ran through a model fxdp did not compile or wrap, most "
+                "likely the original model instead of the one make_private (or fxdp.compile_for_dp) returned. Call "
+                "the returned model: it shares the original's parameters and records the per-sample gradients "
+                "DP-SGD clips; this step would have discarded the gradient and added noise only"
+            )
+        if not self._batch_empty and params:
+            raise PerSampleError(
+                "fxdp: optimizer.step() found no per-sample gradient since the last step: no backward pass ran "
+                "through the private model (loss.backward() missing, or called after step()?). The step would add "
+                "noise only and still be counted by the accountant. Run the model and loss.backward() on the batch "
+                "before step(). An empty batch (Poisson sampling) steps with noise only, as it should: run the model "
+                "on it as on any batch, or take the batches from the data loader make_private returned, which "
+                "tells the optimizer when a batch is empty"
+            )
 
     def _check_finite(self, norms: Dict[nn.Parameter, torch.Tensor]) -> None:
         if not norms or bool(torch.isfinite(torch.stack([_wide(sq).sum() for sq in norms.values()])).all()):
@@ -473,7 +598,7 @@ class DPOptimizer(Optimizer):
 
 def _positive_bound(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"fxdp: {what} must be a finite number > 0, got {value!r}")
+        raise PrivacySettingError(f"fxdp: {what} must be a finite number > 0, got {value!r}")
     return float(value)
 
 

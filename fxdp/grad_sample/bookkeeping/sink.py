@@ -1,5 +1,9 @@
 """The book-keeping sink: keeps each layer's uses during backward, computes norms when a backward pass
-ends, and answers the optimizer's squared_norms / clipped_sums / clear."""
+ends, and answers the optimizer's squared_norms / clipped_sums / clear.
+
+One row per sample (see :mod:`fxdp.grad_sample.sink`): a parameter's uses in every forward call and every
+backward pass of one step are one record (:class:`_Segment`), whose norms are those of the per-sample sum
+of its uses (the tied path when there are several)."""
 
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ from fxdp.grad_sample.bookkeeping.uses import (
 )
 from fxdp.grad_sample.linear import is_transformers_conv1d
 from fxdp.grad_sample.recurrent import RecurrentProjection
-from fxdp.grad_sample.sink import GradientSink, LayerCapture, check_grad_sample, pending_of_this_backward
+from fxdp.grad_sample.sink import (GradientSink, LayerCapture, StepCalls, batch_size_problem, check_grad_sample,
+                                   pending_of_this_backward)
 
 
 class BookkeepingSink(GradientSink):
@@ -42,7 +47,9 @@ class BookkeepingSink(GradientSink):
         self._last_bias_sum = None  # (G, its per-sample sum): a recurrent layer's two biases share it
         self._lock = threading.Lock()
         self._pending: Dict[int, Dict[nn.Parameter, List[_Use]]] = {}  # graph task -> uses in that pass
-        self._segments: Dict[nn.Parameter, List[_Segment]] = {}  # published backward passes, in call order
+        self._pending_calls: Dict[int, Dict[int, int]] = {}  # graph task -> forward call -> its batch size
+        self._segments: Dict[nn.Parameter, _Segment] = {}  # each parameter's record of this step
+        self._step = StepCalls()
 
     # Layers it can book-keep run without their weight gradient in backward (only input gradients
     # flow, see :func:`call_without_param_grads`): the optimizer writes ``p.grad`` from the clipped sums.
@@ -64,6 +71,8 @@ class BookkeepingSink(GradientSink):
             pending = pending_of_this_backward(self)
             for p, use in uses.items():
                 pending.setdefault(p, []).append(use)
+            calls = self._pending_calls.setdefault(torch._C._current_graph_task_id(), {})
+            calls[capture.call] = capture.batch_size
 
     def _uses(self, capture: LayerCapture) -> Dict[nn.Parameter, _Use]:
         # G as delivered and the factor that makes it the summed loss's (folded into norms and clip factors
@@ -142,33 +151,45 @@ class BookkeepingSink(GradientSink):
     def _publish(self, task: int) -> None:
         with self._lock:
             pending = self._pending.pop(task, {})
+            calls = self._pending_calls.pop(task, {})
         self._last_bias_sum = None
+        within = batch_size_problem(calls.values())
+        if within is not None:  # one pass over batches of several sizes: no row is one sample's
+            raise PerSampleError(within)
+        if not any(p in self._segments for p in self._step.params.values()):
+            self._step.reset()  # nothing of the step is held any more: this pass starts a new one
+        refusal = self._step.problem(calls)
+        if refusal is not None:  # another batch: kept out of the step's records, and the step refused
+            self._step.add(calls, (), refusal)
+            return
+        # a parameter with a record of this step's earlier passes: its uses join them (one row per sample)
+        earlier = {p: self._segments[p] for p in pending if id(p) in self._step.params and p in self._segments}
         segments = {}
         with torch.no_grad():
-            shared = self._shared_norms(pending)
+            shared = self._shared_norms({p: uses for p, uses in pending.items() if p not in earlier})
             for p, uses in pending.items():
                 _same_batch(p, uses)
+                if len(uses) > 1:
+                    self.tied[p] = len(uses)
+                if p in earlier:  # (the same path as tied uses: the norm of the per-sample sum)
+                    uses = earlier[p].uses + uses
+                    _same_batch(p, uses)
                 if p in shared:
                     norms = shared[p]
                 elif len(uses) == 1:
                     norms = uses[0].squared_norms()
                 else:
-                    self.tied[p] = len(uses)
                     norms = _tied_squared_norms(uses, self.method)
                 segments[p] = _Segment(norms, uses)
         with self._lock:
-            for p, segment in segments.items():
-                self._segments.setdefault(p, []).append(segment)
+            self._step.add(calls, segments)
+            self._segments.update(segments)
 
     # -- read side -------------------------------------------------------------------------------------
 
     def squared_norms(self, params: Iterable[nn.Parameter]) -> Dict[nn.Parameter, torch.Tensor]:
-        out = {}
-        for p in params:
-            segments = self._segments.get(p)
-            if segments:
-                out[p] = segments[0].norms if len(segments) == 1 else torch.cat([s.norms for s in segments])
-        return out
+        self._step.check_readable()
+        return {p: self._segments[p].norms for p in params if p in self._segments}
 
     def clipped_sums(self, params, factors):
         params = list(params)
@@ -202,25 +223,25 @@ class BookkeepingSink(GradientSink):
     def _uses_with_factors(self, params, factors) -> Dict[nn.Parameter, List[tuple]]:
         """``{p: [(use, its samples' clip factors), ...]}`` over every use of ``p`` recorded since the last
         clear, for the parameters with records and factors."""
+        self._step.check_readable()
         out = {}
         for p in params:
-            segments = self._segments.get(p)
-            if p not in factors or not segments:
+            segment = self._segments.get(p)
+            if p not in factors or segment is None:
                 continue
             c = factors[p]
-            sizes = [s.norms.shape[0] for s in segments]
-            if c.shape != (sum(sizes),):
+            if c.shape != segment.norms.shape:
                 raise ValueError(
                     f"fxdp: clip factors of shape {tuple(c.shape)} for a parameter of shape {tuple(p.shape)} "
-                    f"with {sum(sizes)} per-sample rows; pass one factor per sample"
+                    f"with {segment.norms.shape[0]} per-sample rows; pass one factor per sample"
                 )
-            parts = (c,) if len(segments) == 1 else c.split(sizes)
-            out[p] = [(use, c_seg) for segment, c_seg in zip(segments, parts) for use in segment.uses]
+            out[p] = [(use, c) for use in segment.uses]
         return out
 
     def clear(self, params: Iterable[nn.Parameter]) -> None:
         self._last_bias_sum = None
         with self._lock:
+            self._step.reset()
             for p in params:
                 self._segments.pop(p, None)
 
@@ -229,9 +250,9 @@ class BookkeepingSink(GradientSink):
         out = {}
         with torch.no_grad():
             for p in params:
-                segments = self._segments.get(p)
-                if segments:
-                    out[p] = torch.cat([sum(u.grad_samples() for u in s.uses) for s in segments]).reshape(-1, *p.shape)
+                segment = self._segments.get(p)
+                if segment is not None:
+                    out[p] = sum(u.grad_samples() for u in segment.uses).reshape(-1, *p.shape)
         return out
 
 
