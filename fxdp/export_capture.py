@@ -575,7 +575,8 @@ def fold_registered_layers(graph: torch.fx.Graph, model: nn.Module) -> List[str]
                           and not (a.op == "get_attr" and id(_value(holder, a)) in own)}
         if _takes_one_input(layers[path]):  # sizes read from outside (export reuses ``sym_size(x, 0)``
             outside_inputs = {a for a in outside_inputs if not _is_size(a)}  # nodes): its forward reads its own
-        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        # a size the call computed (``s0 * 7``) and export's CSE shares with later code stays in the graph
+        outputs = [n for n in nodes if any(u not in inside for u in n.users) and not _is_size(n)]
         if len(outside_inputs) != 1 or len(outputs) != 1:
             continue
         (x,), (out,) = outside_inputs, outputs

@@ -152,7 +152,8 @@ class GradSampleModule(GradSampleModuleBase):
                 return
             if find_grad_sampler(module) is not None and has_trainable_params(module):
                 self._hook(label, module)
-                self.grad_sample_layers[label] = f"rule for {type(module).__name__}"
+                self.grad_sample_layers[label] = f"rule for {type(module).__name__}" + (
+                    f": {rule_label}" if (rule_label := getattr(find_grad_sampler(module), "label", None)) else "")
                 return  # the rule covers the whole subtree
             if trainable_own_params(module):
                 self._hook(label, module)
@@ -227,6 +228,9 @@ class GradSampleModule(GradSampleModuleBase):
         out, others = first_tensor_output(name, mod, output)
         if not out.requires_grad:
             return
+        check_call = getattr(find_grad_sampler(mod), "check_call", None)
+        if check_call is not None:  # what the layer's rule refuses in this call (a MoE block's router logits)
+            check_call(name, mod)
         if kwargs and find_grad_sampler(mod) is None:
             tensor_kwargs = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
             if tensor_kwargs:
