@@ -263,7 +263,7 @@ class GradSampleModule(GradSampleModuleBase):
                     f"{what} has shape {tuple(shape)}, but the batch of {n} samples is assumed in dimension {dim}",
                     "use grad_sample_mode='fx' on a model torch.fx can trace (it follows the batch through "
                     "reshapes and transposes), or keep the batch in dimension "
-                    f"{dim} of every layer's input and output")],
+                    f"{dim} of every layer's input and output" + self._merged_tokens_hint(name, shape, n, dim))],
                 f"fxdp (hooks engine): layer '{name}' ({type(mod).__name__}) does not see the batch where "
                 "the hooks engine assumes it, so its per-sample gradients would be wrong:")
 
@@ -278,6 +278,16 @@ class GradSampleModule(GradSampleModuleBase):
         if out.dim() <= dim or out.shape[dim] != n:
             refuse("the output", out.shape)
         return checked
+
+    def _merged_tokens_hint(self, name: str, shape, n: int, dim: int) -> str:
+        """A layer fed the batch's tokens flattened ((N*T, d)) inside a block, as a mixture-of-experts router and
+        experts are: the block can be one layer, each sample re-run alone through it."""
+        parent = name.rpartition(".")[0]
+        if not parent or len(shape) <= dim or shape[dim] <= n or shape[dim] % n:
+            return ""
+        block = type(self._module.get_submodule(parent)).__name__
+        return (f"; if '{parent}' ({block}) is a mixture-of-experts block that routes each token on its own (top-k, "
+                f"no capacity limit, no auxiliary loss), declare it with fxdp.register_moe_block({block})")
 
     def remove_hooks(self) -> None:
         """Detach the engine from the model: later backward passes set no ``grad_sample``."""

@@ -30,11 +30,12 @@ matmul kernels without fake support): :func:`fake_output` gives its output, shap
 from __future__ import annotations
 
 import sys
-from typing import Dict, Iterable, List, Optional, Type, Union
+from typing import Dict, Iterable, List, Optional, Tuple, Type, Union
 
 import torch
 from torch import nn
 
+from fxdp.diagnostics import Kind
 from fxdp.diagnostics.errors import PerSampleError
 from fxdp.grad_sample.generic import generic_grad_sampler
 from fxdp.grad_sample.registry import find_grad_sampler, register_grad_sampler, register_grad_sampler_by_path
@@ -71,23 +72,34 @@ moe_block_grad_sampler.check_call = check_moe_call  # the hooks engine runs a ru
 moe_block_grad_sampler.label = "mixture-of-experts (the whole block, each sample re-run alone with its own routing)"
 
 
-def refuse_sample_mixing_routing(name: str, module: nn.Module) -> None:
-    """A block (or its router) that limits experts' capacity across the batch, or draws router jitter
-    noise in training, cannot be re-run sample by sample: raise, naming it."""
+def routing_problems(name: str, module: nn.Module) -> List[Tuple[Kind, str, str]]:
+    """(kind, message, fix) for what keeps a block (or its router) from being re-run sample by sample: a
+    capacity limit across the batch, router jitter noise in training. The validate pass reports them."""
+    problems = []
     for sub_name, sub in module.named_modules():
         for attr in _CAPACITY_ATTRIBUTES:
             if getattr(sub, attr, None) is not None:
                 where = f"'{name}.{sub_name}'" if sub_name else f"'{name}'"
-                raise PerSampleError(
-                    f"fxdp: the mixture-of-experts block {where} ({type(sub).__name__}) has {attr}="
-                    f"{getattr(sub, attr)!r}: capacity-limited routing drops a token when other samples' tokens fill "
-                    "its expert, so each sample's output depends on the rest of the batch and DP-SGD cannot train it. "
-                    "Use top-k routing without a capacity limit.")
+                problems.append((Kind.MIXES_SAMPLES,
+                                 f"the mixture-of-experts block {where} ({type(sub).__name__}) has {attr}="
+                                 f"{getattr(sub, attr)!r}: capacity-limited routing drops a token when other samples' "
+                                 "tokens fill its expert, so each sample's output depends on the rest of the batch",
+                                 "use top-k routing without a capacity limit"))
     if module.training and (getattr(module, "jitter_noise", 0) or 0) > 0:
-        raise PerSampleError(
-            f"fxdp: the mixture-of-experts block '{name}' ({type(module).__name__}) multiplies its input by random "
-            f"jitter noise in training (jitter_noise={module.jitter_noise}); per-sample gradients re-run each sample, "
-            "which would draw other numbers. Set router_jitter_noise=0 in the config.")
+        problems.append((Kind.NOT_YET_SUPPORTED,
+                         f"the mixture-of-experts block '{name}' ({type(module).__name__}) multiplies its input by "
+                         f"random jitter noise in training (jitter_noise={module.jitter_noise}); per-sample gradients "
+                         "re-run each sample, which would draw other numbers", "set router_jitter_noise=0 in the config"))
+    return problems
+
+
+moe_block_grad_sampler.check_module = routing_problems  # the validate pass reports them with the node
+
+
+def refuse_sample_mixing_routing(name: str, module: nn.Module) -> None:
+    """Raise the first of :func:`routing_problems`, naming the block."""
+    for _, message, fix in routing_problems(name, module)[:1]:
+        raise PerSampleError(f"fxdp: {message}, so DP-SGD cannot train it. To train it: {fix}.")
 
 
 def register_moe_block(classes: Union[Type[nn.Module], Iterable[Type[nn.Module]]]):
