@@ -303,3 +303,29 @@ def test_an_undeclared_moe_block_is_refused_with_what_to_do():
                                 "(top-k, no capacity limit, no auxiliary loss), declare it with "
                                 "fxdp.register_moe_block(TopKMoE)")
     assert all(getattr(p, "grad_sample", None) is None and p.grad is None for p in model.parameters())
+
+
+class PooledMoE(TopKMoE):
+    """Declared a MoE block, but returns one vector per sample: not shaped like its input."""
+
+    def forward(self, x):
+        return super().forward(x).mean(1)
+
+
+class PooledNet(MoENet):
+    def forward(self, ids):
+        return self.head(self.moe(self.embed(ids)))
+
+
+def test_a_declared_block_whose_output_is_not_shaped_like_its_input_is_refused_in_backward():
+    """The graph engine analyses what follows a block with an output shaped like its input: a block that
+    breaks that declaration is refused before any per-sample gradient is handed out."""
+    torch.manual_seed(0)
+    fxdp.register_moe_block(PooledMoE)
+    model = PooledNet(PooledMoE).double()
+    x = tokens(4)
+    compiled = fxdp.compile_for_dp(model, example_inputs=(x,))
+    with pytest.raises(fxdp.PerSampleError, match=r"the mixture-of-experts block PooledMoE returned a tensor of shape "
+                                                  r"\(4, 8\) for an input of shape \(4, 6, 8\)"):
+        compiled(x).sum().backward()
+    assert getattr(model.moe.router.weight, "grad_sample", None) is None

@@ -49,7 +49,16 @@ _TRANSFORMERS_COLLECTOR = "transformers.utils.output_capturing"
 def moe_block_grad_sampler(module: nn.Module, activations: List, backprops) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradients of every trainable parameter of a sparse MoE block (router and experts):
     each sample re-run alone through the block (:func:`~fxdp.grad_sample.generic.generic_grad_sampler`)."""
-    refuse_sample_mixing_routing(type(module).__name__, module)
+    name = type(module).__name__
+    refuse_sample_mixing_routing(name, module)
+    x = activations[0] if activations else None
+    if not isinstance(x, torch.Tensor) or not isinstance(backprops, torch.Tensor) or backprops.shape != x.shape:
+        # the graph engine analysed the layers after the block with an output shaped like its input
+        raise PerSampleError(
+            f"fxdp: the mixture-of-experts block {name} returned a tensor of shape "
+            f"{tuple(getattr(backprops, 'shape', ()))} for an input of shape {tuple(getattr(x, 'shape', ()))}; "
+            "fxdp.register_moe_block declares blocks that map a batch-first tensor to one of the same shape. "
+            "Register a rule of its own for it with fxdp.register_grad_sampler instead.")
     return generic_grad_sampler(module, activations, backprops)
 
 
