@@ -329,3 +329,33 @@ def test_a_declared_block_whose_output_is_not_shaped_like_its_input_is_refused_i
                                                   r"\(4, 8\) for an input of shape \(4, 6, 8\)"):
         compiled(x).sum().backward()
     assert getattr(model.moe.router.weight, "grad_sample", None) is None
+
+
+def _qwen2_moe():
+    return transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
+        moe_intermediate_size=24, shared_expert_intermediate_size=24, num_experts=4, **_SMALL)
+
+
+def _qwen3_moe():
+    return transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(moe_intermediate_size=24, num_experts=4,
+                                                                         head_dim=8, **_SMALL)
+
+
+def _olmoe():
+    return transformers.OlmoeForCausalLM, transformers.OlmoeConfig(num_experts=4, **_SMALL)
+
+
+_SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=16, use_cache=False)
+
+
+@pytest.mark.parametrize("family, block", [(_qwen2_moe, "Qwen2MoeSparseMoeBlock"),
+                                           (_qwen3_moe, "Qwen3MoeSparseMoeBlock"), (_olmoe, "OlmoeSparseMoeBlock")])
+def test_other_hugging_face_moe_families_per_sample_gradients_equal_batches_of_one(family, block):
+    torch.manual_seed(0)
+    cls, config = family()
+    model = cls._from_config(config, attn_implementation="eager", experts_implementation="batched_mm").double().train()
+    compiled = assert_matches_batches_of_one(Logits(model), tokens(), "fx", atol=1e-6, rtol=1e-5)
+    report = fxdp.report(compiled)
+    assert (report.engine, report.front_end) == ("fx", "torch.export")
+    assert any(f"mixture-of-experts: 2 block(s) ({block}: 'model.model.layers.0.mlp'" in note for note in report.notes)

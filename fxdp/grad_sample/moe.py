@@ -18,7 +18,8 @@ That holds only while nothing couples the samples, so these are refused, with th
   other samples' tokens fill its expert): refused;
 - router jitter noise in training (a random draw a per-sample re-run cannot repeat): refused.
 
-Blocks registered here: Hugging Face's Mixtral block (by class path; fxdp never imports transformers).
+Blocks registered here (by class path; fxdp never imports transformers): Hugging Face's Mixtral, Qwen2-MoE
+(its shared expert too), Qwen3-MoE and OLMoE blocks.
 Your own block: ``fxdp.register_moe_block(MyMoE)``: a declaration that its forward routes each token
 on its own (top-k, no capacity, no batch statistics) and returns a tensor shaped like its input; the
 hooks engine's check on the first batch tests it against batches of one.
@@ -144,5 +145,7 @@ def fake_output(module: nn.Module, args) -> Optional[torch.Tensor]:
     return torch.empty_like(args[0])
 
 
-register_grad_sampler_by_path("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock")(
-    moe_block_grad_sampler)
+# Hugging Face blocks whose router picks each token's top-k experts on its own (read in transformers 5's code)
+for _module, _block in (("mixtral", "MixtralSparseMoeBlock"), ("qwen2_moe", "Qwen2MoeSparseMoeBlock"),
+                        ("qwen3_moe", "Qwen3MoeSparseMoeBlock"), ("olmoe", "OlmoeSparseMoeBlock")):
+    register_grad_sampler_by_path(f"transformers.models.{_module}.modeling_{_module}", _block)(moe_block_grad_sampler)
