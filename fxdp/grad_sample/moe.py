@@ -13,7 +13,8 @@ That holds only while nothing couples the samples, so these are refused, with th
 
 - a load-balancing (router auxiliary) loss: computed from the router logits of the whole batch, it
   mixes samples, and it reaches the loss by a path the block's output gradient does not carry
-  (Hugging Face's ``output_router_logits=True``): refused at the forward that records them;
+  (Hugging Face's ``output_router_logits=True``): refused by the hooks engine at the forward that records
+  them (a captured graph whose block has an output besides its own is left to the hooks engine);
 - capacity-limited routing (``expert_capacity`` / ``capacity_factor``: a token is dropped when
   other samples' tokens fill its expert): refused;
 - router jitter noise in training (a random draw a per-sample re-run cannot repeat): refused.
