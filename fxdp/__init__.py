@@ -46,6 +46,7 @@ from fxdp.engines.selfcheck import LayerBatchError, SampleMixingError, SelfCheck
 from fxdp.engines.wrappers import AlreadyCompiledError
 from fxdp.runtime.guards import TrainabilityChangedError
 from fxdp.grad_sample.accumulate import zero_grad_sample
+from fxdp.grad_sample.moe import register_moe_block
 from fxdp.grad_sample.registry import register_grad_sampler
 from fxdp.passes.batch_dim import find_batch_dim_violations
 from fxdp.passes.batch_rules import register_batch_rule
@@ -98,6 +99,7 @@ __all__ = [
     "per_sample_gradient_diagnostics",
     "register_batch_rule",
     "register_grad_sampler",
+    "register_moe_block",
     "report",
     "validators",
     "zero_grad_sample",

@@ -45,6 +45,7 @@ from fxdp.engines.whole_model import whole_model_op
 from fxdp.export_capture import FRONT_END, ExportShapeError, symbolic_batch
 from fxdp.engines.wrappers import AlreadyCompiledError, unwrap_or_refuse  # noqa: F401  (re-exported)
 from fxdp.grad_sample.generic import check_loss_reduction
+from fxdp.grad_sample.moe import describe_moe_blocks
 from fxdp.grad_sample.bookkeeping import BookkeepingSink, describe_plans, plan_graph
 from fxdp.grad_sample.sink import GradientSink, GradSampleSink, sink_of
 from fxdp.layout import PACKED, BatchLayout
@@ -92,6 +93,7 @@ def _make_report(model, traced, reports, engine="fx", fallback_reason=None, fall
     if traced.fixed_to_none:
         notes = [*notes, f"traced with {', '.join(traced.fixed_to_none)} = None (they default to None and "
                          "example_inputs does not give them); give them in example_inputs to use them"]
+    notes = [*notes, *describe_moe_blocks(model)]
     front_end_reason = None
     if not traced.ok:
         fallback_reason = f"the model cannot be traced by torch.fx ({traced.reason})"

@@ -188,6 +188,7 @@ def capture(model: nn.Module, example_inputs, batch_dim: int = 0) -> torch.fx.Gr
     owners = _parameter_owners(model)
     fold_layers(graph, model, owners)
     fold_registered_layers(graph, model)
+    _refuse_unfolded_moe_blocks(graph, model)
     for node in graph.nodes:
         node.meta[meta.SOURCE] = location_from_stack_trace(node.meta.get("stack_trace"))
     _replace_export_guard(graph, args, kwargs, batch_dim, type(model).__name__)
@@ -562,7 +563,7 @@ def fold_registered_layers(graph: torch.fx.Graph, model: nn.Module) -> List[str]
     calls: Dict[str, List[torch.fx.Node]] = {}  # one call of a layer -> its nodes, in graph order
     for node in graph.nodes:
         for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
-            if path in layers and node.op == "call_function":
+            if path in layers and node.op in ("call_function", "call_module"):  # stock layers inside, folded already
                 calls.setdefault(key, []).append(node)
                 break  # the outermost registered layer owns the node
     holder = graph.owning_module
@@ -575,7 +576,8 @@ def fold_registered_layers(graph: torch.fx.Graph, model: nn.Module) -> List[str]
                           and not (a.op == "get_attr" and id(_value(holder, a)) in own)}
         if _takes_one_input(layers[path]):  # sizes read from outside (export reuses ``sym_size(x, 0)``
             outside_inputs = {a for a in outside_inputs if not _is_size(a)}  # nodes): its forward reads its own
-        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        # a size the call computed (``s0 * 7``) and export's CSE shares with later code stays in the graph
+        outputs = [n for n in nodes if any(u not in inside for u in n.users) and not _is_size(n)]
         if len(outside_inputs) != 1 or len(outputs) != 1:
             continue
         (x,), (out,) = outside_inputs, outputs
@@ -591,6 +593,22 @@ def fold_registered_layers(graph: torch.fx.Graph, model: nn.Module) -> List[str]
         if node.op == "get_attr" and not node.users:
             graph.erase_node(node)
     return folded
+
+
+def _refuse_unfolded_moe_blocks(graph: torch.fx.Graph, model: nn.Module) -> None:
+    """A mixture-of-experts block's ops left in the graph pick tokens by data, which the passes cannot follow:
+    its call was not folded because a value computed inside leaves it besides its output (router logits for
+    an auxiliary loss). The capture fails, so the hooks engine, which names the cause, takes the model."""
+    from fxdp.grad_sample.moe import is_moe_block  # the registry of per-sample rules
+
+    blocks = {name for name, m in model.named_modules() if name and is_moe_block(m)}
+    left = sorted({path for node in graph.nodes if node.op in ("call_function", "call_module") and not _is_size(node)
+                   and node.target not in blocks  # a folded call keeps its last node's module stack
+                   for path, _ in (node.meta.get("nn_module_stack") or {}).values() if path in blocks})
+    if left:
+        raise NotImplementedError(
+            f"the mixture-of-experts block(s) {', '.join(repr(p) for p in left)} cannot be captured as one call: a value "
+            "computed inside leaves the block besides its output (router logits for an auxiliary loss?)")
 
 
 def _is_size(node: torch.fx.Node) -> bool:

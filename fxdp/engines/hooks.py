@@ -156,7 +156,8 @@ class GradSampleModule(GradSampleModuleBase):
                 return
             if find_grad_sampler(module) is not None and has_trainable_params(module):
                 self._hook(label, module)
-                self.grad_sample_layers[label] = f"rule for {type(module).__name__}"
+                self.grad_sample_layers[label] = f"rule for {type(module).__name__}" + (
+                    f": {rule_label}" if (rule_label := getattr(find_grad_sampler(module), "label", None)) else "")
                 return  # the rule covers the whole subtree
             if trainable_own_params(module):
                 self._hook(label, module)
@@ -245,6 +246,9 @@ class GradSampleModule(GradSampleModuleBase):
         out, others = first_tensor_output(name, mod, output)
         if not out.requires_grad:
             return
+        check_call = getattr(find_grad_sampler(mod), "check_call", None)
+        if check_call is not None:  # what the layer's rule refuses in this call (a MoE block's router logits)
+            check_call(name, mod)
         if kwargs and find_grad_sampler(mod) is None:
             tensor_kwargs = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
             if tensor_kwargs:
@@ -307,7 +311,7 @@ class GradSampleModule(GradSampleModuleBase):
                     f"{what} has shape {tuple(shape)}, but the batch of {n} samples is assumed in dimension {dim}",
                     "use grad_sample_mode='fx' on a model torch.fx can trace (it follows the batch through "
                     "reshapes and transposes), or keep the batch in dimension "
-                    f"{dim} of every layer's input and output")],
+                    f"{dim} of every layer's input and output" + self._merged_tokens_hint(name, shape, n, dim))],
                 f"fxdp (hooks engine): layer '{name}' ({type(mod).__name__}) does not see the batch where "
                 "the hooks engine assumes it, so its per-sample gradients would be wrong:")
 
@@ -322,6 +326,16 @@ class GradSampleModule(GradSampleModuleBase):
         if out.dim() <= dim or out.shape[dim] != n:
             refuse("the output", out.shape)
         return checked
+
+    def _merged_tokens_hint(self, name: str, shape, n: int, dim: int) -> str:
+        """A layer fed the batch's tokens flattened ((N*T, d)) inside a block, as a mixture-of-experts router and
+        experts are: the block can be one layer, each sample re-run alone through it."""
+        parent = name.rpartition(".")[0]
+        if not parent or len(shape) <= dim or shape[dim] <= n or shape[dim] % n:
+            return ""
+        block = type(self._module.get_submodule(parent)).__name__
+        return (f"; if '{parent}' ({block}) is a mixture-of-experts block that routes each token on its own (top-k, "
+                f"no capacity limit, no auxiliary loss), declare it with fxdp.register_moe_block({block})")
 
     def remove_hooks(self) -> None:
         """Detach the engine from the model: later backward passes set no ``grad_sample``."""

@@ -2,6 +2,7 @@
 
 - ``registry``: the one registry, :func:`register_grad_sampler` / :func:`find_grad_sampler`;
 - one module per layer family with hand-written rules: ``linear``, ``conv``, ``embedding``, ``norms``;
+- ``moe``: sparse mixture-of-experts blocks as one unit, each sample re-run alone (:func:`register_moe_block`);
 - ``recurrent``: stock LSTM / GRU / RNN run step by step, one Linear-like capture per projection;
 - ``generic``: THE generic rule for everything else (vmap of a vjp, a loop where vmap cannot run);
 - ``accumulate``: :func:`compute_grad_samples` (rule lookup, generic fallback, loss reduction),
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 from fxdp.grad_sample.registry import find_grad_sampler, register_grad_sampler, rule_name
 from fxdp.grad_sample.accumulate import compute_grad_samples, zero_grad_sample
-from fxdp.grad_sample import conv, embedding, linear, norms  # noqa: F401  (registers the built-in rules)
+from fxdp.grad_sample import conv, embedding, linear, moe, norms  # noqa: F401  (registers the built-in rules)
 from fxdp.grad_sample.generic import functional_grad_samples, generic_grad_sampler
+from fxdp.grad_sample.moe import moe_block_grad_sampler, register_moe_block
 from fxdp.grad_sample.sink import GradientSink, GradSampleSink, LayerCapture, sink_of
 
 __all__ = [
@@ -28,6 +30,8 @@ __all__ = [
     "zero_grad_sample",
     "generic_grad_sampler",
     "functional_grad_samples",
+    "moe_block_grad_sampler",
+    "register_moe_block",
     "GradientSink",
     "GradSampleSink",
     "LayerCapture",

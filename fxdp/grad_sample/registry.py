@@ -91,12 +91,15 @@ def find_grad_sampler(module_or_type) -> Optional[GradSampler]:
 
 
 def rule_name(module_or_type) -> Optional[str]:
-    """Name of the class whose rule applies (``"Linear"`` for a subclass of nn.Linear), or None."""
+    """Name of the class whose rule applies (``"Linear"`` for a subclass of nn.Linear), or the rule's own
+    ``label`` (a rule shared by many classes: the mixture-of-experts one), or None."""
     if _is_parametrized(module_or_type):
         return PARAMETRIZED
     _register_imported_classes()
     owner = GRAD_SAMPLERS.owner(module_or_type)
-    return None if owner is None else owner.__name__
+    if owner is None:
+        return None
+    return getattr(GRAD_SAMPLERS.find(module_or_type), "label", None) or owner.__name__  # a shared rule names itself
 
 
 def _is_parametrized(module_or_type) -> bool:

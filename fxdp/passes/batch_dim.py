@@ -43,6 +43,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fxdp import meta
 from fxdp.diagnostics import BatchDimAnalysisError, Finding, Kind, MissingBatchRuleError, PassReport, PassResult, Severity
+from fxdp.grad_sample.moe import fake_output
 from fxdp.layout import BROADCAST, PACKED, UNBATCHED_LAYOUT, UNKNOWN, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_inputs import (
     _bind_inputs,
@@ -181,6 +182,11 @@ class BatchDimInterpreter(torch.fx.Interpreter):
         n.meta[meta.BATCH_DIM] = layout
         n.meta[meta.FAKE_VALUE] = None if out is _UNKNOWN_VALUE else out
         return out
+
+    def call_module(self, target, args, kwargs):
+        # a mixture-of-experts block picks rows by data (shapes no fake tensor knows): its output is like its input
+        out = fake_output(self.fetch_attr(target), args)
+        return out if out is not None else super().call_module(target, args, kwargs)
 
     def get_attr(self, target, args, kwargs):
         value = super().get_attr(target, args, kwargs)

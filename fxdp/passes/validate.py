@@ -94,6 +94,9 @@ def _check_module_call(gm, node: Node, location, validator_class, uses) -> List[
                  e.message if e.module_name == node.name else f"`{e.module_name}`: {e.message}", e.fix, location)
         for e in validator_class.module_errors(module, prefix=node.target)
     ]
+    check_module = getattr(find_grad_sampler(module), "check_module", None)  # what the layer's rule refuses
+    for kind, message, fix in (check_module(node.target, module) if check_module is not None else ()):
+        findings.append(_finding(node.name, op, kind, Severity.ERROR, message, fix, location))
     has_errors = bool(findings)
     params = dict(module.named_parameters())
     for p in params.values():
