@@ -160,6 +160,7 @@ class PrivacyEngine:
         self._claim(module)
         if isinstance(data_loader, DPDataLoader):  # a step then knows how many batches it covers, and empty ones
             data_loader.batch_observer = dp_optimizer.observe_batch
+            dp_optimizer.expect_observed_batches()
         if ddp is not None:
             compiled = wrap_like(compiled, ddp)
         return compiled, dp_optimizer, data_loader

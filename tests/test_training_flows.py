@@ -202,8 +202,9 @@ def test_two_poisson_batches_backward_then_one_step_is_refused(mode, materialise
 
 @pytest.mark.parametrize("mode,materialise", PRIVATE)
 def test_two_batches_backward_then_one_step_is_refused_without_a_dp_loader(mode, materialise):
-    """The same with batches of the user's: the sink sees a backward pass over another batch."""
-    engine, model, dp, opt, _ = make_private(mode, materialise)
+    """The same with batches of the user's (the loader kept: no DP loader tells the optimizer anything): the
+    sink sees a backward pass over another batch."""
+    engine, model, dp, opt, _ = make_private(mode, materialise, poisson_sampling=False)
     x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
     before = snapshot(model, opt, engine)
     opt.zero_grad()
@@ -436,3 +437,38 @@ def test_the_loader_tells_an_empty_batch_of_any_structure():
         assert is_empty_batch(collate([])), sample
         assert not is_empty_batch(collate([sample, sample])), sample
     assert not is_empty_batch(object())  # a batch of a type of the user's: not known to be empty
+
+
+# -- a step's batch must come from the loader make_private returned -----------------------------------------
+
+
+@pytest.mark.parametrize("mode,materialise", PRIVATE)
+def test_training_on_the_loader_given_to_make_private_instead_of_the_returned_one_is_refused(mode, materialise):
+    """``model, optimizer, _ = make_private(..., data_loader=train_loader)`` then ``for x, y in train_loader``:
+    shuffled fixed-size batches, which the accountant would record as Poisson samples."""
+    engine, model, dp, opt, _ = make_private(mode, materialise)
+    train_loader = DataLoader(TensorDataset(torch.randn(16, 6), torch.randint(0, 3, (16,))), batch_size=4)
+    before = snapshot(model, opt, engine)
+    for batch in train_loader:
+        opt.zero_grad()
+        loss_of(dp, batch).backward()
+        with pytest.raises(fxdp.PerSampleError, match="without a batch from the data loader make_private returned"):
+            opt.step()
+        assert_unchanged(model, opt, before, engine)
+
+
+def test_one_batch_used_for_two_steps_is_refused():
+    """Two steps on one Poisson batch: the second would be accounted as a fresh sample, independent of the
+    first, which it is not."""
+    engine, model, dp, opt, loader = make_private()
+    batch = next(iter(loader))
+    opt.zero_grad()
+    loss_of(dp, batch).backward()
+    opt.step()
+    before = snapshot(model, opt, engine)
+    opt.zero_grad()
+    loss_of(dp, batch).backward()
+    with pytest.raises(fxdp.PerSampleError, match="a batch already used for a step"):
+        opt.step()
+    assert_unchanged(model, opt, before, engine)
+    assert engine.accountant.history == [(1.0, pytest.approx(0.25), 1)]

@@ -220,6 +220,8 @@ def _step(model, opt, oracle, outputs) -> bool:
         reason = "without optimizer.zero_grad"
     elif (oracle.logical_batches or 0) > 1:
         reason = "handed out"
+    elif oracle.logical_batches == 0:  # the loader told batches before, none since the last step
+        reason = "without a batch from the data loader"
     elif oracle.refused:
         reason = "another batch|batches of"
     elif oracle.rows is None and oracle.plain_grad:

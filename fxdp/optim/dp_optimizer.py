@@ -300,6 +300,14 @@ class DPOptimizer(Optimizer):
             # what earlier batches left is gone: only the batch handed out last can still reach the step
             self._logical_batches = 1
 
+    def expect_observed_batches(self) -> None:
+        """From now on every step needs a batch told by :meth:`observe_batch` since the last step
+        (``make_private`` calls it when it wires its loader): a step on a batch from anywhere else — the
+        loader given to ``make_private`` instead of the one it returned, or one batch used for two steps —
+        would be accounted as a fresh Poisson batch that it is not."""
+        if self._logical_batches is None:
+            self._logical_batches = 0
+
     def observe_batch(self, *, empty: bool, new_epoch: bool = False) -> None:
         """Told by the data loader as it hands out each logical batch (``make_private`` wires its Poisson
         loader, and a :class:`~fxdp.data.BatchMemoryManager` over it, to this method): whether the batch is
@@ -451,7 +459,16 @@ class DPOptimizer(Optimizer):
     def _check_one_logical_batch(self) -> None:
         """A private step (with the skip steps before it) takes one logical batch: the accountant records one
         step at the sampling rate. Two Poisson batches in one step would be clipped as if one batch and
-        accounted at the rate of one."""
+        accounted at the rate of one; none (once a loader tells its batches) means the batch came from
+        elsewhere, and would be accounted as a Poisson sample it is not."""
+        if self._logical_batches == 0:
+            raise PerSampleError(
+                "fxdp: optimizer.step() without a batch from the data loader make_private returned since the last "
+                "step: this step's batch came from elsewhere (the loader you passed to make_private, or a batch "
+                "already used for a step), but the accountant would record it as a fresh Poisson sample of the "
+                "dataset. Iterate the loader make_private returned (model, optimizer, loader = "
+                "engine.make_private(...)), one step per batch"
+            )
         if self._logical_batches is not None and self._logical_batches > 1:
             raise PerSampleError(
                 f"fxdp: the data loader handed out {self._logical_batches} batches since the last optimizer step, "
