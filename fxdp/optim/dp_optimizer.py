@@ -30,8 +30,8 @@ Clipping:
 One step is one private step, or an error before anything moves (parameters, optimizer state, the
 accountant's steps): the settings are checked by their setters and again at every step; the sink refuses
 records of more than one batch (:mod:`fxdp.grad_sample.sink`); the data loader, when it reports to
-:meth:`DPOptimizer.observe_batch`, says how many logical batches a step covers and whether its batch was
-empty; a step with no per-sample gradient is refused unless that batch was empty (noise only, as Poisson
+:meth:`DPOptimizer.observe_batch`, says how many logical batches a step covers (exactly one: none means the
+batch came from elsewhere) and whether its batch was empty; a step with no per-sample gradient is refused unless that batch was empty (noise only, as Poisson
 sampling requires) — a gradient without per-sample gradients means the original model was run.
 
 Conventions: a frozen parameter (``requires_grad=False``) is ignored; a trainable parameter unused in
