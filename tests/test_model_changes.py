@@ -1,7 +1,8 @@
 """Issue #21, items 8c and 13: a model changed after ``make_private`` / ``compile_for_dp`` (a layer replaced,
 a parameter unfrozen or frozen) trains privately, or an fxdp error comes before any parameter moves and
 before the accountant records a step. Every case runs on the fx engine (book-keeping sink, and
-``materialise_grad_sample=True``) and on the hooks engine."""
+``materialise_grad_sample=True``) and on the hooks engine; the engines that run the model as it is at each
+forward (ew, functorch, fx+whole-model) are checked at the end."""
 
 import copy
 import warnings
@@ -389,3 +390,48 @@ def test_a_forward_before_the_change_and_one_after_then_one_backward_add_up_per_
     second = per_sample_grads(model, x2, y2, [model.fc.weight, model.w])
     for p, a, b in zip([model.fc.weight, model.w], first, second):
         torch.testing.assert_close(p.grad_sample, a + b, atol=1e-5, rtol=1e-4)
+
+
+# -- the engines that run the model as it is at each forward (ew, functorch, fx+whole-model) ---------------
+
+
+def _plain_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def _private_plain(model, mode):
+    if mode == "fx+whole-model":  # a hook on the model sends it to the whole-model op
+        model.register_forward_hook(lambda module, args, out: None)
+    engine = fxdp.PrivacyEngine()
+    private, optimizer, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        data_loader=DataLoader(TensorDataset(*batch(0, 12)), batch_size=6), noise_multiplier=0.0,
+        max_grad_norm=C, grad_sample_mode="fx" if mode == "fx+whole-model" else mode, poisson_sampling=False,
+        loss_reduction="sum", example_inputs=batch(0)[0])
+    assert fxdp.report(private).engine == mode
+    return private, optimizer, engine
+
+
+@pytest.mark.parametrize("mode", ["ew", "functorch", "fx+whole-model"])
+def test_engines_that_run_the_model_as_it_is_refuse_to_move_a_replaced_layer_by_noise_alone(mode):
+    """These engines call the replacing layer at once; the optimizer still holds the replaced one's parameters,
+    which would get no gradient and move by noise alone: refused, until the old layer is out of the optimizer
+    and the new one in, then the new one trains privately."""
+    model = _plain_net()
+    private, optimizer, engine = _private_plain(model, mode)
+    step(private, optimizer, *batch(1))
+    old, new = model[2], nn.Linear(4, 2)
+    model[2] = new
+    before = snapshot(model, old)
+    optimizer.zero_grad()
+    loss_of(private(batch(2)[0]), batch(2)[1]).backward()
+    with pytest.raises(fxdp.PerSampleError, match=r"parameter '2.weight' is in the optimizer, but the model no longer "
+                                                   r"uses it \(2 parameter\(s\) of Sequential were replaced"):
+        optimizer.step()
+    for p, value in before.values():
+        assert torch.equal(p.detach(), value)
+    assert sum(n for *_, n in engine.accountant.history) == 1
+    old.requires_grad_(False)  # what the error says to do
+    optimizer.add_param_group({"params": list(new.parameters())})
+    assert_private_step(model, private, optimizer, *batch(3), list(model.parameters()), materialised=False)

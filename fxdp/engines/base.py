@@ -119,6 +119,26 @@ def without_own_hooks(module: nn.Module):
             setattr(module, attr, hooks)
 
 
+class ParameterWatch:
+    """The parameters of a model that an engine runs as it is at each forward (ew, functorch, the whole-model
+    op): a layer or parameter replaced since the last forward is simply used, and the parameters it replaced,
+    which an optimizer may still hold, are retired in the sink (a DP optimizer holding one refuses to step:
+    noise alone would move it)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.known = {id(p): p for p in model.parameters()}
+
+    def check(self, sink: GradientSink) -> None:
+        now = {id(p): p for p in self.model.parameters()}
+        if now.keys() != self.known.keys():
+            gone = [p for i, p in self.known.items() if i not in now]
+            if gone:
+                sink.retire(gone, f"{len(gone)} parameter(s) of {type(self.model).__name__} were replaced after it "
+                                  "was wrapped, with the layers that held them", now.values())
+            self.known = now
+
+
 class GradSampleModuleBase(nn.Module):
     """The base of every engine's wrapper. ``sink`` receives the per-sample gradients (a fresh
     :class:`~fxdp.grad_sample.sink.GradSampleSink`, which writes ``p.grad_sample``, by default);

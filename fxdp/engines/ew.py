@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxdp.diagnostics import PerSampleError, location_from_traceback
-from fxdp.engines.base import GradSampleModuleBase, trainable_own_params
+from fxdp.engines.base import GradSampleModuleBase, ParameterWatch, trainable_own_params
 from fxdp.grad_sample.sink import SINK_ATTR, GradientSink
 
 # The layers whose functional ops ExpandedWeights implements (F.linear, F.conv*, F.embedding,
@@ -67,6 +67,7 @@ class ExpandedWeightsGradSampleModule(GradSampleModuleBase):
                 + ", ".join(t.__name__ for t in EW_SUPPORTED_LAYERS)
                 + ". Use grad_sample_mode='fx', 'hooks' or 'functorch', or freeze those parameters."
             )
+        self._parameter_watch = ParameterWatch(model)
         self._in_backward = False
         self._backward_calls: Dict[int, int] = {}  # forward call -> batch size, for the backward in progress
 
@@ -75,6 +76,7 @@ class ExpandedWeightsGradSampleModule(GradSampleModuleBase):
 
         self._in_backward = False
         self.forward_calls += 1
+        self._parameter_watch.check(getattr(self, SINK_ATTR))
         batch_size = _leading_size(args, kwargs)
         if batch_size == 0:  # ExpandedWeights refuses an empty batch: no rows to compute
             out = self._module(*args, **kwargs)

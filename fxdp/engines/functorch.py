@@ -15,14 +15,20 @@ from typing import Any
 
 import torch
 
-from fxdp.engines.base import GradSampleModuleBase
+from fxdp.engines.base import GradSampleModuleBase, ParameterWatch
+from fxdp.grad_sample.sink import SINK_ATTR
 
 
 class FunctorchGradSampleModule(GradSampleModuleBase):
     """The whole model under the generic rule (see the module docstring)."""
 
+    def __init__(self, model, **kwargs):
+        super().__init__(model, **kwargs)
+        self._parameter_watch = ParameterWatch(model)
+
     def forward(self, *args, **kwargs):
         self.forward_calls += 1
+        self._parameter_watch.check(getattr(self, SINK_ATTR))
         out = self._module(*args, **kwargs)
         if not torch.is_grad_enabled():
             return out

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxdp import meta
+from fxdp.engines.base import ParameterWatch
 from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
 from fxdp.layout import UNKNOWN, BatchLayout
 from fxdp.passes.per_sample import batch_source
@@ -38,8 +39,10 @@ class PerSampleModel(nn.Module):
         self._input_layouts = input_layouts  # forward's parameter name -> layouts of its tensors
         self._batch_input = batch_input  # (name, dim) of the input that carries the batch
         self._signature = inspect.signature(model.forward)
+        self._parameter_watch = ParameterWatch(model)
 
     def forward(self, *args, **kwargs):
+        self._parameter_watch.check(self.fxdp_site.sink)
         bound = self._signature.bind(*args, **kwargs)
         name, dim = self._batch_input
         n = bound.arguments[name].shape[dim]
