@@ -56,6 +56,9 @@ from fxdp.optim.noise import add_gaussian_noise_
 CLIPPING_MODES = ("flat", "per_layer")
 LOSS_REDUCTIONS = ("mean", "sum")
 _EPS = 1e-6  # in the clip factor C / (norm + eps): a zero gradient gets factor 1, never a division by 0
+# Opacus's DPOptimizer extension points. This DP optimizer forms the clipped, noised gradient in one pass
+# (_write_private_grads) and never calls them: a subclass's override would be silently ignored.
+_OPACUS_EXTENSION_POINTS = ("pre_step", "clip_and_accumulate", "add_noise", "scale_grad")
 _NEEDS_EXPECTED_BATCH_SIZE = (
     "fxdp: loss_reduction='mean' needs expected_batch_size (the expected number of samples per logical batch: "
     "sample_rate * len(dataset) under Poisson sampling); the gradient is divided by it, not by the actual batch size")
@@ -101,6 +104,7 @@ class DPOptimizer(Optimizer):
         generator: Optional[torch.Generator] = None,
         param_names: Optional[Dict[nn.Parameter, str]] = None,
     ):
+        _refuse_ignored_overrides(type(self))
         if isinstance(optimizer, DPOptimizer):
             raise TypeError("fxdp: the optimizer is already a DPOptimizer; wrap the original optimizer once")
         if not isinstance(optimizer, Optimizer):
@@ -611,6 +615,21 @@ class DPOptimizer(Optimizer):
 
     def _names_of(self, params: List[nn.Parameter]) -> str:
         return ", ".join(self._name(p) for p in params)
+
+
+def _refuse_ignored_overrides(cls: type) -> None:
+    """A subclass written for Opacus's DPOptimizer (a Laplace mechanism in ``add_noise``, say) would run with
+    fxdp's Gaussian noise and clipping instead of its own, silently: refused, naming the method."""
+    overridden = [name for name in _OPACUS_EXTENSION_POINTS
+                  if any(name in vars(klass) for klass in cls.__mro__ if issubclass(klass, DPOptimizer)
+                         and klass is not DPOptimizer)]
+    if overridden:
+        raise TypeError(
+            f"fxdp: {cls.__name__} overrides {', '.join(overridden)}, Opacus's DPOptimizer extension point(s), which "
+            "fxdp's DPOptimizer never calls: it clips, adds Gaussian noise and scales in one pass "
+            "(_write_private_grads), so the override would be silently ignored. fxdp does not support custom "
+            "clipping or noise mechanisms through these methods yet; use fxdp's DPOptimizer as it is, or Opacus "
+            "for this optimizer")
 
 
 def _positive_bound(value: Any, what: str) -> float:
