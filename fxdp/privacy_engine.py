@@ -44,6 +44,7 @@ from fxdp.grad_sample.bookkeeping import BookkeepingSink
 from fxdp.grad_sample.sink import sink_of
 from fxdp.optim import DPOptimizer
 from fxdp.optim.noise import secure_seed
+from fxdp.validators import ModuleValidator
 
 # checkpoint keys
 MODULE_KEY = "module_state_dict"
@@ -198,6 +199,30 @@ class PrivacyEngine:
         )
         return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
                                  noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, **kwargs)
+
+    # -- checking a model first (Opacus's names) ---------------------------------------------------------
+
+    @staticmethod
+    def get_compatible_module(module: nn.Module) -> nn.Module:
+        """A fixed copy of ``module`` (:meth:`fxdp.validators.ModuleValidator.fix`: batch norm replaced, in-place
+        flags off), validated: raises :class:`~fxdp.validators.UnsupportedModuleError` if problems remain."""
+        fixed = ModuleValidator.fix(module)
+        ModuleValidator.validate(fixed, strict=True)
+        return fixed
+
+    def is_compatible(self, *, module: nn.Module, optimizer: Optional[Optimizer] = None,
+                      data_loader: Optional[DataLoader] = None) -> bool:
+        """Whether the registered validators find nothing in ``module`` (:meth:`validate` without raising).
+        ``optimizer`` and ``data_loader`` are accepted for Opacus code and not examined. make_private goes
+        further: it compiles the model and refuses, with the user's line, what the validators cannot see (an op
+        that moves the batch or mixes samples)."""
+        return ModuleValidator.is_valid(module)
+
+    def validate(self, *, module: nn.Module, optimizer: Optional[Optimizer] = None,
+                 data_loader: Optional[DataLoader] = None) -> None:
+        """Raise :class:`~fxdp.validators.UnsupportedModuleError` listing what the validators find in
+        ``module`` (see :meth:`is_compatible`)."""
+        ModuleValidator.validate(module, strict=True)
 
     def get_epsilon(self, delta: float) -> float:
         """The ε spent so far at ``delta``, by the accountant (every logical step made private by this

@@ -3,6 +3,8 @@ checkpoints, on the compiled graph and the hooks engine."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -398,3 +400,26 @@ def test_per_epoch_accounting_refuses_what_it_cannot_bound(loader, poisson, matc
                             fixed_batch_accounting="per_epoch")
     with pytest.raises(ValueError, match="fixed_batch_accounting must be one of"):
         _fixed_batches(classifier(), engine, loader, fixed_batch_accounting="shuffled")
+
+
+def test_checking_a_model_first_with_opacus_names():
+    """PrivacyEngine.is_compatible / validate / get_compatible_module, as Opacus code calls them: a batch norm
+    is found and named, the fixed copy passes and trains, the original is left as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+    engine = PrivacyEngine()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(dataset(), batch_size=16)
+    assert engine.is_compatible(module=model, optimizer=optimizer, data_loader=loader) is False
+    with pytest.raises(fxdp.validators.UnsupportedModuleError, match=r"`1`.*BatchNorm1d"):
+        engine.validate(module=model, optimizer=optimizer, data_loader=loader)
+    with pytest.warns(fxdp.validators.ModuleFixWarning):
+        fixed = PrivacyEngine.get_compatible_module(model)
+    assert isinstance(model[1], nn.BatchNorm1d) and not isinstance(fixed[1], nn.BatchNorm1d)
+    assert engine.is_compatible(module=fixed, optimizer=None, data_loader=None)
+    engine.validate(module=fixed, optimizer=None, data_loader=None)
+    dp_model, dp_optimizer, dp_loader = private(engine, "fx", model=fixed)
+    train(dp_model, dp_optimizer, dp_loader)
+    assert len(engine.accountant) == len(dp_loader)
+    with pytest.raises(fxdp.validators.UnsupportedModuleError, match="eval"):  # as make_private would refuse it
+        engine.validate(module=copy.deepcopy(fixed).eval())
