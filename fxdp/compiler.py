@@ -387,11 +387,8 @@ def _rebuild(compiled: torch.fx.GraphModule, why: str, args: tuple, kwargs: dict
             f"fxdp: {why} since the model was compiled. Compiled again, it needs the {rep.engine} engine "
             f"({rep.fallback_reason}), which cannot take the compiled graph's place: compile the changed model "
             "again with fxdp.compile_for_dp (or call make_private again with it)")
-    old_params = {id(p): p for _, _, p, _ in guard.watch.entries if isinstance(p, nn.Parameter)}  # as compiled
-    new_params = list(new.parameters())
-    kept = set(map(id, new_params))
-    if sink is not None:
-        sink.retire([p for i, p in old_params.items() if i not in kept], why, new_params)
+    if sink is not None:  # the parameters as compiled, against the new graph's
+        sink.retire([p for _, _, p, _ in guard.watch.entries if isinstance(p, nn.Parameter)], new.parameters(), why)
     note = f"compiled again before a forward: {why}"
     setattr(new, _REPORT_ATTR, dataclasses.replace(rep, notes=(*rep.notes, note)))
     mine = {k: v for k, v in compiled.__dict__.items() if "hook" in k or k == "training"}  # the user's too

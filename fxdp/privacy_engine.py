@@ -271,17 +271,16 @@ class PrivacyEngine:
         Gaussian mechanism at sample rate 1 (a sample's one batch of the epoch may be any of its steps); so
         does every ``steps_per_epoch``-th step without a new epoch (batches from elsewhere). A later step of
         the epoch with less noise than any recorded for it records one more: the sample's batch may be it."""
-        recorded = []  # the noise multipliers recorded for the current epoch
-        steps = [0]  # steps since the last record of a new epoch
+        epoch = {"steps": 0, "lowest": None}  # steps since an epoch was recorded; its lowest noise recorded
 
         def step_accountant(optimizer: DPOptimizer) -> None:
             sigma = optimizer.noise_multiplier
-            if loader.epoch_begun or steps[0] == steps_per_epoch:
-                loader.epoch_begun, steps[0] = False, 0
-                recorded.clear()
-            steps[0] += 1
-            if not recorded or sigma < min(recorded):
-                recorded.append(sigma)
+            if loader.epoch_begun or epoch["steps"] == steps_per_epoch:
+                loader.epoch_begun = False
+                epoch.update(steps=0, lowest=None)
+            epoch["steps"] += 1
+            if epoch["lowest"] is None or sigma < epoch["lowest"]:
+                epoch["lowest"] = sigma
                 self.accountant.step(noise_multiplier=sigma, sample_rate=1.0)
 
         return step_accountant
@@ -290,12 +289,13 @@ class PrivacyEngine:
         """Refuse a model whose parameters another live engine made private: each accountant would count
         only its own steps, so neither would report the privacy spent."""
         for name, p in module.named_parameters():
-            engine, where = _PRIVATE_BY.get(p, (lambda: None, None))
-            if engine() is not None and engine() is not self:
+            engine_ref, where = _PRIVATE_BY.get(p, (lambda: None, None))
+            first = engine_ref()
+            if first is not None and first is not self:
                 at = f" (make_private called at {where.relative})" if where is not None else ""
                 raise AlreadyPrivateError(
                     f"fxdp: parameter '{name}' of this {type(module).__name__} was already made private by another "
-                    f"PrivacyEngine{at}, whose accountant has recorded {len(engine().accountant)} steps. Two engines "
+                    f"PrivacyEngine{at}, whose accountant has recorded {len(first.accountant)} steps. Two engines "
                     "would each count only their own steps, so neither would report the privacy spent. Keep "
                     "training with the first engine's model and optimizer, or give this engine a fresh copy of the "
                     "model (copy.deepcopy of the original, before make_private)")

@@ -132,10 +132,11 @@ class ParameterWatch:
     def check(self, sink: GradientSink) -> None:
         now = {id(p): p for p in self.model.parameters()}
         if now.keys() != self.known.keys():
-            gone = [p for i, p in self.known.items() if i not in now]
+            gone = len(self.known.keys() - now.keys())
             if gone:
-                sink.retire(gone, f"{len(gone)} parameter(s) of {type(self.model).__name__} were replaced after it "
-                                  "was wrapped, with the layers that held them", now.values())
+                sink.retire(self.known.values(), now.values(), f"{gone} parameter(s) of {type(self.model).__name__} "
+                                                               "were replaced after it was wrapped, with the layers "
+                                                               "that held them")
             self.known = now
 
 

@@ -259,14 +259,13 @@ class GradSampleModule(GradSampleModuleBase):
                     "positionally, register a rule for the module with fxdp.register_grad_sampler, "
                     "or use grad_sample_mode='fx'."
                 )
+        activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in inputs]
         if isinstance(mod, nn.EmbeddingBag) and inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() == 1:
             self._check_bag_layer(name, mod, inputs, kwargs, out)
-            activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in inputs]
             activations += [v.detach() for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
             kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
             out.register_hook(self._output_hook(mod, activations, kwargs))
             return
-        activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in inputs]
         if self._batch_size is not None:
             activations = self._check_layer_batch(name, mod, activations, out)
         out.register_hook(self._output_hook(mod, activations, dict(kwargs)))
@@ -364,13 +363,11 @@ class GradSampleModule(GradSampleModuleBase):
         """The model changed since its layers were hooked (a layer or parameter replaced, a frozen parameter
         unfrozen): hook them again, and test the model again on this batch. Parameters the model no longer has
         are retired in the sink (a DP optimizer still holding one refuses to step)."""
-        before = {id(p): p for _, _, p, _ in self._watch.entries if isinstance(p, nn.Parameter)}
+        before = [p for _, _, p, _ in self._watch.entries if isinstance(p, nn.Parameter)]
         self.remove_hooks()
         self.grad_sample_layers, self.generic_fallbacks = {}, []
         self._add_hooks()
-        now = list(self._module.parameters())
-        ids = set(map(id, now))
-        getattr(self, SINK_ATTR).retire([p for i, p in before.items() if i not in ids], why, now)
+        getattr(self, SINK_ATTR).retire(before, self._module.parameters(), why)
         if self.verify and self.verification != "running":
             self.verification = "not yet run"
         report = self.__dict__.get("fxdp_report")  # set by compile_for_dp / make_private

@@ -121,15 +121,17 @@ class GradientSink(abc.ABC):
 
     # -- parameters the model no longer uses ------------------------------------------------------------
 
-    def retire(self, gone: Iterable[nn.Parameter], why: str, current: Iterable[nn.Parameter] = ()) -> None:
-        """The model no longer uses ``gone`` (``why``: a layer was replaced after it was compiled), and uses
-        ``current``. An optimizer still holding a retired trainable parameter refuses to step: it would move
-        it by noise alone."""
+    def retire(self, known: Iterable[nn.Parameter], current: Iterable[nn.Parameter], why: str) -> None:
+        """The model used ``known`` and uses ``current`` now (``why``: a layer was replaced after it was
+        compiled): those of ``known`` it no longer uses are retired. An optimizer still holding a retired
+        trainable parameter refuses to step: it would move it by noise alone."""
         retired = self.__dict__.setdefault("_retired", {})
-        for p in current:
+        current = {id(p): p for p in current}
+        for p in current.values():
             retired.pop(p, None)
-        for p in gone:
-            retired[p] = why
+        for p in known:
+            if id(p) not in current:
+                retired[p] = why
 
     def retired_reason(self, p: nn.Parameter) -> Optional[str]:
         """Why the model no longer uses ``p`` (see :meth:`retire`), or None."""
