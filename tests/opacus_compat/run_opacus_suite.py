@@ -1,0 +1,280 @@
+"""Run Opacus's own test suite against fxdp, with only the imports switched.
+
+The tests are those shipped inside the installed ``opacus`` wheel (install ``opacus==1.6.0`` first; nothing of
+Opacus is kept in this repository). The script copies them into a temporary folder twice:
+
+* as they are, and runs them against Opacus: the baseline (which tests pass on Opacus on this machine);
+* with every ``from opacus… import X`` rewritten, by the table ``NAMES`` below, to the fxdp name a user would
+  import instead, and runs them against fxdp.
+
+A test counts when it passes on Opacus and is not listed in ``EXCLUDED`` (each entry says why: mostly tests
+of Opacus's internals). The script prints, per file, how many of those pass on fxdp, lists the ones that
+fail with their first error line, and exits non-zero when the fraction is below ``--require``.
+
+    python tests/opacus_compat/run_opacus_suite.py --require 0.95
+    python tests/opacus_compat/run_opacus_suite.py -k privacy_engine     # a subset, while working on it
+
+Opacus's suite imports torchvision, so run it with a Python whose torch has a torchvision build beside it
+(`.ci/run` uses its torchvision environment).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import importlib.util
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from typing import Dict, List, Tuple
+
+# Opacus name -> (fxdp module, fxdp name). The same table is docs/migrating_from_opacus.md's import table.
+NAMES: Dict[str, Tuple[str, str]] = {
+    "PrivacyEngine": ("fxdp", "PrivacyEngine"),
+    "PrivacyEngineAdaptiveClipping": ("fxdp", "PrivacyEngineAdaptiveClipping"),
+    # accountants
+    "IAccountant": ("fxdp.accounting", "Accountant"),
+    "RDPAccountant": ("fxdp.accounting", "RDPAccountant"),
+    "PRVAccountant": ("fxdp.accounting", "PRVAccountant"),
+    "GaussianAccountant": ("fxdp.accounting", "GaussianAccountant"),
+    "create_accountant": ("fxdp.accounting", "create_accountant"),
+    "register_accountant": ("fxdp.accounting", "register_accountant"),
+    "registry": ("fxdp.accounting", "registry"),
+    "get_noise_multiplier": ("fxdp.accounting", "get_noise_multiplier"),
+    # data
+    "DPDataLoader": ("fxdp.data", "DPDataLoader"),
+    "switch_generator": ("fxdp.data", "switch_generator"),
+    "CollateFnWithEmpty": ("fxdp.data", "EmptyBatchCollate"),
+    "wrap_collate_with_empty": ("fxdp.data", "wrap_collate_with_empty"),
+    "BatchMemoryManager": ("fxdp.data", "BatchMemoryManager"),
+    "UniformWithReplacementSampler": ("fxdp.data", "UniformWithReplacementSampler"),
+    "DistributedUniformWithReplacementSampler": ("fxdp.data", "DistributedUniformWithReplacementSampler"),
+    # per-sample engines
+    "GradSampleModule": ("fxdp.engines", "GradSampleModule"),
+    "GradSampleHooks": ("fxdp.engines", "GradSampleHooks"),
+    "GradSampleModuleFastGradientClipping": ("fxdp.engines", "GradSampleModuleFastGradientClipping"),
+    "GradSampleHooksFastGradientClipping": ("fxdp.engines", "GradSampleHooksFastGradientClipping"),
+    "GradSampleModuleExpandedWeights": ("fxdp.engines", "ExpandedWeightsGradSampleModule"),
+    "get_gsm_class": ("fxdp.engines", "get_gsm_class"),
+    "DPLossFastGradientClipping": ("fxdp.engines", "DPLossFastGradientClipping"),
+    "DPTensorFastGradientClipping": ("fxdp.engines", "DPTensorFastGradientClipping"),
+    "register_grad_sampler": ("fxdp.grad_sample", "register_grad_sampler"),
+    "compute_linear_grad_sample": ("fxdp.grad_sample.linear", "linear_grad_sample"),
+    # layers
+    "DPLSTM": ("fxdp.layers", "DPLSTM"),
+    "DPGRU": ("fxdp.layers", "DPGRU"),
+    "DPRNN": ("fxdp.layers", "DPRNN"),
+    "DPMultiheadAttention": ("fxdp.layers", "DPMultiheadAttention"),
+    "SequenceBias": ("fxdp.layers", "SequenceBias"),
+    # optimizers and schedulers
+    "DPOptimizer": ("fxdp.optim", "DPOptimizer"),
+    "DPOptimizerFastGradientClipping": ("fxdp.optim", "DPOptimizerFastGradientClipping"),
+    "DPPerLayerOptimizer": ("fxdp.optim", "DPPerLayerOptimizer"),
+    "AdaClipDPOptimizer": ("fxdp.optim", "AdaClipDPOptimizer"),
+    "ExponentialNoise": ("fxdp.optim", "ExponentialNoise"),
+    "StepNoise": ("fxdp.optim", "StepNoise"),
+    "LambdaNoise": ("fxdp.optim", "LambdaNoise"),
+    "ExponentialGradClip": ("fxdp.optim", "ExponentialGradClip"),
+    "StepGradClip": ("fxdp.optim", "StepGradClip"),
+    "LambdaGradClip": ("fxdp.optim", "LambdaGradClip"),
+    # distributed
+    "DifferentiallyPrivateDistributedDataParallel": ("fxdp.distributed", "DPDistributedDataParallel"),
+    "DistributedDPOptimizer": ("fxdp.distributed", "DistributedDPOptimizer"),
+    "DistributedDPOptimizerFastGradientClipping": ("fxdp.distributed",
+                                                   "DistributedDPOptimizerFastGradientClipping"),
+    "SimpleDistributedPerLayerOptimizer": ("fxdp.distributed", "SimpleDistributedPerLayerOptimizer"),
+    # validators
+    "ModuleValidator": ("fxdp.validators", "ModuleValidator"),
+    "UnsupportedModuleError": ("fxdp.validators", "UnsupportedModuleError"),
+    "ShouldReplaceModuleError": ("fxdp.validators", "ShouldReplaceModuleError"),
+    "IllegalModuleConfigurationError": ("fxdp.validators", "IllegalModuleConfigurationError"),
+    # checking per-sample gradients (Opacus's utils.per_sample_gradients_utils and module_utils)
+    "check_per_sample_gradients_are_correct": ("fxdp.checker", "check_per_sample_gradients_are_correct"),
+    "compute_grad_samples_microbatch_and_opacus": ("fxdp.checker", "compute_grad_samples_microbatch_and_engine"),
+    "compute_opacus_grad_sample": ("fxdp.checker", "compute_engine_grad_sample"),
+    "get_grad_sample_modes": ("fxdp.checker", "get_grad_sample_modes"),
+    "clone_module": ("fxdp.checker", "clone_module"),
+    "is_batch_empty": ("fxdp.checker", "is_batch_empty"),
+    "are_state_dict_equal": ("fxdp.checker", "are_state_dict_equal"),
+}
+
+# Names that exist only inside Opacus's implementation. They become a placeholder that fails when used, so a
+# test that reads them fails visibly; those tests are excluded below.
+INTERNAL = {"_generate_noise", "_clip_and_accumulate_parameter", "_gen_packed_data", "unfold2d",
+            "convolution2d_backward_as_a_convolution", "embedding_norm_sample", "FSDP2Wrapper"}
+
+# Strings the tests use that name Opacus's modules (logger names).
+STRINGS = {'"opacus.data_loader"': '"fxdp.data.loader"'}
+
+# Test id prefix (file, file::Class or file::Class::test) -> why it does not count.
+EXCLUDED: Dict[str, str] = {
+    "privacy_engine_test.py::PrivacyEngineConvNetTest::test_generate_noise_in_secure_mode":
+        "calls Opacus's private _generate_noise",
+    "multidevice_optimizer_test.py::MultiDeviceOptimizerTest::test_clip_and_accumulate_parameter_multidevice":
+        "calls Opacus's private _clip_and_accumulate_parameter",
+    "grad_samples/conv2d_test.py::Conv2d_test::test_unfold2d": "tests Opacus's private unfold2d",
+    "grad_samples/embedding_norm_sample_test.py": "tests Opacus's private embedding-norm kernel",
+    "multigpu_fsdpcheck.py": "FSDP wrapper of Opacus (not a test file; FSDP is issue #23)",
+}
+FXDP_MARK = "# rewritten for fxdp by run_opacus_suite.py"
+
+
+def opacus_tests_dir() -> pathlib.Path:
+    spec = importlib.util.find_spec("opacus")
+    if spec is None or spec.origin is None:
+        sys.exit("opacus is not installed: pip install opacus==1.6.0 (its wheel ships the tests this runs)")
+    tests = pathlib.Path(spec.origin).parent / "tests"
+    if not tests.is_dir():
+        sys.exit(f"{tests} does not exist: this opacus install ships no tests")
+    return tests
+
+
+def rewrite_imports(source: str) -> str:
+    """Every ``from opacus… import a, b as c`` becomes imports of fxdp's names, by ``NAMES``."""
+    lines = source.splitlines(keepends=True)
+    nodes = [n for n in ast.walk(ast.parse(source))
+             if isinstance(n, ast.ImportFrom) and n.level == 0 and (n.module or "").split(".")[0] == "opacus"]
+    for node in sorted(nodes, key=lambda n: n.lineno, reverse=True):
+        indent = lines[node.lineno - 1][: node.col_offset]
+        new = [indent + _import_line(alias) + f"  {FXDP_MARK}\n" for alias in node.names]
+        lines[node.lineno - 1: node.end_lineno] = new
+    text = "".join(lines)
+    for old, new in STRINGS.items():
+        text = text.replace(old, new)
+    return text
+
+
+def _import_line(alias: ast.alias) -> str:
+    local = alias.asname or alias.name
+    if alias.name in INTERNAL:
+        return f"from opacus_internal import placeholder as _p; {local} = _p({alias.name!r})"
+    if alias.name not in NAMES:
+        raise SystemExit(f"run_opacus_suite.py: no fxdp name for Opacus's {alias.name!r}: add it to NAMES")
+    module, name = NAMES[alias.name]
+    return f"from {module} import {name}" + (f" as {local}" if local != name else "")
+
+
+def copy_suite(source: pathlib.Path, into: pathlib.Path, rewrite: bool) -> pathlib.Path:
+    target = into / "opacus_tests"
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+    if rewrite:
+        shutil.copy(pathlib.Path(__file__).with_name("internal.py"), into / "opacus_internal.py")
+        for path in target.rglob("*.py"):
+            path.write_text(rewrite_imports(path.read_text()))
+    return target
+
+
+def run_pytest(folder: pathlib.Path, pytest_args: List[str], timeout: int) -> Dict[str, Tuple[str, str]]:
+    """Test id -> (outcome, first line of the failure) for every test pytest reports in ``folder``."""
+    report = folder.parent / "junit.xml"
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    targets = [a for a in pytest_args if a.startswith("opacus_tests/")] or [str(folder)]
+    options = [a for a in pytest_args if not a.startswith("opacus_tests/")]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+               "--rootdir", str(folder.parent), *targets, *options]
+    env = {**_environ(), "PYTHONPATH": f"{repo}:{folder.parent}"}
+    try:
+        subprocess.run(command, cwd=folder.parent, env=env, timeout=timeout,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        print(f"pytest in {folder} ran past {timeout} s; counting what it reported", file=sys.stderr)
+    if not report.exists():
+        return {}
+    return {_test_id(case, folder): _outcome(case) for case in ET.parse(report).getroot().iter("testcase")}
+
+
+def _environ() -> Dict[str, str]:
+    import os
+    return dict(os.environ)
+
+
+def _test_id(case: ET.Element, folder: pathlib.Path) -> str:
+    """``file.py::Class::test``, from junit's dotted ``opacus_tests.grad_samples.conv2d_test.Conv2d_test``."""
+    classname, name = case.get("classname", ""), case.get("name", "")
+    parts = (f"{classname}.{name}" if classname else name).split(".")[1:]
+    for end in range(1, len(parts) + 1):
+        if folder.joinpath(*parts[:end]).with_suffix(".py").is_file():
+            return "::".join(["/".join(parts[:end]) + ".py", *parts[end:]])
+    return "::".join(parts)
+
+
+def _outcome(case: ET.Element) -> Tuple[str, str]:
+    for tag in ("failure", "error"):
+        element = case.find(tag)
+        if element is not None:
+            errors = [line[1:].strip() for line in (element.text or "").splitlines() if line.startswith("E ")]
+            message = (element.get("message") or "").strip().splitlines()
+            first = errors[-1] if errors and (not message or message[0] == "collection failure") else \
+                (message[0] if message else "")
+            return tag, first[:200]
+    if case.find("skipped") is not None:
+        return "skipped", ""
+    return "passed", ""
+
+
+def excluded_because(test_id: str) -> str:
+    for prefix, reason in EXCLUDED.items():
+        if test_id == prefix or test_id.startswith(prefix + "::") or test_id.startswith(prefix.rstrip("/") + "/"):
+            return reason
+    return ""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--require", type=float, default=0.0,
+                        help="exit non-zero when fewer than this fraction of the counted tests pass on fxdp")
+    parser.add_argument("-k", default=None, help="pytest -k expression: run a subset")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds for each of the two pytest runs")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary folders and print their paths")
+    parser.add_argument("--fxdp-only", action="store_true",
+                        help="skip the run on Opacus: list each test's outcome on fxdp (while working on a file)")
+    parser.add_argument("files", nargs="*", help="test files relative to Opacus's tests folder (default: all)")
+    args = parser.parse_args()
+    pytest_args = (["-k", args.k] if args.k else []) + [f"opacus_tests/{f}" for f in args.files]
+
+    source = opacus_tests_dir()
+    work = pathlib.Path(tempfile.mkdtemp(prefix="opacus-suite-"))
+    try:
+        (work / "opacus").mkdir()
+        (work / "fxdp").mkdir()
+        on_opacus = {} if args.fxdp_only else run_pytest(copy_suite(source, work / "opacus", rewrite=False),
+                                                         pytest_args, args.timeout)
+        on_fxdp = run_pytest(copy_suite(source, work / "fxdp", rewrite=True), pytest_args, args.timeout)
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    if args.fxdp_only:
+        for test, (outcome, message) in sorted(on_fxdp.items()):
+            print(f"{outcome:8s} {test}" + (f": {message}" if message else ""))
+        return 0
+    return summarise(on_opacus, on_fxdp, args.require)
+
+
+def summarise(on_opacus, on_fxdp, require: float) -> int:
+    counted = [t for t, (outcome, _) in on_opacus.items() if outcome == "passed" and not excluded_because(t)]
+    excluded = [t for t in on_opacus if excluded_because(t)]
+    failing = [t for t in counted if on_fxdp.get(t, ("not run", ""))[0] != "passed"]
+    per_file = collections.Counter(t.split("::")[0] for t in counted)
+    failed_per_file = collections.Counter(t.split("::")[0] for t in failing)
+    print(f"Opacus's suite: {len(on_opacus)} tests; {sum(o == 'passed' for o, _ in on_opacus.values())} pass on "
+          f"Opacus; {len(excluded)} excluded (reasons in EXCLUDED); {len(counted)} counted")
+    print(f"{'file':60s} {'counted':>8s} {'pass on fxdp':>13s}")
+    for name in sorted(per_file):
+        print(f"{name:60s} {per_file[name]:8d} {per_file[name] - failed_per_file[name]:13d}")
+    passed = len(counted) - len(failing)
+    fraction = passed / len(counted) if counted else 0.0
+    print("\nfailing on fxdp:")
+    for test in failing:
+        outcome, message = on_fxdp.get(test, ("not run", ""))
+        print(f"  {test}: {outcome}: {message}")
+    print(f"\n{passed} of {len(counted)} counted tests pass on fxdp ({fraction:.1%}); required {require:.1%}")
+    return 0 if fraction >= require and counted else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
