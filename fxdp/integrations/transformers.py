@@ -162,7 +162,8 @@ class DPTrainer(transformers.Trainer):
         else:
             collate = self._get_collator_with_removed_columns(collate, description="training")
         loader = DataLoader(dataset, batch_size=self._train_batch_size, collate_fn=collate,
-                            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+                            num_workers=self.args.dataloader_num_workers,
+                            pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available())
         optimizer = self.create_optimizer()
         settings: Dict[str, Any] = dict(module=self.model, optimizer=optimizer, data_loader=loader,
                                         max_grad_norm=self.privacy_args.per_sample_max_grad_norm)
