@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from fxdp.accounting import create_accountant
-from fxdp.diagnostics import PrivacySettingError
+from fxdp.diagnostics import ExportShapeError, PrivacySettingError
 
 transformers = pytest.importorskip("transformers")
 from fxdp.integrations.transformers import DPTrainer, PrivacyArguments  # noqa: E402
@@ -171,3 +171,21 @@ def test_resuming_from_a_checkpoint_is_refused_before_anything_moves(tmp_path):
         trainer.train(resume_from_checkpoint=str(tmp_path))
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert len(trainer.privacy_engine.accountant) == 0
+
+
+def test_batches_of_another_length_are_refused_with_what_to_do_with_the_trainer(tmp_path):
+    """A collator padding each batch to its longest sample: the graph holds the first batch's length."""
+    def to_longest(samples):
+        batch = collate(samples)
+        longest = int(batch["attention_mask"].sum(1).max())
+        return {k: v[:, :longest] for k, v in batch.items()}
+
+    data = Texts()
+    data.rows = [row if i == 0 else row[:T - 1] for i, row in enumerate(data.rows)]  # one sample of length T
+    trainer = DPTrainer(model=gpt2(), args=_args(tmp_path, num_train_epochs=2), train_dataset=data,
+                        data_collator=to_longest, privacy_args=PrivacyArguments(noise_multiplier=1.0))
+    with pytest.raises(ExportShapeError) as info:
+        trainer.train()
+    assert "input 'input_ids' must have shape ('N', 8)" in str(info.value)
+    assert "have the data collator pad every batch to one length, e.g. DataCollatorWithPadding(tokenizer, " \
+           "padding='max_length', max_length=...)" in str(info.value)

@@ -40,7 +40,7 @@ import transformers
 from torch import nn
 from torch.utils.data import DataLoader
 
-from fxdp.diagnostics import PrivacySettingError
+from fxdp.diagnostics import ExportShapeError, PrivacySettingError
 from fxdp.privacy_engine import LABEL_KEYS, PrivacyEngine
 
 IGNORE_INDEX = -100  # the label Hugging Face collators give padding and prompt tokens: not a target
@@ -195,7 +195,13 @@ class DPTrainer(transformers.Trainer):
         if labels[0].shape[0] == 0:  # an empty Poisson batch: the step adds noise only (models cannot run 0 rows)
             loss = torch.zeros((), device=labels[0].device, requires_grad=True)
             return (loss, None) if return_outputs else loss
-        outputs = self.private_model(**{k: v for k, v in inputs.items() if k not in names})
+        try:
+            outputs = self.private_model(**{k: v for k, v in inputs.items() if k not in names})
+        except ExportShapeError as exc:
+            raise ExportShapeError(
+                f"fxdp: DPTrainer: {exc} With the Trainer: have the data collator pad every batch to one length, "
+                "e.g. DataCollatorWithPadding(tokenizer, padding='max_length', max_length=...), or tokenize with "
+                "padding='max_length' (the model was captured from a batch of the dataset's first samples)") from exc
         if self._per_sample_loss is not None:
             losses = self._per_sample_loss(outputs, labels[0])
         else:
