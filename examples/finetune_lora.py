@@ -110,7 +110,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         training = transformers.TrainingArguments(
             output_dir=output_dir, per_device_train_batch_size=args.batch_size, num_train_epochs=args.epochs,
             learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0, seed=args.seed, report_to=[],
-            save_strategy="no", logging_strategy="epoch", disable_tqdm=True, per_device_eval_batch_size=512)
+            save_strategy="no", logging_strategy="epoch", disable_tqdm=True, per_device_eval_batch_size=512,
+            dataloader_pin_memory=torch.cuda.is_available())
         trainer = DPTrainer(
             model=model, args=training, train_dataset=train_set, data_collator=collate,
             compute_metrics=lambda p: {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())},
