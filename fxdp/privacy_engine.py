@@ -388,8 +388,9 @@ class _LoaderInputs:
             if isinstance(self.inputs, dict) else f"{tuple(self.inputs.shape)}"
         left = f"; left out: {', '.join(self.labels)} (the loss belongs outside the model)" if self.labels else ""
         rep = report(compiled)
+        did = "captured the model" if rep.front_end == "torch.export" else "tried to capture the model (see the reason)"
         setattr(compiled, _REPORT_ATTR, dataclasses.replace(rep, notes=(
-            *rep.notes, f"make_private captured the model from a batch of the data loader's first samples "
+            *rep.notes, f"make_private {did} from a batch of the data loader's first samples "
                         f"({shapes}){left}; the loader's sampling was not touched")))
         if self.labels and rep.engine == "fx":
             compiled.register_forward_pre_hook(LabelsLeftOut(self.labels), with_kwargs=True)

@@ -156,3 +156,21 @@ def test_gradient_checkpointing_is_refused_with_what_to_do():
     model.gradient_checkpointing_disable()
     private, _, _ = _private(model, DataLoader(Texts(), batch_size=4))
     assert fxdp.report(private).engine == "fx"
+
+
+def test_a_model_export_cannot_capture_either_falls_back_and_the_report_says_it_was_tried():
+    class Branches(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(x) if x.sum() > 0 else -self.fc(x)  # a branch on the data: no graph holds both
+
+    loader = DataLoader(TensorDataset(torch.randn(6, 4), torch.zeros(6)), batch_size=3)
+    private, _, _ = _private(Branches(), loader)
+    report = fxdp.report(private)
+    assert report.engine == "hooks" and report.front_end is None
+    assert "nor captured by torch.export" in report.fallback_reason
+    assert any(n.startswith("make_private tried to capture the model (see the reason) from a batch of the data "
+                            "loader's first samples ((2, 4))") for n in report.notes)
