@@ -23,6 +23,7 @@ from fxdp.diagnostics import (
     BatchMixingError,
     CompileReport,
     FxdpError,
+    GradientCheckpointingError,
     Kind,
     ModelChangedError,
     NotPrivateError,
@@ -192,6 +193,7 @@ def compile_for_dp(
     if batch_dim not in (0, 1):
         raise ValueError(f"batch_dim must be 0 (batch first) or 1 (time major), got {batch_dim!r}")
     model = unwrap_or_refuse(model)
+    _refuse_checkpointing(model)
 
     if sink is not None and grad_sample_mode in ("ew", "no_op"):
         raise ValueError(f"fxdp: grad_sample_mode={grad_sample_mode!r} writes p.grad_sample itself and delivers "
@@ -252,7 +254,8 @@ def compile_for_dp(
                                                     notes=_bookkeeping_notes(sink, "fx+whole-model")))
         return wrapped
 
-    notes = ([_NO_INPUTS_NOTE] if example_inputs is None else []) + _bookkeeping_notes(sink, "fx", gm)
+    notes = ([_NO_INPUTS_NOTE] if example_inputs is None else []) + private_parameters_note(model) + \
+        _bookkeeping_notes(sink, "fx", gm)
     gm = make_copyable(gm)  # deepcopy, pickle and torch.save keep the report, the sink and the hooks
     if traced.output_type is not None:  # the graph returns a plain dict: give back the model's own type
         gm.register_forward_hook(OutputType(traced.output_type))
@@ -260,6 +263,20 @@ def compile_for_dp(
     _install_guards(gm, analysed, example_inputs, batch_dim, strict, batch_inputs)
     _watch_model(gm, model, loss_reduction, example_inputs is not None)
     return gm
+
+
+def _refuse_checkpointing(model: nn.Module) -> None:
+    """Hugging Face models mark the layers ``gradient_checkpointing_enable()`` switched on."""
+    on = [name or "<model>" for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if on:
+        raise GradientCheckpointingError(
+            f"fxdp: gradient checkpointing is on in {type(model).__name__} (layers {', '.join(on[:3])}"
+            f"{', ...' if len(on) > 3 else ''}): those layers re-run their forward inside backward, which fxdp's "
+            "engines do not follow, so per-sample gradients could not be checked. Call "
+            "model.gradient_checkpointing_disable() (or activation_checkpointing_disable()) before making the model "
+            "private (fxdp's book-keeping keeps "
+            "per-sample norms without materialising per-sample gradients; a smaller physical batch with "
+            "fxdp.data.BatchMemoryManager saves memory too)")
 
 
 def _is_packed(layout) -> bool:
@@ -273,9 +290,32 @@ def _bookkeeping_notes(sink: Optional[GradientSink], engine: str, gm: Optional[t
     if engine == "fx+whole-model":
         return ["book-keeping: the whole model runs as one op with the generic rule, so every per-sample "
                 "gradient is materialised"]
-    plans = describe_plans(plan_graph(gm, sink.method)) if gm is not None else []
+    plans = describe_plans([(name, plan) for name, plan in plan_graph(gm, sink.method) if not _frozen_layer(gm, name)]
+                           ) if gm is not None else []
     return plans or [f"book-keeping on the {engine} engine: each layer's method is chosen from its shapes on the "
                      "first backward (model.fxdp_sink.plans)"]
+
+
+def _frozen_layer(gm: torch.fx.GraphModule, name: str) -> bool:
+    """A layer whose own parameters are all frozen: nothing is computed for it (a LoRA adapter's base layer)."""
+    try:
+        params = list(gm.get_submodule(name).parameters(recurse=False))
+    except AttributeError:  # a functional use of parameters, named by its site
+        return False
+    return bool(params) and not any(p.requires_grad for p in params)
+
+
+def private_parameters_note(model: nn.Module) -> List[str]:
+    """With some parameters frozen (an adapter's base model), which ones DP-SGD trains (per-sample gradients,
+    clipped and noised); none when all are trained."""
+    params = list(model.named_parameters())
+    private = [(n, p) for n, p in params if p.requires_grad]
+    values = f"{sum(p.numel() for _, p in private):,} of {sum(p.numel() for _, p in params):,} values"
+    if len(private) == len(params):
+        return []
+    return [f"private parameters (per-sample gradients, clipped and noised): {len(private)} of {len(params)} "
+            f"({values}): {', '.join(n for n, _ in private) or 'none'}; the other {len(params) - len(private)} are "
+            "frozen (nothing is computed for them)"]
 
 
 @dataclass
@@ -527,5 +567,10 @@ def _user_hooks(model: nn.Module, front_end: Optional[str]) -> List[str]:
 def _records_into_the_output(hook: Callable) -> bool:
     """transformers 5 records hidden states and attentions (``output_hidden_states=True``) with forward hooks
     that append a layer's output to a list the model then returns, and change nothing. torch.export runs
-    them as it captures the model, so the graph returns what they record: nothing is left for them to do."""
-    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+    them as it captures the model, so the graph returns what they record: nothing is left for them to do. Nor
+    for the hook ``enable_input_require_grads()`` (which ``gradient_checkpointing_enable()`` calls, and
+    ``gradient_checkpointing_disable()`` leaves) puts on the input embeddings: it only marks their output as
+    requiring a gradient, for checkpointing, which fxdp refuses."""
+    module = getattr(hook, "__module__", None) or ""
+    return module == "transformers.utils.output_capturing" or (
+        module.startswith("transformers.") and getattr(hook, "__name__", None) == "make_inputs_require_grads")

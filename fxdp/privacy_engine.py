@@ -22,6 +22,9 @@ accountant's history, so a resumed run never forgets the privacy it already spen
 
 from __future__ import annotations
 
+import collections.abc
+import dataclasses
+import inspect
 import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -34,16 +37,17 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxdp.accounting import create_accountant, get_noise_multiplier, steps_in_epochs
-from fxdp.compiler import compile_for_dp
-from fxdp.diagnostics import AlreadyPrivateError, location_of_caller
+from fxdp.compiler import _REPORT_ATTR, compile_for_dp, report
+from fxdp.diagnostics import AlreadyPrivateError, UnsupportedInputError, location_of_caller
 from fxdp.data import DPDataLoader
-from fxdp.data.loader import loader_options
+from fxdp.data.loader import first_samples_batch, loader_options
 from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer, bucket_bytes_of, check_poisson_group,
                               global_batch_size, split_data_parallel, wrap_like)
 from fxdp.grad_sample.bookkeeping import BookkeepingSink
 from fxdp.grad_sample.sink import sink_of
 from fxdp.optim import DPOptimizer
 from fxdp.optim.noise import secure_seed
+from fxdp.tracing import trace
 from fxdp.validators import ModuleValidator
 
 # checkpoint keys
@@ -117,7 +121,10 @@ class PrivacyEngine:
         epoch (shuffled or sequential, no replacement): each epoch begun is recorded as one Gaussian
         mechanism on the whole dataset (sample rate 1), i.e. no amplification by sampling.
         ``example_inputs``: a batch to compile with (without it, the analysis runs on the first
-        batch). ``noise_generator``: a ``torch.Generator`` for reproducible noise (not in secure mode).
+        batch; a model torch.fx cannot trace, as Hugging Face models, is captured with torch.export from a
+        batch of the dataset's first two samples made by the loader's collate function, without drawing
+        from the loader or any random generator: see :func:`_inputs_from_the_loader`).
+        ``noise_generator``: a ``torch.Generator`` for reproducible noise (not in secure mode).
 
         With ``grad_sample_mode="fx"`` the step is book-kept (:class:`~fxdp.grad_sample.bookkeeping.BookkeepingSink`):
         one backward gives each layer's per-sample norms and clipped sum without materialising per-sample
@@ -130,9 +137,15 @@ class PrivacyEngine:
         steps_per_epoch = _check_fixed_batch_accounting(fixed_batch_accounting, poisson_sampling, data_loader, module)
         module, ddp = split_data_parallel(module)  # DDP: compile its model; the optimizer communicates instead
         bookkept = grad_sample_mode == "fx" and not materialise_grad_sample
+        from_loader = None
+        if example_inputs is None and grad_sample_mode == "fx" and not trace(module).ok:
+            from_loader = _inputs_from_the_loader(module, data_loader)
+            example_inputs = from_loader.inputs if from_loader is not None else None
         compiled = compile_for_dp(module, example_inputs, batch_dim=0 if batch_first else 1,
                                   loss_reduction=loss_reduction, grad_sample_mode=grad_sample_mode,
                                   sink=BookkeepingSink() if bookkept else None)
+        if from_loader is not None:
+            from_loader.mark(compiled)
         self._originals[compiled] = module
         data_loader, sample_rate, expected_batch_size = self._prepare_data(data_loader, poisson_sampling, ddp)
         optimizer_class, across_ranks = DPOptimizer, {}
@@ -356,6 +369,72 @@ class PrivacyEngine:
         if module not in self._originals and isinstance(module, (DistributedDataParallel, DPDistributedDataParallel)):
             module = module.module  # the names of the model inside, as a single process saves them
         return self._originals.get(module, module)
+
+
+# what a Hugging Face collator names the targets (the Trainer's default label names, and the datasets' own)
+LABEL_KEYS = ("labels", "label", "label_ids")
+
+
+@dataclasses.dataclass
+class _LoaderInputs:
+    """The example inputs make_private took from the data loader, and the label keys it left out."""
+
+    inputs: Any
+    labels: Tuple[str, ...]
+
+    def mark(self, compiled: nn.Module) -> None:
+        """Say in the report where the graph came from; refuse the labels left out with the reason why."""
+        shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in self.inputs.items() if isinstance(v, torch.Tensor)) \
+            if isinstance(self.inputs, dict) else f"{tuple(self.inputs.shape)}"
+        left = f"; left out: {', '.join(self.labels)} (the loss belongs outside the model)" if self.labels else ""
+        rep = report(compiled)
+        did = "captured the model" if rep.front_end == "torch.export" else "tried to capture the model (see the reason)"
+        setattr(compiled, _REPORT_ATTR, dataclasses.replace(rep, notes=(
+            *rep.notes, f"make_private {did} from a batch of the data loader's first samples "
+                        f"({shapes}){left}; the loader's sampling was not touched")))
+        if self.labels and rep.engine == "fx":
+            compiled.register_forward_pre_hook(LabelsLeftOut(self.labels), with_kwargs=True)
+
+
+class LabelsLeftOut:
+    """A compiled model captured without the batch's labels refuses them, saying why (a loss averaged inside the
+    model over the batch mixes the samples) and what to do."""
+
+    def __init__(self, labels: Tuple[str, ...]):
+        self.labels = labels
+
+    def __call__(self, module, args, kwargs):
+        given = [k for k in self.labels if k in kwargs]
+        if given:
+            raise UnsupportedInputError(
+                f"fxdp: the private model was given {', '.join(map(repr, given))}, which make_private left out when it "
+                "captured the model from the data loader's first batch: with labels, the model computes its loss "
+                "itself, averaged over the whole batch (over all its tokens, for a language model), so each sample's "
+                "gradient would depend on the other samples. Call the model without them and compute each sample's "
+                "loss outside it (fxdp.integrations.transformers.per_sample_loss(outputs.logits, labels, task) does), "
+                "with the mean over the batch as the loss; or train with fxdp.integrations.transformers.DPTrainer")
+        return None
+
+
+def _inputs_from_the_loader(module: nn.Module, data_loader: DataLoader) -> Optional[_LoaderInputs]:
+    """The model's inputs in a batch of the dataset's first samples (:func:`fxdp.data.loader.first_samples_batch`:
+    the loader's sampling and the random generators untouched): a dict batch (Hugging Face collators) gives the
+    keyword inputs ``forward`` names, its labels left out; a tensor is the input; a tuple or list gives its first
+    item (``for x, y in loader: model(x)``). ``None`` when the batch holds nothing of the kind."""
+    batch = first_samples_batch(data_loader)
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], (torch.Tensor, collections.abc.Mapping)):
+        batch = batch[0]
+    if isinstance(batch, torch.Tensor):
+        return _LoaderInputs(batch, ())
+    if not isinstance(batch, collections.abc.Mapping):
+        return None
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    inputs = {k: v for k, v in batch.items() if k in named and k not in LABEL_KEYS}
+    return _LoaderInputs(inputs, tuple(k for k in batch if k in LABEL_KEYS)) if inputs else None
 
 
 def _check_types(module, optimizer, data_loader) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections.abc
+import contextlib
+import random
 import warnings
 from typing import Any, Callable, Optional
 
@@ -28,12 +30,53 @@ class EmptyBatchCollate:
 
     def __init__(self, collate_fn: Callable[[list], Any], dataset: Dataset):
         self.collate_fn = collate_fn
-        self.empty_batch = _empty_like_batch(collate_fn([dataset[0]]))
+        with random_state_kept():  # a dataset or collate function drawing random numbers leaves the sampling as it was
+            self.empty_batch = _empty_like_batch(collate_fn([dataset[0]]))
 
     def __call__(self, samples: list) -> Any:
         if len(samples) == 0:
             return self.empty_batch
         return self.collate_fn(samples)
+
+
+@contextlib.contextmanager
+def random_state_kept():
+    """Run a block that may draw random numbers (a dataset's augmentation, a collator's masking) and leave
+    torch's, Python's and NumPy's global generators as they were: a Poisson sampler drawing from torch's
+    then draws the batches it would have drawn without the block."""
+    python_state = random.getstate()
+    numpy = None
+    try:
+        import numpy
+        numpy_state = numpy.random.get_state()
+    except ImportError:
+        pass
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(python_state)
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)
+
+
+def first_samples_batch(data_loader: DataLoader, size: int = 2) -> Any:
+    """A batch of the dataset's first ``size`` samples (fewer if it has fewer), made by the loader's own collate
+    function, as the loader would hand it out, without iterating the loader: its sampler and every global random
+    generator are left as they were (:func:`random_state_kept`), so the batches training then draws are
+    those it would draw without this one. ``None`` for a dataset without ``__getitem__`` and ``__len__``."""
+    dataset = data_loader.dataset
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__") or data_loader.batch_sampler is None:
+        return None  # no sample to pick, or a loader that hands out samples without batching them
+    try:
+        count = min(size, len(dataset))
+    except TypeError:
+        return None
+    if count == 0:
+        return None
+    collate_fn = _unwrapped_collate(data_loader.collate_fn)
+    with random_state_kept():
+        return collate_fn([dataset[i] for i in range(count)])
 
 
 def _is_structure(x: Any) -> bool:

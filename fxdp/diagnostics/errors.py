@@ -83,6 +83,11 @@ class ExportModeError(FxdpError, RuntimeError):
     (inside attention) switched on, was called in eval mode: its outputs would still be dropped out."""
 
 
+class GradientCheckpointingError(FxdpError, ValueError):
+    """A model with gradient (activation) checkpointing switched on (``model.gradient_checkpointing_enable()``) was
+    given to fxdp: its layers re-run their forward inside backward, which fxdp's engines do not follow."""
+
+
 class AlreadyPrivateError(FxdpError, ValueError):
     """A model whose parameters another live ``PrivacyEngine`` already made private was given to
     ``make_private`` again: each engine's accountant would count only its own steps."""

@@ -1,0 +1,207 @@
+"""Fine-tuning a GPT-2-architecture language model for sequence classification: one training step (forward,
+backward, clip, noise, optimizer step) side by side in one run, engines taking turns, as a ratio to a plain step,
+and the peak memory of each, for full fine-tuning and for LoRA (peft, rank ``--rank`` on the attention and
+projection layers, the head trainable):
+
+- ``plain``: plain PyTorch, the floor (ratio 1.00), once with every parameter trained, once with the adapters;
+- ``fxdp``: ``fxdp.PrivacyEngine().make_private`` called as an Opacus user calls it, without example_inputs (the
+  model is captured from the loader's first batch), book-keeping sink and DP optimizer;
+- ``opacus-hooks`` / ``opacus-ghost`` / ``opacus-functorch`` / ``opacus-ew``: every Opacus mode that runs the model
+  (``pip install opacus``); a mode that fails on the model is listed with its error instead of a time.
+
+The default sizes are those of issue 25: the real GPT-2 vocabulary (50,257), 4 layers, width 256, 128 tokens,
+batch 8. Batches are fixed (``poisson_sampling=False``): only the step is timed. Peak memory is the torch
+profiler's (see benchmarks/dp_step_speed.py).
+
+Usage: python benchmarks/lm_finetune_speed.py [--repeats 10] [--rounds 3] [--layers 4] [--width 256] [--seq 128]
+       [--batch 8] [--vocab 50257] [--rank 8] [--engines plain,fxdp,opacus-ghost] [--threads 2] [--cpu-time]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+from typing import Callable, Dict
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import models  # noqa: E402
+from dp_step_speed import peak_memory_mb  # noqa: E402
+
+import fxdp  # noqa: E402
+
+NOISE, CLIP, LR, LABELS = 1.0, 1.0, 1e-3, 2
+OPACUS_MODES = ("hooks", "ghost", "functorch", "ew")
+
+
+def build(args, lora: bool):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=4, n_positions=args.seq,
+                                     vocab_size=args.vocab, num_labels=LABELS, pad_token_id=0, bos_token_id=1,
+                                     eos_token_id=1, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2ForSequenceClassification(config).train()
+    if lora:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(task_type="SEQ_CLS", r=args.rank, lora_alpha=2 * args.rank,
+                                                           lora_dropout=0.0, target_modules=["c_attn", "c_proj"],
+                                                           fan_in_fan_out=True))
+    return model
+
+
+def batch(args) -> Dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(2, args.vocab, (args.batch, args.seq), generator=gen),
+            "attention_mask": torch.ones(args.batch, args.seq, dtype=torch.long),
+            "labels": torch.randint(0, LABELS, (args.batch,), generator=gen)}
+
+
+def _loader(inputs):
+    rows = [{k: v[i] for k, v in inputs.items()} for i in range(len(inputs["labels"]))]
+    return DataLoader(rows, batch_size=len(rows))
+
+
+def _split(inputs):
+    return {k: v for k, v in inputs.items() if k != "labels"}, inputs["labels"]
+
+
+def plain_step(args, inputs, lora):
+    model = build(args, lora)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    x, y = _split(inputs)
+
+    def step():
+        F.cross_entropy(model(**x).logits, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def fxdp_step(args, inputs, lora):
+    model = build(args, lora)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    dp_model, dp_opt, _ = fxdp.PrivacyEngine().make_private(
+        module=model, optimizer=opt, data_loader=_loader(inputs), noise_multiplier=NOISE, max_grad_norm=CLIP,
+        poisson_sampling=False)  # no example_inputs: captured from the loader's first batch
+    x, y = _split(inputs)
+
+    def step():
+        dp_opt.zero_grad()
+        F.cross_entropy(dp_model(**x).logits, y).backward()
+        dp_opt.step()
+
+    step()
+    report = fxdp.report(dp_model)
+    return step, f"engine {report.engine} ({report.front_end})"
+
+
+def opacus_step(mode):
+    def make(args, inputs, lora):
+        from opacus import PrivacyEngine
+
+        model = build(args, lora)
+        kwargs = dict(module=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR),
+                      data_loader=_loader(inputs), noise_multiplier=NOISE, max_grad_norm=CLIP, grad_sample_mode=mode,
+                      poisson_sampling=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if mode == "ghost":
+                dp_model, opt, criterion, _ = PrivacyEngine().make_private(criterion=torch.nn.CrossEntropyLoss(),
+                                                                           **kwargs)
+            else:
+                dp_model, opt, _ = PrivacyEngine().make_private(**kwargs)
+                criterion = torch.nn.CrossEntropyLoss()
+        x, y = _split(inputs)
+
+        def step():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                criterion(dp_model(**x).logits, y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+        step()  # a mode that cannot run the model fails here, not in the timed loop
+        return step
+
+    return make
+
+
+def measure(args, inputs, lora: bool):
+    try:
+        import opacus  # noqa: F401
+
+        modes = OPACUS_MODES
+    except ImportError:
+        modes = ()
+        print("opacus is not installed: only fxdp is timed (pip install opacus to compare)")
+    makers: Dict[str, Callable] = {"plain": plain_step, "fxdp": fxdp_step,
+                                   **{f"opacus-{m}": opacus_step(m) for m in modes}}
+    if args.engines:
+        makers = {k: v for k, v in makers.items() if k in args.engines or k == "plain"}
+    steps, failed, notes = {}, {}, {}
+    for name, make in makers.items():
+        try:
+            made = make(args, inputs, lora)
+        except Exception as exc:  # noqa: BLE001 - a mode that cannot run the model is a result too
+            failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+            continue
+        steps[name], notes[name] = made if isinstance(made, tuple) else (made, "")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    ratios = {name: [] for name in steps}
+    for _ in range(args.rounds):
+        ms = models.median_ms(steps, args.repeats, warmup=1, clock=clock)
+        for name in steps:
+            ratios[name].append((ms[name], ms[name] / ms["plain"]))
+    memory = {name: peak_memory_mb(step) for name, step in steps.items()}
+    rows = []
+    for name in steps:
+        times = ", ".join(f"{r:.2f}x" for _, r in ratios[name])
+        rows.append([name, f"{ratios[name][-1][0]:.1f}", times, f"{memory[name]:.0f}",
+                     f"{memory[name] / memory['plain']:.2f}x", notes[name]])
+    rows += [[name, "-", error, "-", "-", ""] for name, error in failed.items()]
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3, help="independent timing rounds (a ratio per round)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--engines", type=lambda s: s.split(","), default=None,
+                        help="comma-separated subset of fxdp, opacus-hooks, opacus-ghost, opacus-functorch, opacus-ew")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--cpu-time", action="store_true", help="one intra-op thread, timed by its CPU time")
+    args = parser.parse_args()
+    if args.cpu_time:
+        torch.set_num_threads(1)
+    elif args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    inputs = batch(args)
+    print(f"GPT-2 architecture, sequence classification: {args.layers} layers, width {args.width}, vocab {args.vocab}, "
+          f"T={args.seq}, batch {args.batch}; torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
+          f"{'CPU time' if args.cpu_time else 'wall time'}")
+    headers = ["engine", "ms/step", "x plain (per round)", "peak MiB", "x plain memory", ""]
+    for lora in (False, True):
+        title = f"LoRA r={args.rank} (attention and projections; head trainable)" if lora else "full fine-tuning"
+        print(f"\n{title}")
+        print(tabulate(measure(args, inputs, lora), headers=headers))
+
+
+if __name__ == "__main__":
+    main()
