@@ -15,7 +15,10 @@ The same (A, G, layout) is what book-keeping clipping needs.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -27,9 +30,10 @@ from fxdp.grad_sample.accumulate import layer_capture, trainable_parameters
 from fxdp.grad_sample.bookkeeping import call_without_param_grads
 from fxdp.grad_sample.generic import layout_grad_samples, summed_loss_backprops, summed_loss_scale
 from fxdp.grad_sample.recurrent import recurrent_forward, recurrent_rule_applies
-from fxdp.grad_sample.registry import find_grad_sampler
+from fxdp.grad_sample.registry import find_grad_sampler, rule_name
 from fxdp.grad_sample.sink import GradientSink, LayerCapture
-from fxdp.layout import BROADCAST, BatchLayout, parse_layout
+from fxdp.grad_sample.transformer import batch_at, block_forward, encoder_would_nest, transformer_rule_applies
+from fxdp.layout import BROADCAST, MERGED, BatchLayout, parse_layout
 from fxdp.runtime.guards import BatchSource, forward_call
 
 
@@ -213,6 +217,10 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
         out = _recurrent_call(module, site, n, leaves, layouts, args, kwargs)
         if out is not None:
             return out
+    if not arg_params and n > 0 and trainable and transformer_rule_applies(module):
+        out = _transformer_call(module, site, n, leaves, layouts, args, kwargs)
+        if out is not None:
+            return out
     out = None
     if getattr(site.sink, "skips_param_grads", False) and not arg_params:
         # the sink forms each parameter's gradient itself (book-keeping): only input gradients flow
@@ -273,6 +281,62 @@ def _recurrent_call(module: nn.Module, site: PerSampleSite, n: int, leaves, layo
     return recurrent_forward(module, x, call.get("hx"), deliver=lambda capture: _deliver(site, capture, forward),
                              loss_reduction=site.loss_reduction,
                              param_grads=not getattr(site.sink, "skips_param_grads", False))
+
+
+_SEQUENCES = ("query", "key", "value", "src", "tgt", "memory")
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(fn: Callable) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
+def _transformer_call(module: nn.Module, site: PerSampleSite, n: int, leaves, layouts, args, kwargs):
+    """A stock transformer block run as torch runs it with gradients, each of its projections, feed-forward
+    layers and norms a DP-aware call of its own with the batch where the block keeps it
+    (:mod:`fxdp.grad_sample.transformer`). ``None`` where a sequence does not have the batch there, or a mask
+    holds per-sample rows where the block does not read them (then the generic rule decides)."""
+    forward = block_forward(module)
+    try:
+        bound = _signature(forward).bind_partial(module, *args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    given = bound.arguments
+    b = batch_at(module)
+    heads = {m.num_heads for m in module.modules() if isinstance(m, nn.MultiheadAttention)}
+    for name, value in given.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        lay = next(lay for leaf, lay in zip(leaves, layouts) if leaf is value)
+        if name in _SEQUENCES:
+            if value.dim() != 3 or str(lay) != f"batch@{b}" or value.shape[b] != n:
+                return None
+        elif lay.is_batched and not _mask_rows_fit(name, value, lay, heads):
+            return None
+    if isinstance(module, nn.TransformerEncoder) and encoder_would_nest(
+            module, given["src"], given["mask"], given["src_key_padding_mask"]):
+        return None
+    guard = site.guard if site.guard is not None else SimpleNamespace(calls=forward_call(site))
+
+    def call(layer: nn.Module, x: torch.Tensor, at: int, name: str) -> torch.Tensor:
+        if not any(p.requires_grad for p in layer.parameters()):
+            return layer(x)
+        lay = [f"batch@{at}"]
+        child = PerSampleSite(f"{site.node}.{name}", f"{site.target}.{name}", rule_name(layer) or "generic",
+                              site.loss_reduction, lay, lay, None, f"layer '{site.target}.{name}' "
+                              f"({type(layer).__name__})", site.sink, guard)
+        return per_sample_call(layer, child, n, x)
+
+    return forward(*bound.args, **bound.kwargs, call=call)
+
+
+def _mask_rows_fit(name: str, mask: torch.Tensor, lay: BatchLayout, heads) -> bool:
+    """A mask holding per-sample rows has them where the block reads them: a key padding mask (N, S) one row
+    per sample, a 3-D attention mask (N * heads, L, S) each sample's heads one after another."""
+    if name.endswith("key_padding_mask"):
+        return str(lay) == "batch@0"
+    return mask.dim() == 3 and len(heads) == 1 and lay == BatchLayout(MERGED, 0, next(iter(heads)))
 
 
 def per_sample_function(site: PerSampleSite, n: int, *args, **kwargs):
