@@ -20,9 +20,11 @@ then takes the block whole.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import weakref
-from typing import Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,7 @@ from torch.nn.utils import parametrize
 
 from fxdp.grad_sample.linear import linear_grad_sample
 from fxdp.grad_sample.registry import find_grad_sampler
+from fxdp.layout import MERGED, BatchLayout
 
 # call(layer, x, batch_at, name) -> layer(x), recording the layer's per-sample gradients; x has the batch in
 # dim batch_at; name: the layer's name inside the block, for reports and errors
@@ -315,3 +318,58 @@ FORWARDS = {nn.MultiheadAttention: attention_forward, nn.TransformerEncoderLayer
 def block_forward(module: nn.Module) -> Optional[Callable]:
     """The decomposed forward of a block :func:`transformer_rule_applies` to."""
     return next((fn for base, fn in FORWARDS.items() if isinstance(module, base)), None)
+
+
+SEQUENCES = ("query", "key", "value", "src", "tgt", "memory")
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(fn: Callable) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
+def bind_block_call(module: nn.Module, args: tuple, kwargs: dict) -> Optional[Dict[str, Any]]:
+    """The block's arguments by name, defaults filled in (the names of torch's own ``forward``); None where
+    they do not bind."""
+    try:
+        bound = _signature(block_forward(module)).bind_partial(module, *args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return dict(list(bound.arguments.items())[1:])
+
+
+def stack_fake_output(module: nn.Module, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """What a fake run of a stock ``nn.TransformerEncoder`` / ``nn.TransformerDecoder`` on a batched (3-D) input
+    returns: a tensor like that input (its forward asks whether a mask is causal by comparing values, which
+    fake tensors do not hold). None for any other module or input."""
+    if not isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)) or not transformer_rule_applies(module):
+        return None
+    arguments = bind_block_call(module, args, kwargs) or {}
+    first = arguments.get("src", arguments.get("tgt"))
+    return torch.empty_like(first) if isinstance(first, torch.Tensor) and first.dim() == 3 else None
+
+
+def inputs_fit(module: nn.Module, arguments: Dict[str, Any], shape_of: Callable[[Any], Optional[tuple]],
+               layout_of: Callable[[Any], BatchLayout], n: int) -> bool:
+    """Every sequence (query/key/value, src/tgt/memory) is batched (3-D) with the batch where the block keeps
+    it, and every mask holding per-sample rows has them where the block reads them: a key padding mask (N, S)
+    one row per sample, a 3-D attention mask (N * heads, L, S) each sample's heads one after another.
+    ``shape_of(value)``: None for what is no tensor; ``layout_of(tensor)``: where its batch sits."""
+    b = batch_at(module)
+    heads = {m.num_heads for m in module.modules() if isinstance(m, nn.MultiheadAttention)}
+    for name, value in arguments.items():
+        shape = shape_of(value)
+        if shape is None:
+            continue
+        lay = layout_of(value)
+        if name in SEQUENCES:
+            if len(shape) != 3 or str(lay) != f"batch@{b}" or shape[b] != n:
+                return False
+        elif lay.is_batched:
+            if name.endswith("key_padding_mask"):
+                if str(lay) != "batch@0":
+                    return False
+            elif not (len(shape) == 3 and len(heads) == 1 and lay == BatchLayout(MERGED, 0, next(iter(heads)))):
+                return False
+    return True

@@ -15,8 +15,6 @@ The same (A, G, layout) is what book-keeping clipping needs.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -28,12 +26,14 @@ from torch.utils import _pytree as pytree
 from fxdp.diagnostics.errors import PerSampleError
 from fxdp.grad_sample.accumulate import layer_capture, trainable_parameters
 from fxdp.grad_sample.bookkeeping import call_without_param_grads
+from fxdp.grad_sample.broadcast import added_parameter_grad_samples, added_parameter_sign, summed_dims
 from fxdp.grad_sample.generic import layout_grad_samples, summed_loss_backprops, summed_loss_scale
 from fxdp.grad_sample.recurrent import recurrent_forward, recurrent_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler, rule_name
 from fxdp.grad_sample.sink import GradientSink, LayerCapture
-from fxdp.grad_sample.transformer import batch_at, block_forward, encoder_would_nest, transformer_rule_applies
-from fxdp.layout import BROADCAST, MERGED, BatchLayout, parse_layout
+from fxdp.grad_sample.transformer import (bind_block_call, block_forward, encoder_would_nest, inputs_fit,
+                                          transformer_rule_applies)
+from fxdp.layout import BATCHED, BROADCAST, BatchLayout, parse_layout
 from fxdp.runtime.guards import BatchSource, forward_call
 
 
@@ -283,37 +283,15 @@ def _recurrent_call(module: nn.Module, site: PerSampleSite, n: int, leaves, layo
                              param_grads=not getattr(site.sink, "skips_param_grads", False))
 
 
-_SEQUENCES = ("query", "key", "value", "src", "tgt", "memory")
-
-
-@functools.lru_cache(maxsize=None)
-def _signature(fn: Callable) -> inspect.Signature:
-    return inspect.signature(fn)
-
-
 def _transformer_call(module: nn.Module, site: PerSampleSite, n: int, leaves, layouts, args, kwargs):
     """A stock transformer block run as torch runs it with gradients, each of its projections, feed-forward
     layers and norms a DP-aware call of its own with the batch where the block keeps it
     (:mod:`fxdp.grad_sample.transformer`). ``None`` where a sequence does not have the batch there, or a mask
     holds per-sample rows where the block does not read them (then the generic rule decides)."""
-    forward = block_forward(module)
-    try:
-        bound = _signature(forward).bind_partial(module, *args, **kwargs)
-    except TypeError:
+    given = bind_block_call(module, args, kwargs)
+    if given is None or not inputs_fit(module, given, lambda v: tuple(v.shape) if isinstance(v, torch.Tensor) else None,
+                                       lambda t: next(lay for leaf, lay in zip(leaves, layouts) if leaf is t), n):
         return None
-    bound.apply_defaults()
-    given = bound.arguments
-    b = batch_at(module)
-    heads = {m.num_heads for m in module.modules() if isinstance(m, nn.MultiheadAttention)}
-    for name, value in given.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        lay = next(lay for leaf, lay in zip(leaves, layouts) if leaf is value)
-        if name in _SEQUENCES:
-            if value.dim() != 3 or str(lay) != f"batch@{b}" or value.shape[b] != n:
-                return None
-        elif lay.is_batched and not _mask_rows_fit(name, value, lay, heads):
-            return None
     if isinstance(module, nn.TransformerEncoder) and encoder_would_nest(
             module, given["src"], given["mask"], given["src_key_padding_mask"]):
         return None
@@ -328,15 +306,7 @@ def _transformer_call(module: nn.Module, site: PerSampleSite, n: int, leaves, la
                               f"({type(layer).__name__})", site.sink, guard)
         return per_sample_call(layer, child, n, x)
 
-    return forward(*bound.args, **bound.kwargs, call=call)
-
-
-def _mask_rows_fit(name: str, mask: torch.Tensor, lay: BatchLayout, heads) -> bool:
-    """A mask holding per-sample rows has them where the block reads them: a key padding mask (N, S) one row
-    per sample, a 3-D attention mask (N * heads, L, S) each sample's heads one after another."""
-    if name.endswith("key_padding_mask"):
-        return str(lay) == "batch@0"
-    return mask.dim() == 3 and len(heads) == 1 and lay == BatchLayout(MERGED, 0, next(iter(heads)))
+    return block_forward(module)(module, **given, call=call)
 
 
 def per_sample_function(site: PerSampleSite, n: int, *args, **kwargs):
@@ -354,9 +324,34 @@ def per_sample_function(site: PerSampleSite, n: int, *args, **kwargs):
         return out
     layouts = _tensor_layouts(site, leaves)
     out_layouts = _out_layouts(site, len(outputs))
+    if len(param_positions) == 1 and len(outputs) == 1 and out_layouts[0].kind == BATCHED:
+        record = _added_parameter_recorder(site, n, args, kwargs, param_positions[0], out, out_layouts[0].dim)
+        if record is not None:
+            return _on_backward(out, outputs, record)
 
     def call(flat):
         a, k = rebuild(flat)
         return call_fn(*a, **k)
 
     return _on_backward(out, outputs, _generic_recorder(call, leaves, layouts, param_positions, out_layouts, n, site))
+
+
+def _added_parameter_recorder(site: PerSampleSite, n: int, args, kwargs, position: int, out, batch_at: int):
+    """The backward step of ``x + p`` / ``x - p`` for a parameter ``p`` broadcast against per-sample data: its
+    per-sample gradient is the output gradient summed over p's broadcast dimensions
+    (:mod:`fxdp.grad_sample.broadcast`). None where that form does not apply (the generic rule decides)."""
+    sign = added_parameter_sign(site.fn, position, len(args), bool(kwargs))
+    param = args[position] if sign is not None and position < len(args) else None
+    if param is None or not isinstance(args[1 - position], torch.Tensor) or out.shape[batch_at] != n:
+        return None
+    dims = summed_dims(out.shape, batch_at, param.shape)
+    if dims is None:
+        return None
+    forward = forward_call(site)
+    scale = sign * summed_loss_scale(site.loss_reduction, n)
+
+    def record(grads) -> None:
+        gs = added_parameter_grad_samples(grads[0], batch_at, param, dims, scale)
+        _deliver(site, LayerCapture(n, lambda: {param: gs}, params=(param,)), forward)
+
+    return record
