@@ -338,3 +338,36 @@ def test_an_addition_with_alpha_takes_the_generic_rule():
     _, compiled = _check(model, (torch.randn(N, L, E),))
     line = next(n for n in fxdp.report(compiled).notes if "'pos'" in n)
     assert "(generic): materialise" in line, line
+
+
+@pytest.mark.parametrize("kind", ["encoder-layer", "decoder-layer"])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_dropout_in_stock_layers(kind, batch_first, no_generic_rule):
+    """Dropout (in the attention and the feed-forward block) is part of the forward the per-sample gradients
+    are taken of, and draws the same masks as torch's own layer: with the same seed, the compiled model's output
+    is the stock model's, and each sample's gradient is that of its own loss in the batch."""
+    torch.manual_seed(10)
+    block = _block(kind, batch_first, False, "relu")
+    for m in block.modules():
+        if isinstance(m, (nn.Dropout, nn.MultiheadAttention)):
+            setattr(m, "p" if isinstance(m, nn.Dropout) else "dropout", 0.3)
+    call = _decoder_call(True, True) if kind == "decoder-layer" else _encoder_layer_call(False, True)
+    model = Net(block, batch_first, call)
+    inputs = (torch.randn(N, L, E), torch.randn(N, S, E), _padding())
+    params = dict(model.named_parameters())
+    torch.manual_seed(11)
+    out = model(*inputs)
+    R = torch.randn(out.shape[1:])
+    expected = {name: [] for name in params}
+    for i in range(N):  # sample i's loss, through the batch's own forward (its dropout masks)
+        grads = torch.autograd.grad((out[i] * R).sum(), list(params.values()), retain_graph=True)
+        for name, g in zip(params, grads):
+            expected[name].append(g)
+    compiled = fxdp.compile_for_dp(model, example_inputs=inputs, loss_reduction="sum")
+    torch.manual_seed(11)
+    dp_out = compiled(*inputs)
+    torch.testing.assert_close(dp_out, out.detach(), atol=1e-12, rtol=1e-10)  # the same random masks
+    (dp_out * R).sum().backward()
+    for name, p in params.items():
+        torch.testing.assert_close(p.grad_sample, torch.stack(expected[name]), atol=1e-10, rtol=1e-8,
+                                   msg=lambda m: f"{name}: {m}")

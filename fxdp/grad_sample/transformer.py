@@ -184,10 +184,10 @@ def attention_forward(m: nn.MultiheadAttention, query, key, value, key_padding_m
             weights = weights.mean(dim=1)
     else:
         out = F.scaled_dot_product_attention(q, k, v, mask, dropout, is_causal)
-    # (N, heads, L, head_dim) -> the input's layout, (N, L, E) or (L, N, E)
-    out = out.transpose(1, 2) if b == 0 else out.permute(2, 0, 1, 3)
-    out = call(m.out_proj, out.reshape(*out.shape[:2], width), b, f"{name}out_proj")
-    return out, weights
+    # (N, heads, L, head_dim) -> (L, N, E), projected time-major as torch does: the output then has torch's
+    # memory layout, and a dropout after it draws its mask in the same order
+    out = call(m.out_proj, out.permute(2, 0, 1, 3).reshape(length, n, width), 1, f"{name}out_proj")
+    return (out.transpose(0, 1) if b == 0 else out), weights
 
 
 # -- encoder and decoder layers --------------------------------------------------------------------------------
