@@ -371,3 +371,20 @@ def test_dropout_in_stock_layers(kind, batch_first, no_generic_rule):
     for name, p in params.items():
         torch.testing.assert_close(p.grad_sample, torch.stack(expected[name]), atol=1e-10, rtol=1e-8,
                                    msg=lambda m: f"{name}: {m}")
+
+
+def test_a_hook_added_after_compiling_is_run():
+    """torch's forward runs the hooks of the block's modules; the decomposition would not, so a block with a hook
+    is not decomposed (a hook there before compiling sends the whole model to the whole-model engine)."""
+    torch.manual_seed(12)
+    model = Net(_block("encoder-layer", True, False, "relu"), True, _encoder_layer_call(False, True))
+    inputs = (torch.randn(N, L, E), torch.randn(N, S, E), _padding())
+    compiled = fxdp.compile_for_dp(model, example_inputs=inputs, loss_reduction="sum")
+    model.block.linear1.register_forward_hook(lambda module, args, out: out * 2)
+    expected, R = expected_grad_samples(model, inputs)
+    out = compiled(*inputs)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(*inputs), atol=1e-12, rtol=1e-10)
+    (out * R).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_sample, expected[name], atol=1e-10, rtol=1e-8, msg=lambda m: f"{name}: {m}")

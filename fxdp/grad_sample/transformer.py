@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as torch_module
 from torch.nn.modules.transformer import _detect_is_causal_mask, _get_seq_len
 from torch.nn.utils import parametrize
 
@@ -100,6 +101,16 @@ def transformer_rule_applies(module: nn.Module) -> bool:
             return (_stock(module, stack) and len(module.layers) > 0
                     and all(type(m) is layer and transformer_rule_applies(m) for m in module.layers))
     return False
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Forward or backward hooks on the block or a module in it (or global ones): torch's own forward runs
+    them, the decomposition would not, so the block is then called whole (the generic rule)."""
+    if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+            or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks):
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+               for m in module.modules())
 
 
 def batch_at(module: nn.Module) -> int:

@@ -31,8 +31,8 @@ from fxdp.grad_sample.generic import layout_grad_samples, summed_loss_backprops,
 from fxdp.grad_sample.recurrent import recurrent_forward, recurrent_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler, rule_name
 from fxdp.grad_sample.sink import GradientSink, LayerCapture
-from fxdp.grad_sample.transformer import (bind_block_call, block_forward, encoder_would_nest, inputs_fit,
-                                          transformer_rule_applies)
+from fxdp.grad_sample.transformer import (bind_block_call, block_forward, encoder_would_nest, has_hooks,
+                                          inputs_fit, transformer_rule_applies)
 from fxdp.layout import BATCHED, BROADCAST, BatchLayout, parse_layout
 from fxdp.runtime.guards import BatchSource, forward_call
 
@@ -287,8 +287,9 @@ def _transformer_call(module: nn.Module, site: PerSampleSite, n: int, leaves, la
     """A stock transformer block run as torch runs it with gradients, each of its projections, feed-forward
     layers and norms a DP-aware call of its own with the batch where the block keeps it
     (:mod:`fxdp.grad_sample.transformer`). ``None`` where a sequence does not have the batch there, or a mask
-    holds per-sample rows where the block does not read them (then the generic rule decides)."""
-    given = bind_block_call(module, args, kwargs)
+    holds per-sample rows where the block does not read them, or the block has hooks (then the generic rule
+    decides)."""
+    given = None if has_hooks(module) else bind_block_call(module, args, kwargs)
     if given is None or not inputs_fit(module, given, lambda v: tuple(v.shape) if isinstance(v, torch.Tensor) else None,
                                        lambda t: next(lay for leaf, lay in zip(leaves, layouts) if leaf is t), n):
         return None
