@@ -8,8 +8,8 @@ run, engines taking turns, as a ratio to a non-private step (forward, backward, 
 - ``opacus-hooks`` / ``opacus-ghost`` / ``opacus-functorch`` / ``opacus-ew``: every Opacus mode that runs
   the model (``pip install opacus``; not a dependency of fxdp). A mode that fails on a model is listed
   with its error instead of a time. Opacus needs its own LSTM (``opacus.layers.DPLSTM``, with the same
-  state_dict): its ``ModuleValidator.fix`` swaps it in for the ``lstm`` model; fxdp trains the stock
-  ``nn.LSTM``.
+  state_dict) and attention (``DPMultiheadAttention``): its ``ModuleValidator.fix`` swaps them in for the
+  ``lstm`` and ``torch-transformer`` models; fxdp trains the stock ``nn.LSTM`` and ``nn.MultiheadAttention``.
 
 Peak memory: the largest amount of memory torch allocated above its level at the start of a step, from
 the torch profiler's CPU memory events (``profile_memory=True``; each op's own allocations minus frees,
@@ -24,7 +24,7 @@ and then serves large blocks without new pages, which helps an engine that alloc
 ExpandedWeights on the transformer measured 1.31-1.47x a plain step after the other four models and 1.66-1.83x
 alone (see the README's Speed section), fxdp 1.37-1.44 and 1.38-1.40.
 
-Usage: python benchmarks/dp_step_speed.py [--repeats 20] [--threads 2] [--models mlp,cnn,resnet,transformer,lstm]
+Usage: python benchmarks/dp_step_speed.py [--repeats 20] [--threads 2] [--models mlp,cnn,resnet,transformer,torch-transformer,lstm]
        [--engines fxdp,opacus-ghost] [--cpu-time] [--same-process]
 (``--cpu-time``: one intra-op thread, each step timed by that thread's CPU time, which other jobs on a shared
 machine disturb far less than wall time; the targets are set for wall time at 2 threads on a quiet machine.)
@@ -55,7 +55,7 @@ import fxdp  # noqa: E402
 from fxdp.grad_sample.bookkeeping import BookkeepingSink  # noqa: E402
 
 # name -> batch size; the sizes the issue names
-BATCH = {"mlp": 256, "cnn": 256, "resnet": 64, "transformer": 32, "lstm": 32}
+BATCH = {"mlp": 256, "cnn": 256, "resnet": 64, "transformer": 32, "torch-transformer": 32, "lstm": 32}
 NOISE, CLIP, LR = 1.0, 1.0, 0.05
 OPACUS_MODES = ("hooks", "ghost", "functorch", "ew")
 
@@ -107,8 +107,8 @@ def opacus_step(mode: str):
         from opacus import PrivacyEngine
         from opacus.validators import ModuleValidator
 
-        if any(isinstance(m, nn.LSTM) for m in model.modules()):  # Opacus trains its DPLSTM, not nn.LSTM
-            model = ModuleValidator.fix(model)
+        if any(isinstance(m, (nn.LSTM, nn.MultiheadAttention)) for m in model.modules()):
+            model = ModuleValidator.fix(model)  # Opacus trains its DPLSTM / DPMultiheadAttention instead
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=len(x))
         kwargs = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=loader,
                       noise_multiplier=NOISE, max_grad_norm=CLIP, grad_sample_mode=mode, poisson_sampling=False)

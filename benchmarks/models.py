@@ -1,6 +1,7 @@
 """The models the benchmarks time: an MLP, an MNIST CNN, a ResNet with GroupNorm on 32x32 images, a
-2-layer transformer encoder built from Linear, LayerNorm and Embedding layers, and an LSTM text classifier
-(a stock nn.LSTM)."""
+2-layer transformer encoder built from Linear, LayerNorm and Embedding layers, the same encoder built from
+PyTorch's own blocks (nn.TransformerEncoder, a learned position table as a bare nn.Parameter), and an LSTM text
+classifier (a stock nn.LSTM)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,24 @@ class Transformer(nn.Module):
         return self.head(self.ln(x).mean(dim=1))
 
 
+class TorchTransformer(nn.Module):
+    """The ``transformer`` model's architecture (pre-norm, GELU, feed-forward 4d, no dropout) from PyTorch's own
+    blocks: ``nn.TransformerEncoder`` of ``nn.TransformerEncoderLayer`` (``nn.MultiheadAttention`` inside), and
+    the position table a bare ``nn.Parameter`` added to the token embeddings."""
+
+    def __init__(self, vocab=1000, d=128, heads=4, layers=2, classes=2, max_len=64):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(1, max_len, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, activation="gelu", batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, norm=nn.LayerNorm(d), enable_nested_tensor=False)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, ids):
+        return self.head(self.encoder(self.tok(ids) + self.pos).mean(dim=1))  # sequences of max_len tokens
+
+
 class LSTMClassifier(nn.Module):
     """Embedding(10,000, 64) -> nn.LSTM(64, 128, batch_first) -> Linear on the last hidden state."""
 
@@ -117,6 +136,7 @@ CASES = {
     "cnn": (mnist_cnn, lambda n: torch.randn(n, 1, 28, 28), 10),
     "resnet": (ResNetGN, lambda n: torch.randn(n, 3, 32, 32), 10),
     "transformer": (Transformer, lambda n: torch.randint(0, 1000, (n, 64)), 2),
+    "torch-transformer": (TorchTransformer, lambda n: torch.randint(0, 1000, (n, 64)), 2),
     "lstm": (LSTMClassifier, lambda n: torch.randint(0, 10_000, (n, 50)), 2),  # sequences of 50 tokens
 }
 

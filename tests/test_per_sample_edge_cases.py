@@ -107,6 +107,8 @@ def test_unfreezing_after_compiling_gives_grad_samples():
 def test_a_random_op_under_the_generic_rule_is_an_error_not_a_wrong_gradient():
     torch.manual_seed(0)
     model = nn.Sequential(nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.3, batch_first=True))
+    # an attention with add_bias_kv is not decomposed (fxdp.grad_sample.transformer): the layer takes the generic rule
+    model[0].self_attn = nn.MultiheadAttention(8, 2, dropout=0.3, batch_first=True, add_bias_kv=True)
     compiled = fxdp.compile_for_dp(model, example_inputs=torch.randn(3, 5, 8))
     with pytest.raises(RuntimeError, match=r"failed on '0' at node '_0': it uses random ops \(dropout\).*"
                                            r"set the layer's dropout to 0"):

@@ -4,6 +4,9 @@
 - one module per layer family with hand-written rules: ``linear``, ``conv``, ``embedding``, ``norms``;
 - ``moe``: sparse mixture-of-experts blocks as one unit, each sample re-run alone (:func:`register_moe_block`);
 - ``recurrent``: stock LSTM / GRU / RNN run step by step, one Linear-like capture per projection;
+- ``transformer``: stock attention, transformer layers and stacks run as torch runs them with gradients, each
+  projection, feed-forward layer and norm a capture of its own (the packed in-projection a Linear view);
+- ``broadcast``: a parameter added to per-sample data (a position table): the output gradient, summed;
 - ``generic``: THE generic rule for everything else (vmap of a vjp, a loop where vmap cannot run);
 - ``accumulate``: :func:`compute_grad_samples` (rule lookup, generic fallback, loss reduction),
   :func:`zero_grad_sample`, and the captures engines hand their sink;

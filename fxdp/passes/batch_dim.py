@@ -44,6 +44,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from fxdp import meta
 from fxdp.diagnostics import BatchDimAnalysisError, Finding, Kind, MissingBatchRuleError, PassReport, PassResult, Severity
 from fxdp.grad_sample.moe import fake_output
+from fxdp.grad_sample.transformer import stack_fake_output
 from fxdp.layout import BROADCAST, PACKED, UNBATCHED_LAYOUT, UNKNOWN, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_inputs import (
     _bind_inputs,
@@ -184,8 +185,11 @@ class BatchDimInterpreter(torch.fx.Interpreter):
         return out
 
     def call_module(self, target, args, kwargs):
-        # a mixture-of-experts block picks rows by data (shapes no fake tensor knows): its output is like its input
-        out = fake_output(self.fetch_attr(target), args)
+        # a mixture-of-experts block picks rows by data (shapes no fake tensor knows): its output is like its input;
+        # so is a stock transformer stack's, which asks whether a mask is causal (values fake tensors do not hold)
+        module = self.fetch_attr(target)
+        out = fake_output(module, args)
+        out = out if out is not None else stack_fake_output(module, args, kwargs)
         return out if out is not None else super().call_module(target, args, kwargs)
 
     def get_attr(self, target, args, kwargs):

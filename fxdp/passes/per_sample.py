@@ -30,6 +30,7 @@ from fxdp import meta, runtime
 from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity, op_name
 from fxdp.grad_sample.recurrent import recurrent_rule_applies
 from fxdp.grad_sample.registry import rule_name
+from fxdp.grad_sample.transformer import transformer_rule_applies
 from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
 from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED, UNKNOWN, BatchLayout, parse_layout
 from fxdp.tracing import source_location
@@ -160,6 +161,8 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
             rule = (rule_name(module) if not arg_params else None) or "generic"
             if rule == "generic" and not arg_params and recurrent_rule_applies(module):
                 rule = "recurrent"  # step by step, one Linear-like capture per projection (generic if the batch moved)
+            elif rule == "generic" and not arg_params and transformer_rule_applies(module):
+                rule = "transformer"  # each projection, feed-forward layer and norm a DP-aware call of its own
             target, call, fn = node.target, runtime.per_sample_call, None
             what = f"layer '{node.target}' ({type(module).__name__})"
         elif node.op in ("call_function", "call_method") and arg_params:

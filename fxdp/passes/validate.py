@@ -27,6 +27,7 @@ from torch.fx import Node
 
 from fxdp.diagnostics import ROOT_NAME, Finding, Kind, PassReport, PassResult, Severity, SourceLocation, UnsupportedModuleError, error_from_finding, op_name
 from fxdp.grad_sample.recurrent import recurrent_rule_applies
+from fxdp.grad_sample.transformer import transformer_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler, parametrized_grad_sampler
 from fxdp.passes.inplace import alias_root, attribute_kind, find_inplace_op
 from fxdp.tracing import DPTracer, source_location
@@ -110,7 +111,7 @@ def _check_module_call(gm, node: Node, location, validator_class, uses) -> List[
             "", location,
         ))
     if any(p.requires_grad for p in params.values()) and not has_errors:
-        if find_grad_sampler(module) is None and not recurrent_rule_applies(module):
+        if find_grad_sampler(module) is None and not recurrent_rule_applies(module) and not transformer_rule_applies(module):
             findings.append(_finding(
                 node.name, op, Kind.NOTE, Severity.INFO,
                 f"`{node.target}` ({op}) has no hand-written per-sample gradient rule; it will use the "

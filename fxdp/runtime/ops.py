@@ -16,6 +16,7 @@ The same (A, G, layout) is what book-keeping clipping needs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -25,11 +26,14 @@ from torch.utils import _pytree as pytree
 from fxdp.diagnostics.errors import PerSampleError
 from fxdp.grad_sample.accumulate import layer_capture, trainable_parameters
 from fxdp.grad_sample.bookkeeping import call_without_param_grads
+from fxdp.grad_sample.broadcast import added_parameter_grad_samples, added_parameter_sign, summed_dims
 from fxdp.grad_sample.generic import layout_grad_samples, summed_loss_backprops, summed_loss_scale
 from fxdp.grad_sample.recurrent import recurrent_forward, recurrent_rule_applies
-from fxdp.grad_sample.registry import find_grad_sampler
+from fxdp.grad_sample.registry import find_grad_sampler, rule_name
 from fxdp.grad_sample.sink import GradientSink, LayerCapture
-from fxdp.layout import BROADCAST, BatchLayout, parse_layout
+from fxdp.grad_sample.transformer import (bind_block_call, block_forward, encoder_would_nest, has_hooks,
+                                          inputs_fit, transformer_rule_applies)
+from fxdp.layout import BATCHED, BROADCAST, BatchLayout, parse_layout
 from fxdp.runtime.guards import BatchSource, forward_call
 
 
@@ -213,6 +217,10 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
         out = _recurrent_call(module, site, n, leaves, layouts, args, kwargs)
         if out is not None:
             return out
+    if not arg_params and n > 0 and trainable and transformer_rule_applies(module):
+        out = _transformer_call(module, site, n, leaves, layouts, args, kwargs)
+        if out is not None:
+            return out
     out = None
     if getattr(site.sink, "skips_param_grads", False) and not arg_params:
         # the sink forms each parameter's gradient itself (book-keeping): only input gradients flow
@@ -275,6 +283,33 @@ def _recurrent_call(module: nn.Module, site: PerSampleSite, n: int, leaves, layo
                              param_grads=not getattr(site.sink, "skips_param_grads", False))
 
 
+def _transformer_call(module: nn.Module, site: PerSampleSite, n: int, leaves, layouts, args, kwargs):
+    """A stock transformer block run as torch runs it with gradients, each of its projections, feed-forward
+    layers and norms a DP-aware call of its own with the batch where the block keeps it
+    (:mod:`fxdp.grad_sample.transformer`). ``None`` where a sequence does not have the batch there, or a mask
+    holds per-sample rows where the block does not read them, or the block has hooks (then the generic rule
+    decides)."""
+    given = None if has_hooks(module) else bind_block_call(module, args, kwargs)
+    if given is None or not inputs_fit(module, given, lambda v: tuple(v.shape) if isinstance(v, torch.Tensor) else None,
+                                       lambda t: next(lay for leaf, lay in zip(leaves, layouts) if leaf is t), n):
+        return None
+    if isinstance(module, nn.TransformerEncoder) and encoder_would_nest(
+            module, given["src"], given["mask"], given["src_key_padding_mask"]):
+        return None
+    guard = site.guard if site.guard is not None else SimpleNamespace(calls=forward_call(site))
+
+    def call(layer: nn.Module, x: torch.Tensor, at: int, name: str) -> torch.Tensor:
+        if not any(p.requires_grad for p in layer.parameters()):
+            return layer(x)
+        lay = [f"batch@{at}"]
+        child = PerSampleSite(f"{site.node}.{name}", f"{site.target}.{name}", rule_name(layer) or "generic",
+                              site.loss_reduction, lay, lay, None, f"layer '{site.target}.{name}' "
+                              f"({type(layer).__name__})", site.sink, guard)
+        return per_sample_call(layer, child, n, x)
+
+    return block_forward(module)(module, **given, call=call)
+
+
 def per_sample_function(site: PerSampleSite, n: int, *args, **kwargs):
     """Call a torch function (or Tensor method, by name) that uses parameters directly
     (``F.linear(x, self.w)``, ``x * self.scale``); in backward, add their per-sample gradients."""
@@ -290,9 +325,34 @@ def per_sample_function(site: PerSampleSite, n: int, *args, **kwargs):
         return out
     layouts = _tensor_layouts(site, leaves)
     out_layouts = _out_layouts(site, len(outputs))
+    if len(param_positions) == 1 and len(outputs) == 1 and out_layouts[0].kind == BATCHED:
+        record = _added_parameter_recorder(site, n, args, kwargs, param_positions[0], out, out_layouts[0].dim)
+        if record is not None:
+            return _on_backward(out, outputs, record)
 
     def call(flat):
         a, k = rebuild(flat)
         return call_fn(*a, **k)
 
     return _on_backward(out, outputs, _generic_recorder(call, leaves, layouts, param_positions, out_layouts, n, site))
+
+
+def _added_parameter_recorder(site: PerSampleSite, n: int, args, kwargs, position: int, out, batch_at: int):
+    """The backward step of ``x + p`` / ``x - p`` for a parameter ``p`` broadcast against per-sample data: its
+    per-sample gradient is the output gradient summed over p's broadcast dimensions
+    (:mod:`fxdp.grad_sample.broadcast`). None where that form does not apply (the generic rule decides)."""
+    sign = added_parameter_sign(site.fn, position, len(args), bool(kwargs))
+    param = args[position] if sign is not None and position < len(args) else None
+    if param is None or not isinstance(args[1 - position], torch.Tensor) or out.shape[batch_at] != n:
+        return None
+    dims = summed_dims(out.shape, batch_at, param.shape)
+    if dims is None:
+        return None
+    forward = forward_call(site)
+    scale = sign * summed_loss_scale(site.loss_reduction, n)
+
+    def record(grads) -> None:
+        gs = added_parameter_grad_samples(grads[0], batch_at, param, dims, scale)
+        _deliver(site, LayerCapture(n, lambda: {param: gs}, params=(param,)), forward)
+
+    return record

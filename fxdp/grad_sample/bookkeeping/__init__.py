@@ -22,6 +22,9 @@ plan of every layer it saw in :attr:`BookkeepingSink.plans` so a report can say 
                and G are freed) and the clipped sum is ``sum_i c_i g_i``; else it is dropped at once.
 ``index``      Embedding: rows of equal index summed per sample, ``sum_v ||sum_{t: idx_t = v} g_t||^2``
                (the index-equality form of ``sum_{t,s} [idx_t = idx_s] <g_t, g_s>``), no ``(V, D)`` tensor.
+``summed``     a parameter added to per-sample data (``x + self.pos``): its per-sample gradient is ``G`` summed
+               over the dimensions it is broadcast along (formed in backward, as small as ``G``), then read as
+               materialised.
 ``materialise`` norm layers, the generic rule, anything else: ``capture.grad_samples()`` (their parameters
                are small); norms and clipped sums read from the per-sample tensor.
 =============  ====================================================================================

@@ -13,14 +13,17 @@ from torch import nn
 
 from fxdp import meta
 from fxdp.grad_sample.bookkeeping.recurrent import plan_recurrent
+from fxdp.grad_sample.bookkeeping.transformer import plan_transformer
+from fxdp.grad_sample.broadcast import added_parameter_sign, summed_dims
 from fxdp.grad_sample.conv import conv_grad_sample
 from fxdp.grad_sample.embedding import embedding_grad_sample
 from fxdp.grad_sample.linear import is_transformers_conv1d, linear_grad_sample
 from fxdp.grad_sample.recurrent import recurrent_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler
-from fxdp.layout import parse_layout
+from fxdp.grad_sample.transformer import batch_at, bind_block_call, inputs_fit, transformer_rule_applies
+from fxdp.layout import BATCHED, BROADCAST, BatchLayout, parse_layout
 
-METHODS = ("outer", "ghost", "per_sample", "index", "materialise")
+METHODS = ("outer", "ghost", "per_sample", "index", "summed", "materialise")
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
@@ -127,12 +130,17 @@ def plan_graph(gm: torch.fx.GraphModule, prefer: Optional[str] = None) -> List[T
             module = gm.get_submodule(node.args[0].target)
         except AttributeError:  # a functional use (its first argument is its site, not a layer): generic rule
             site = getattr(gm, node.args[0].target, None)
-            plan = plan_layer(None, [], None, prefer)
+            plan = _added_parameter_plan(gm, node, site, n) or plan_layer(None, [], None, prefer)
             if getattr(site, "description", ""):
                 plan = dataclasses.replace(plan, reason=f"{site.description}: {plan.reason}")
             plans.append((str(getattr(site, "target", node.args[0].target)), plan))
             continue
         site = getattr(gm, node.args[1].target)
+        if transformer_rule_applies(module):  # one plan per projection, feed-forward layer and norm
+            parts = _transformer_plans(module, node, site, n, prefer)
+            if parts is not None:
+                plans += [(f"{node.args[0].target}.{name}", plan) for name, plan in parts]
+                continue
         fakes = [a.meta.get(meta.FAKE_VALUE) if isinstance(a, torch.fx.Node) else None for a in node.args[3:]]
         out = node.meta.get(meta.FAKE_VALUE)
         if isinstance(out, (tuple, list)):  # (output, state) of a recurrent layer: the output's shape
@@ -145,6 +153,60 @@ def plan_graph(gm: torch.fx.GraphModule, prefer: Optional[str] = None) -> List[T
             continue
         plans.append((node.args[0].target, plan_layer(module, ins, g, prefer)))
     return plans
+
+
+def _fake_shape(value) -> Optional[tuple]:
+    fake = value.meta.get(meta.FAKE_VALUE) if isinstance(value, torch.fx.Node) else None
+    return tuple(fake.shape) if isinstance(fake, torch.Tensor) else None
+
+
+def _transformer_plans(module: nn.Module, node: torch.fx.Node, site, n: int, prefer):
+    """The plans of a stock transformer block's layers, when the block will be decomposed (its inputs as
+    :func:`~fxdp.grad_sample.transformer.inputs_fit` asks); else None."""
+    args, kwargs = node.args[3:], node.kwargs
+    given = bind_block_call(module, args, kwargs)
+    tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if _fake_shape(a) is not None]
+    try:
+        layouts = {a: site.in_layout(k) for k, a in enumerate(tensors)}
+    except Exception:  # layouts not recorded: the sink decides on the first batch
+        return None
+    # inputs broadcast over the batch are expanded to it before the block runs
+    layouts = {a: BatchLayout.at(lay.dim) if lay.kind == BROADCAST else lay for a, lay in layouts.items()}
+    shapes = {a: tuple(n if layouts[a].kind == BATCHED and d == layouts[a].dim else size
+                       for d, size in enumerate(_fake_shape(a))) for a in tensors}
+    if given is None or not inputs_fit(module, given, shapes.get, layouts.__getitem__, n):
+        return None
+    seq = 1 - batch_at(module)
+    first = next(given[k] for k in ("query", "src", "tgt") if k in given)
+    other = next((given[k] for k in ("key", "memory") if k in given), first)
+    length, source = shapes[first][seq], shapes[other][seq]
+    rows = length if given.get("key", first) is first and given.get("value", first) is first else (
+        length + source if given.get("key") is given.get("value") else length + 2 * source)
+    return plan_transformer(module, n, length, source, rows, prefer, plan_layer)
+
+
+def _added_parameter_plan(gm: torch.fx.GraphModule, node: torch.fx.Node, site, n: int) -> Optional[LayerPlan]:
+    """``x + p`` / ``x - p`` for one trainable parameter ``p`` broadcast against per-sample data: its per-sample
+    gradient is the output gradient summed over p's broadcast dimensions (as the runtime forms it)."""
+    operands = node.args[2:]
+    params = []
+    for i, a in enumerate(operands):
+        if isinstance(a, torch.fx.Node) and a.op == "get_attr":
+            try:
+                params.append((i, gm.get_parameter(a.target)))
+            except AttributeError:
+                pass
+    params = [(i, p) for i, p in params if p.requires_grad]
+    out, lay = _fake_shape(node), parse_layout(site.out_layouts[0]) if getattr(site, "out_layouts", None) else None
+    if len(params) != 1 or out is None or lay is None or lay.kind != BATCHED or out[lay.dim] != n:
+        return None
+    position, param = params[0]
+    sign = added_parameter_sign(site.fn, position, len(operands), bool(node.kwargs))
+    if sign is None or _fake_shape(operands[1 - position]) is None or summed_dims(out, lay.dim, param.shape) is None:
+        return None
+    what = "subtracted from" if sign < 0 else "added to"
+    return LayerPlan("parameter", "summed", f"{what} per-sample data: its per-sample gradient is the output "
+                                            "gradient summed over the dimensions it is broadcast along")
 
 
 def describe_plans(plans: Iterable[Tuple[str, LayerPlan]]) -> List[str]:
