@@ -336,6 +336,7 @@ class _GuardContext:
     # a graph torch.export captured: the graphs captured for each input shape seen, as (class, __dict__),
     # shared by their contexts (a copy of the model keeps only its current graph and captures again)
     captures: Optional[list] = None
+    training: bool = True  # the mode the graph was captured in (functional dropout keeps it)
 
     def __getstate__(self):  # the compiled model holds this context: a pickled copy must not hold it back
         return {**vars(self), "compiled": None, "captures": None}
@@ -359,6 +360,7 @@ def _install_guards(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule, ex
     guard.symbolic_batch = symbolic_batch(gm) if batch_dim == guard.dim else None
     if isinstance(getattr(gm, _INPUT_SHAPES, None), ExportShapeGuard):
         guard.recapture = _recapture
+        guard.context.training = gm.training
     if example_inputs is not None:  # analysed at compile time: these shapes need no second analysis
         values = tuple(bind_inputs(analysed, example_inputs))
         _pin_batch_inputs(guard, values)
@@ -472,9 +474,18 @@ def _recapture(compiled: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Non
     captures = ctx.captures
     entry = next((e for e in captures if e[1]["_modules"][_INPUT_SHAPES].mismatch(inputs) is None), None)
     if entry is None:
-        new = compile_for_dp(ctx.original, _capture_inputs(ctx.original, args, kwargs, ctx.batch_dim),
-                             batch_dim=ctx.batch_dim, loss_reduction=ctx.loss_reduction, strict=ctx.strict,
-                             sink=sink_of(compiled), batch_inputs=ctx.batch_inputs)
+        # in the mode the first graph was captured in, whatever the mode now: every graph then treats dropout
+        # as the first does (a layer's follows train()/eval(); functional dropout keeps the captured mode, and
+        # the graph refuses eval() if it is on)
+        modes = [(m, m.training) for m in ctx.original.modules()]
+        ctx.original.train(ctx.training)
+        try:
+            new = compile_for_dp(ctx.original, _capture_inputs(ctx.original, args, kwargs, ctx.batch_dim),
+                                 batch_dim=ctx.batch_dim, loss_reduction=ctx.loss_reduction, strict=ctx.strict,
+                                 sink=sink_of(compiled), batch_inputs=ctx.batch_inputs)
+        finally:
+            for m, mode in modes:
+                m.training = mode
         rep = report(new)
         if rep.engine != "fx" or not isinstance(getattr(new, _INPUT_SHAPES, None), ExportShapeGuard):
             remove = getattr(new, "remove_hooks", None)
@@ -501,6 +512,9 @@ def _recapture(compiled: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Non
     compiled.__dict__.update(mine)
     compiled.__class__ = entry[0]
     setattr(compiled, _REPORT_ATTR, dataclasses.replace(rep, notes=(*notes, note)))
+    for name, module in compiled._modules.items():  # the graph's own guards take the model's mode (its layers are
+        if name.startswith("fxdp_") and isinstance(module, nn.Module):  # the user's, in the mode they are in)
+            module.training = compiled.training
     now = compiled.fxdp_batch
     if now.context.compiled is not compiled:  # its report and its watch are the compiled model's
         now.fxdp_relink(compiled)

@@ -278,6 +278,28 @@ def test_a_graph_captured_with_dropout_zero_evaluates():
         torch.testing.assert_close(compiled(_x()), model.eval()(_x()))
 
 
+def test_a_capture_again_in_eval_mode_is_made_in_the_first_captures_mode():
+    """A new length first seen in eval(): captured in training mode like the first graph, so a dropout layer
+    follows eval() and the functional dropout of attention is refused in eval() as in the first graph (and is
+    on when training goes on at that length)."""
+    layer = WithDropout()
+    compiled = fxdp.compile_for_dp(layer, example_inputs=_x())
+    compiled.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(_x(t=6)), layer.eval()(_x(t=6)))
+    assert compiled.fxdp_batch.context.training and not layer.training  # the user's modes are as they were
+    attention = AttentionWithDropout(p=1.0, where="functional")
+    compiled = fxdp.compile_for_dp(attention, (_x(),))
+    compiled.eval()
+    modes = [m.training for m in attention.modules()]
+    with pytest.raises(fxdp.ExportModeError, match="captured with torch.export in training mode"):
+        compiled(_x(t=6))
+    assert [m.training for m in attention.modules()] == modes == [True, False]  # the root is not the compiled's
+    assert compiled.fxdp_input_shapes.shapes == [(None, 6, 4)]
+    compiled.train()
+    assert (compiled(_x(t=6)) == 0).all()  # p = 1: everything dropped, as the model trains
+
+
 def _counting_reanalyse(compiled):
     """Count the guard's re-runs of the batch_dim analysis (for input shapes it has not analysed)."""
     guard, calls = compiled.fxdp_batch, []
