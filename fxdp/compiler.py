@@ -43,7 +43,7 @@ from fxdp.engines import (
 from fxdp.engines.base import user_hooks
 from fxdp.engines.hooks import fallback_self_check
 from fxdp.engines.whole_model import whole_model_op
-from fxdp.export_capture import FRONT_END, ExportShapeError, symbolic_batch
+from fxdp.export_capture import FRONT_END, ExportShapeError, ExportShapeGuard, flat_inputs, symbolic_batch
 from fxdp.engines.wrappers import AlreadyCompiledError, unwrap_or_refuse  # noqa: F401  (re-exported)
 from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.moe import describe_moe_blocks
@@ -112,7 +112,7 @@ def _make_report(model, traced, reports, engine="fx", fallback_reason=None, fall
         guard = getattr(traced.graph_module, "fxdp_input_shapes", None)
         if guard is not None:
             notes = [*notes, f"torch.export: the graph runs inputs of shapes {guard.describe()} (N: any batch size); "
-                             "other sizes raise ExportShapeError"]
+                             "inputs of other sizes are captured again before their forward (once per shape)"]
     return CompileReport(type(model).__name__, traced.ok, tuple(reports), fallback_reason, fallback_location,
                          engine, tuple(notes), traced.front_end, front_end_reason)
 
@@ -333,9 +333,13 @@ class _GuardContext:
     with_example_inputs: bool = False
     paths: Tuple[str, ...] = ()  # the layers and parameters the graph calls or reads
     objects: Optional[dict] = None  # root name -> {path or prefix of one: the object there at compile time}
+    # a graph torch.export captured: the graphs captured for each input shape seen, as (class, __dict__),
+    # shared by their contexts (a copy of the model keeps only its current graph and captures again)
+    captures: Optional[list] = None
+    training: bool = True  # the mode the graph was captured in (functional dropout keeps it)
 
     def __getstate__(self):  # the compiled model holds this context: a pickled copy must not hold it back
-        return {**vars(self), "compiled": None}
+        return {**vars(self), "compiled": None, "captures": None}
 
     def fxdp_relink(self, model, guard: runtime.BatchSource) -> None:
         """A copy of the compiled model (deepcopy, pickle): its report and its watch are the copy's own."""
@@ -354,6 +358,9 @@ def _install_guards(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule, ex
     guard.context = _GuardContext(analysed, batch_dim, strict, pinned, gm)
     guard.reanalyse = _reanalyse
     guard.symbolic_batch = symbolic_batch(gm) if batch_dim == guard.dim else None
+    if isinstance(getattr(gm, _INPUT_SHAPES, None), ExportShapeGuard):
+        guard.recapture = _recapture
+        guard.context.training = gm.training
     if example_inputs is not None:  # analysed at compile time: these shapes need no second analysis
         values = tuple(bind_inputs(analysed, example_inputs))
         _pin_batch_inputs(guard, values)
@@ -443,6 +450,88 @@ def _rebuild(compiled: torch.fx.GraphModule, why: str, args: tuple, kwargs: dict
     warnings.warn(f"fxdp: {why}: the model was compiled again before this forward (fxdp.report(model) says "
                   "how). A DP optimizer trains a new parameter only if it holds it, and "
                   "refuses to step while it holds one the model no longer uses", stacklevel=6)
+
+
+_INPUT_SHAPES = "fxdp_input_shapes"  # a captured graph's ExportShapeGuard
+_CAPTURES_NOTE = "torch.export: captured once per input shape"
+
+
+def _recapture(compiled: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
+    """The guard's callback before each forward of a graph torch.export captured: for inputs whose sizes the
+    graph does not hold (another sequence length), put in the graph captured for them (kept from an earlier
+    capture, or captured now, with the same settings and the same sink: the parameters are the same, so their
+    per-sample norms and clipped sums go on accumulating where they did). Each graph keeps its own guards
+    and its analysis; the forward calls go on being numbered across them."""
+    inputs = flat_inputs(compiled, args, kwargs)
+    if inputs is None or getattr(compiled, _INPUT_SHAPES).mismatch(inputs) is None:
+        return  # fits, or a call the captured graph's own code refuses
+    guard = compiled.fxdp_batch
+    ctx = guard.context
+    if ctx.original is None:
+        return
+    if ctx.captures is None:
+        ctx.captures = [(type(compiled), dict(compiled.__dict__))]
+    captures = ctx.captures
+    entry = next((e for e in captures if e[1]["_modules"][_INPUT_SHAPES].mismatch(inputs) is None), None)
+    if entry is None:
+        # in the mode the first graph was captured in, whatever the mode now: every graph then treats dropout
+        # as the first does (a layer's follows train()/eval(); functional dropout keeps the captured mode, and
+        # the graph refuses eval() if it is on)
+        modes = [(m, m.training) for m in ctx.original.modules()]
+        ctx.original.train(ctx.training)
+        try:
+            new = compile_for_dp(ctx.original, _capture_inputs(ctx.original, args, kwargs, ctx.batch_dim),
+                                 batch_dim=ctx.batch_dim, loss_reduction=ctx.loss_reduction, strict=ctx.strict,
+                                 sink=sink_of(compiled), batch_inputs=ctx.batch_inputs)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+        rep = report(new)
+        if rep.engine != "fx" or not isinstance(getattr(new, _INPUT_SHAPES, None), ExportShapeGuard):
+            remove = getattr(new, "remove_hooks", None)
+            if callable(remove):
+                remove()
+            shape_guard = getattr(compiled, _INPUT_SHAPES)
+            name, want, shape = shape_guard.mismatch(inputs)
+            raise ExportShapeError(
+                f"fxdp: {rep.model} was captured with torch.export for inputs of shapes {shape_guard.describe()}; "
+                f"input '{name}' has shape {shape}, and captured again for it the model needs the {rep.engine} "
+                f"engine ({rep.fallback_reason or 'not one graph'}), which cannot take the graph's place: give it inputs "
+                "of the shapes it was captured for (pad every batch to one length, padding='max_length')")
+        new.fxdp_batch.context.captures = captures
+        entry = (type(new), dict(new.__dict__))
+        captures.append(entry)
+    rep = report(compiled)
+    shapes = "; ".join(body["_modules"][_INPUT_SHAPES].describe() for _, body in captures)
+    notes = [n for n in rep.notes if not n.startswith(_CAPTURES_NOTE)]
+    note = f"{_CAPTURES_NOTE} seen ({len(captures)} graphs, kept: {shapes})"
+    mine = {k: v for k, v in compiled.__dict__.items() if "hook" in k or k == "training"}  # the user's too
+    calls = guard.calls
+    compiled.__dict__.clear()
+    compiled.__dict__.update(entry[1])
+    compiled.__dict__.update(mine)
+    compiled.__class__ = entry[0]
+    setattr(compiled, _REPORT_ATTR, dataclasses.replace(rep, notes=(*notes, note)))
+    for name, module in compiled._modules.items():  # the graph's own guards take the model's mode (its layers are
+        if name.startswith("fxdp_") and isinstance(module, nn.Module):  # the user's, in the mode they are in)
+            module.training = compiled.training
+    now = compiled.fxdp_batch
+    if now.context.compiled is not compiled:  # its report and its watch are the compiled model's
+        now.fxdp_relink(compiled)
+    now.calls = calls  # a call before the switch and one after, then one backward, hold different samples
+
+
+def _capture_inputs(original: nn.Module, args: tuple, kwargs: dict, batch_dim: int):
+    """The inputs to capture ``original`` with, as the call gives them; a batch of one repeated to two samples
+    (torch.export fixes a size of one: the graph would run batches of one only)."""
+    inputs = (args[0] if len(args) == 1 else tuple(args)) if not kwargs else dict(
+        inspect_module.signature(original.forward).bind(*args, **kwargs).arguments)
+    leaves = [x for x in torch.utils._pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > batch_dim]
+    if leaves and leaves[0].shape[batch_dim] == 1:
+        inputs = torch.utils._pytree.tree_map(
+            lambda x: torch.cat([x, x], batch_dim) if isinstance(x, torch.Tensor) and x.dim() > batch_dim
+            and x.shape[batch_dim] == 1 else x, inputs)
+    return inputs
 
 
 def _copy_replacements(compiled: torch.fx.GraphModule, ctx: "_GuardContext") -> None:

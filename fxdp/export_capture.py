@@ -9,7 +9,9 @@ those models. What changes for the passes:
   and layers; their batch rules are in :mod:`fxdp.passes.batch_rules.aten`;
 - the batch dimension of every input tensor is dynamic (``Dim.AUTO``), so the graph runs for other
   batch sizes; the sizes it builds in (sequence lengths, image sizes) are checked at every forward by an
-  :class:`ExportShapeGuard`, which raises :class:`~fxdp.diagnostics.ExportShapeError`;
+  :class:`ExportShapeGuard`, which raises :class:`~fxdp.diagnostics.ExportShapeError` (before a forward of
+  inputs of other sizes, the compiler captures the model again for them, or puts in a graph it captured
+  for them earlier: :func:`flat_inputs` gives the inputs the guard checks);
 - each node's ``stack_trace`` holds the Python frames that dispatched it: ``meta.SOURCE`` is the
   innermost one outside torch and fxdp (a line of the user's code, or of the library the model comes
   from, as for torchvision models);
@@ -79,7 +81,8 @@ class ExportShapeGuard(nn.Module):
         return ", ".join(f"{name} {tuple('N' if e is None else e for e in shape)}".replace("'", "")
                          for name, shape in zip(self.names, self.shapes) if shape is not None)
 
-    def forward(self, *inputs) -> None:
+    def mismatch(self, inputs) -> Optional[Tuple[str, tuple, tuple]]:
+        """``(input name, shape the graph holds, shape given)`` of the first input that does not fit; None if all do."""
         batch = None
         for name, expected, x in zip(self.names, self.shapes, inputs):
             if expected is None or not isinstance(x, torch.Tensor):
@@ -89,13 +92,40 @@ class ExportShapeGuard(nn.Module):
                 fits = batch is None or x.shape[self.batch_dim] == batch
                 batch = x.shape[self.batch_dim]
             if not fits:
-                want = tuple("N" if e is None else e for e in expected)
-                raise ExportShapeError(
-                    f"fxdp: {self.model_name} was captured with torch.export (torch.fx could not trace it), and the "
-                    f"graph holds the sizes the model's code took from the example inputs: input '{name}' must have "
-                    f"shape {want} (N: the batch size, shared by the batched inputs), but it has "
-                    f"{tuple(x.shape)}. Compile again with example_inputs of the shapes you train with (e.g. pad "
-                    "every batch to one sequence length).")
+                return name, tuple("N" if e is None else e for e in expected), tuple(x.shape)
+        return None
+
+    def forward(self, *inputs) -> None:
+        found = self.mismatch(inputs)
+        if found is not None:
+            name, want, shape = found
+            raise ExportShapeError(
+                f"fxdp: {self.model_name} was captured with torch.export (torch.fx could not trace it), and the "
+                f"graph holds the sizes the model's code took from the example inputs: input '{name}' must have "
+                f"shape {want} (N: the batch size, shared by the batched inputs), but it has "
+                f"{shape}. Compile again with example_inputs of the shapes you train with (e.g. pad "
+                "every batch to one sequence length).")
+
+
+def flat_inputs(gm: torch.fx.GraphModule, args: tuple, kwargs: Dict[str, Any]) -> Optional[List[Any]]:
+    """The inputs of a call ``gm(*args, **kwargs)`` of a captured graph, flattened as its code flattens them (one
+    per placeholder, as :class:`ExportShapeGuard` sees them); None where the call does not bind to what was
+    captured (other keywords, another structure): the graph's own code then says what is wrong."""
+    from torch.fx import _pytree as fx_pytree
+
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    spec = getattr(gm, "_in_spec", None)
+    if info is None or spec is None or spec.num_children != 2:
+        return None
+    names = [n for n in info.orig_args if n != "self"]
+    try:
+        bound = inspect.signature(type(gm).forward).bind(gm, *args, **kwargs).arguments
+        values = [bound[n] for n in names]
+        n_positional = spec.child(0).num_children
+        return list(fx_pytree.tree_flatten_spec(
+            (values[:n_positional], dict(zip(names[n_positional:], values[n_positional:]))), spec))
+    except Exception:  # noqa: BLE001  (a call that does not fit the captured structure)
+        return None
 
 
 class CapturedModeGuard(nn.Module):

@@ -71,8 +71,8 @@ def test_a_model_torch_fx_cannot_trace_is_captured_by_torch_export():
     assert str(report).splitlines()[1:4] == [
         "traced: yes (torch.export); engine: fx",
         f"front end: torch.export, because {report.front_end_reason}",
-        "torch.export: the graph runs inputs of shapes x (N, 4, 4) (N: any batch size); other sizes raise "
-        "ExportShapeError"]
+        "torch.export: the graph runs inputs of shapes x (N, 4, 4) (N: any batch size); inputs of other sizes are "
+        "captured again before their forward (once per shape)"]
     # the ATen calls of the stock layers are the layers again: their hand-written rules serve them
     rules = {site.target: site.rule for site in compiled.fxdp_batch.sites}
     assert rules["inp"] == "Linear" and rules["out"] == "Linear"
@@ -83,15 +83,28 @@ def test_a_model_torch_fx_cannot_trace_is_captured_by_torch_export():
     _check_against_batches_of_one(model, compiled, _x())
 
 
-def test_other_batch_sizes_run_and_other_built_in_sizes_are_refused():
+def test_other_batch_sizes_run_and_other_built_in_sizes_are_captured_again_once_each():
     torch.manual_seed(0)
     model = LoopOverTime()
     compiled = fxdp.compile_for_dp(model, example_inputs=_x(n=3), loss_reduction="sum")
     for n in (5, 1, 3):  # the batch dimension is dynamic in the captured graph
         _check_against_batches_of_one(model, compiled, _x(n=n, seed=n))
-    with pytest.raises(ExportShapeError, match=r"LoopOverTime was captured with torch.export .* input 'x' must have "
-                                               r"shape \('N', 4, 4\) .* but it has \(3, 6, 4\)\. Compile again"):
-        compiled(_x(t=6))  # the loop was unrolled for 4 time steps
+    first = type(compiled)
+    _check_against_batches_of_one(model, compiled, _x(t=6))  # the loop was unrolled for 4 time steps: again for 6
+    six = type(compiled)
+    assert six is not first and compiled.fxdp_input_shapes.shapes == [(None, 6, 4)]
+    _check_against_batches_of_one(model, compiled, _x(n=2, seed=7))  # back to 4: the graph kept is put back
+    assert type(compiled) is first
+    _check_against_batches_of_one(model, compiled, _x(n=1, t=6, seed=8))
+    assert type(compiled) is six
+    assert fxdp.report(compiled).notes[-1] == ("torch.export: captured once per input shape seen (2 graphs, kept: "
+                                               "x (N, 4, 4); x (N, 6, 4))")
+    with pytest.raises(ExportShapeError, match=r"LoopOverTime was captured with torch.export for inputs of shapes x "
+                                               r"\(N, 6, 4\); input 'x' has shape \(3, 6\), and captured again for it "
+                                               r"the model needs the hooks engine \(.*\), which cannot take"):
+        compiled(_x(t=6)[:, :, 0])  # an input the model cannot be captured for: refused before anything runs
+    assert type(compiled) is six and fxdp.report(compiled).notes[-1].startswith("torch.export: captured once per "
+                                                                                  "input shape seen (2 graphs")
 
 
 def test_batchnorm_in_a_captured_graph_is_refused_as_in_traced_ones():
@@ -263,6 +276,28 @@ def test_a_graph_captured_with_dropout_zero_evaluates():
     compiled.eval()
     with torch.no_grad():
         torch.testing.assert_close(compiled(_x()), model.eval()(_x()))
+
+
+def test_a_capture_again_in_eval_mode_is_made_in_the_first_captures_mode():
+    """A new length first seen in eval(): captured in training mode like the first graph, so a dropout layer
+    follows eval() and the functional dropout of attention is refused in eval() as in the first graph (and is
+    on when training goes on at that length)."""
+    layer = WithDropout()
+    compiled = fxdp.compile_for_dp(layer, example_inputs=_x())
+    compiled.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(_x(t=6)), layer.eval()(_x(t=6)))
+    assert compiled.fxdp_batch.context.training and not layer.training  # the user's modes are as they were
+    attention = AttentionWithDropout(p=1.0, where="functional")
+    compiled = fxdp.compile_for_dp(attention, (_x(),))
+    compiled.eval()
+    modes = [m.training for m in attention.modules()]
+    with pytest.raises(fxdp.ExportModeError, match="captured with torch.export in training mode"):
+        compiled(_x(t=6))
+    assert [m.training for m in attention.modules()] == modes == [True, False]  # the root is not the compiled's
+    assert compiled.fxdp_input_shapes.shapes == [(None, 6, 4)]
+    compiled.train()
+    assert (compiled(_x(t=6)) == 0).all()  # p = 1: everything dropped, as the model trains
 
 
 def _counting_reanalyse(compiled):

@@ -6,6 +6,7 @@ Per-sample gradients are checked in float64 against each sample run alone, unpad
 
 from __future__ import annotations
 
+import copy
 import random
 
 import numpy as np
@@ -174,3 +175,57 @@ def test_a_model_export_cannot_capture_either_falls_back_and_the_report_says_it_
     assert "nor captured by torch.export" in report.fallback_reason
     assert any(n.startswith("make_private tried to capture the model (see the reason) from a batch of the data "
                             "loader's first samples ((2, 4))") for n in report.notes)
+
+
+def _of_length(data, indices, length):
+    """A batch of the given samples, padded to ``length`` (a collator padding to the longest sample)."""
+    batch = next(iter(DataLoader(torch.utils.data.Subset(data, indices), batch_size=len(indices))))
+    assert int(batch["attention_mask"].sum(1).max()) <= length
+    return {k: v[:, :length] for k, v in batch.items()}
+
+
+def test_batches_of_another_length_in_successive_steps_are_captured_again_and_stay_exact():
+    """The graph holds the captured length (8): a batch of length 5 is captured again, and 8 again puts the first
+    graph back; each batch's per-sample gradients match its samples run alone."""
+    model, data = gpt2(), Texts()
+    private, _, _ = _private(model, DataLoader(data, batch_size=4), materialise_grad_sample=True)
+    first = type(private)
+    for indices, length in (([0, 1, 2], 8), ([3, 7, 11], 5), ([2, 3, 6, 7], 6), ([4, 5], 8)):
+        _assert_per_sample_gradients(model, private, _of_length(data, indices, length), "causal_lm")
+        for p in model.parameters():
+            p.grad_sample = None
+        model.zero_grad()
+    assert type(private) is first
+    note = fxdp.report(private).notes[-1]
+    assert note == ("torch.export: captured once per input shape seen (3 graphs, kept: input_ids (N, 8), "
+                    "attention_mask (N, 8); input_ids (N, 5), attention_mask (N, 5); input_ids (N, 6), "
+                    "attention_mask (N, 6))")
+
+
+def test_two_lengths_of_one_batch_in_one_step_add_up_per_sample_across_the_graphs():
+    """One batch run at two lengths (padded to 8, and to its longest sample, 6: two graphs) before one backward:
+    within a step row i is sample i in every forward call, so its gradient is the sum of both uses, 2 g_i, which
+    the book-kept step clips per sample (noise 0); g_i computed with the sample alone, unpadded."""
+    model, data = gpt2(), Texts()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    private, dp_optimizer, _ = fxdp.PrivacyEngine().make_private(
+        module=model, optimizer=optimizer, data_loader=DataLoader(data, batch_size=4), noise_multiplier=0.0,
+        max_grad_norm=0.05, loss_reduction="sum", poisson_sampling=False)  # batches of our own
+    views = [_of_length(data, [2, 3, 6], 8), _of_length(data, [2, 3, 6], 6)]
+    losses = [per_sample_loss(private(**{k: v for k, v in x.items() if k != "labels"}).logits, x["labels"],
+                              "causal_lm").sum() for x in views]
+    assert "(2 graphs" in fxdp.report(private).notes[-1]
+    dp_optimizer.zero_grad()
+    (losses[0] + losses[1]).backward()
+    dp_optimizer.step()
+    params = list(reference.parameters())
+    total = [torch.zeros_like(p) for p in params]
+    for i in range(3):
+        one = _unpadded(views[0], i)
+        label = one.pop("labels")
+        grads = torch.autograd.grad(2 * per_sample_loss(reference(**one).logits, label, "causal_lm").sum(), params)
+        factor = min(1.0, 0.05 / (torch.sqrt(sum((g ** 2).sum() for g in grads)).item() + 1e-6))
+        total = [t + g * factor for t, g in zip(total, grads)]
+    for (name, p), q, s in zip(model.named_parameters(), params, total):
+        torch.testing.assert_close(p, q - 0.5 * s, atol=1e-10, rtol=1e-8, msg=name)

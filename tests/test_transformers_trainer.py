@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from fxdp.accounting import create_accountant
-from fxdp.diagnostics import ExportShapeError, PrivacySettingError
+import fxdp
+from fxdp.diagnostics import PrivacySettingError
 
 transformers = pytest.importorskip("transformers")
 from fxdp.integrations.transformers import DPTrainer, PrivacyArguments  # noqa: E402
@@ -173,19 +174,31 @@ def test_resuming_from_a_checkpoint_is_refused_before_anything_moves(tmp_path):
     assert len(trainer.privacy_engine.accountant) == 0
 
 
-def test_batches_of_another_length_are_refused_with_what_to_do_with_the_trainer(tmp_path):
-    """A collator padding each batch to its longest sample: the graph holds the first batch's length."""
+def test_a_collator_padding_each_batch_to_its_longest_sample_trains_each_step_on_the_clipped_sum(tmp_path):
+    """Batches of different lengths (padded to their longest sample): the model is captured again once per length,
+    and each step is still exactly -lr * Σ clip(g_i) / expected batch size, each g_i its sample's alone."""
     def to_longest(samples):
         batch = collate(samples)
-        longest = int(batch["attention_mask"].sum(1).max())
+        longest = int(batch["attention_mask"].sum(1).max()) if samples else T
         return {k: v[:, :longest] for k, v in batch.items()}
 
     data = Texts()
-    data.rows = [row if i == 0 else row[:T - 1] for i, row in enumerate(data.rows)]  # one sample of length T
-    trainer = DPTrainer(model=gpt2(), args=_args(tmp_path, num_train_epochs=2), train_dataset=data,
-                        data_collator=to_longest, privacy_args=PrivacyArguments(noise_multiplier=1.0))
-    with pytest.raises(ExportShapeError) as info:
-        trainer.train()
-    assert "input 'input_ids' must have shape ('N', 8)" in str(info.value)
-    assert "have the data collator pad every batch to one length, e.g. DataCollatorWithPadding(tokenizer, " \
-           "padding='max_length', max_length=...)" in str(info.value)
+    data.rows = [row[:3 + i % 6] for i, row in enumerate(data.rows)]  # lengths 3 to 8
+    model = gpt2()
+    reference = copy.deepcopy(model)
+    trainer = Recording(model=model, args=_args(tmp_path, max_steps=6), train_dataset=data, data_collator=to_longest,
+                        privacy_args=PrivacyArguments(per_sample_max_grad_norm=0.05, noise_multiplier=0.0))
+    trainer.train()
+    lengths = [b["input_ids"].shape[1] for b in trainer.batches if b["input_ids"].shape[0] > 0]
+    assert len(set(lengths)) >= 2, lengths
+    for batch in trainer.batches:
+        step = _clipped_sum(reference, batch, 0.05)
+        with torch.no_grad():
+            for p, s in zip(reference.parameters(), step):
+                p -= 0.5 * s / 4
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-10, rtol=1e-8, msg=name)
+    note = fxdp.report(trainer.private_model).notes[-1]
+    captured = to_longest([data[0], data[1]])["input_ids"].shape[1]  # make_private's: the first two samples
+    assert note.startswith(f"torch.export: captured once per input shape seen ({len(set(lengths) | {captured})} "
+                           "graphs"), note

@@ -197,7 +197,7 @@ class DPTrainer(transformers.Trainer):
             return (loss, None) if return_outputs else loss
         try:
             outputs = self.private_model(**{k: v for k, v in inputs.items() if k not in names})
-        except ExportShapeError as exc:
+        except ExportShapeError as exc:  # a batch the model could not be captured again for (not one graph)
             raise ExportShapeError(
                 f"fxdp: DPTrainer: {exc} With the Trainer: have the data collator pad every batch to one length, "
                 "e.g. DataCollatorWithPadding(tokenizer, padding='max_length', max_length=...), or tokenize with "

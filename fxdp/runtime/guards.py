@@ -88,6 +88,10 @@ class BatchSource:
     # why, args, kwargs)`` (set by the compiler) compiles the model again in place, or raises.
     watch: Optional[StructureWatch] = field(default=None, repr=False)
     rebuild: Optional[Callable[[Any, str, tuple, dict], None]] = field(default=None, repr=False)
+    # A graph torch.export captured holds the sizes other than the batch's (a sequence length): for inputs of
+    # other sizes, ``recapture(model, args, kwargs)`` (set by the compiler) puts in the graph captured for them
+    # (captured now, or earlier and kept), before the forward runs.
+    recapture: Optional[Callable[[Any, tuple, dict], None]] = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         return f"BatchSource(input {self.input_index}, dim {self.dim})"
@@ -102,11 +106,14 @@ class BatchSource:
             self.context.compiled = model
 
     def before_forward(self, model, args: tuple, kwargs: dict) -> None:
-        """Compile ``model`` again (or refuse) if it changed since it was compiled (see ``watch``)."""
+        """Compile ``model`` again (or refuse) if it changed since it was compiled (see ``watch``); put in the
+        graph captured for these input sizes (see ``recapture``)."""
         if self.watch is not None and self.rebuild is not None:
             why = self.watch.changed()
             if why is not None:
                 self.rebuild(model, why, args, kwargs)
+        if self.recapture is not None:
+            self.recapture(model, args, kwargs)
 
     def size_of(self, inputs: Tuple[Any, ...]) -> int:
         x = inputs[self.input_index]
