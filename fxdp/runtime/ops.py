@@ -25,7 +25,8 @@ from torch.utils import _pytree as pytree
 from fxdp.diagnostics.errors import PerSampleError
 from fxdp.grad_sample.accumulate import layer_capture, trainable_parameters
 from fxdp.grad_sample.bookkeeping import call_without_param_grads
-from fxdp.grad_sample.generic import layout_grad_samples, summed_loss_backprops, summed_loss_scale
+from fxdp.grad_sample.generic import (autocast_state, layout_grad_samples, summed_loss_backprops, summed_loss_scale,
+                                     under_autocast)
 from fxdp.grad_sample.recurrent import recurrent_forward, recurrent_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.grad_sample.sink import GradientSink, LayerCapture
@@ -174,8 +175,10 @@ def _deliver(site: PerSampleSite, capture: LayerCapture, call: int) -> None:
 
 
 def _generic_recorder(call, leaves, layouts, positions, out_layouts, n, site):
-    """The backward step of the generic rule: per-sample gradients of the leaves at ``positions``."""
+    """The backward step of the generic rule: per-sample gradients of the leaves at ``positions``, the
+    call re-run under the autocast settings of its forward (taken now: this runs as the call runs forward)."""
     forward = forward_call(site)
+    call = under_autocast(autocast_state(), call)
 
     def record(grads) -> None:
         grads = summed_loss_backprops(grads, site.loss_reduction, n)
