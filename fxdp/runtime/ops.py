@@ -31,7 +31,7 @@ from fxdp.grad_sample.recurrent import recurrent_forward, recurrent_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.grad_sample.sink import GradientSink, LayerCapture
 from fxdp.layout import BROADCAST, BatchLayout, parse_layout
-from fxdp.runtime.guards import BatchSource, forward_call
+from fxdp.runtime.guards import BatchSource, forward_call, run_eagerly
 
 
 @dataclass
@@ -143,7 +143,9 @@ def _on_backward(out, outputs: List[torch.Tensor], record):
             with torch.enable_grad():
                 record([g])
 
-        outputs[0].register_hook(record_with_grad_mode)
+        # (eagerly under torch.compile: dynamo would trace the hook's body, Python with side effects on the
+        # sink, and break the graph here anyway, after speculating through the sink with symbolic shapes)
+        run_eagerly(outputs[0].register_hook, record_with_grad_mode)
         return out
 
     def all_grads(grads):
@@ -152,7 +154,7 @@ def _on_backward(out, outputs: List[torch.Tensor], record):
             full[k] = g
         record(full)
 
-    own = dict(zip(needing, _OwnOutputs.apply(all_grads, *[outputs[k] for k in needing])))
+    own = dict(zip(needing, run_eagerly(_OwnOutputs.apply, all_grads, *[outputs[k] for k in needing])))
     leaves, spec = pytree.tree_flatten(out)
     k = -1
     for i, leaf in enumerate(leaves):
