@@ -32,6 +32,7 @@ from fxdp import export_capture, meta
 from fxdp.diagnostics.errors import UnsupportedInputError
 from fxdp.diagnostics.source import SourceLocation, location_from_stack_trace, location_from_traceback
 from fxdp.grad_sample.registry import find_grad_sampler
+from fxdp.runtime.guards import run_eagerly
 
 def source_location(node: torch.fx.Node) -> Optional[SourceLocation]:
     """Where in the user's code ``node`` was created, if known."""
@@ -251,7 +252,7 @@ class CompiledGraphModule(torch.fx.GraphModule):
         # before its forward runs (fxdp.runtime.structure): the graph's code calls what it was compiled with
         guard = self.__dict__.get("fxdp_batch")
         if guard is not None:
-            guard.before_forward(self, args, kwargs)
+            run_eagerly(guard.before_forward, self, args, kwargs)  # (also under torch.compile)
         return super().__call__(*args, **kwargs)
 
     # torch.fx saves the code and re-traces it on load, which renames the nodes (the DP-aware ops'

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from fxdp.grad_sample.accumulate import layer_capture, zero_grad_sample
-from fxdp.grad_sample.generic import check_loss_reduction, summed_loss_backprops
+from fxdp.grad_sample.generic import autocast_state, check_loss_reduction, summed_loss_backprops
 from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink, LayerCapture
 from fxdp.layout import BatchLayout
 
@@ -217,12 +217,13 @@ class GradSampleModuleBase(nn.Module):
         capture for the sink: the module's hand-written rule's, or the generic rule's (``generic``, or
         no rule), which runs each sample as a batch of one in the module's own layout."""
         call = self.forward_calls
+        autocast = autocast_state()  # the forward's, for the generic rule's re-run in backward
 
         def hook(grad: torch.Tensor) -> None:
             acts, backprops, n = self._to_batch_first(activations, grad)
             backprops = summed_loss_backprops(backprops, self.loss_reduction, n)
             capture = layer_capture(module, acts, backprops, batch_size=n, batch_dim=self.batch_dim,
-                                    kwargs=kwargs, generic=generic)
+                                    kwargs=kwargs, generic=generic, autocast=autocast)
             capture.call = call
             self._deliver(capture, module)
 

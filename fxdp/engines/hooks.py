@@ -472,7 +472,9 @@ class GradSampleModule(GradSampleModuleBase):
             if missing:
                 return (f"parameter(s) {missing[:5]} get gradients but no per-sample gradients: they are used "
                         "where no hook sees them")
-            return selfcheck.compare_gradients(rows, alone)
+            dtypes = {p.dtype for _, p in named} | {torch.get_autocast_dtype(d) for d in ("cpu", "cuda")
+                                                     if torch.is_autocast_enabled(d)}
+            return selfcheck.compare_gradients(rows, alone, selfcheck.gradient_rtol(dtypes))
         finally:
             self._batch_size, self._bags = None, None
             setattr(self, SINK_ATTR, sink)

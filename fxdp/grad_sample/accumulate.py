@@ -25,9 +25,11 @@ from torch import nn
 
 from fxdp.grad_sample.generic import (  # noqa: F401  (LOSS_REDUCTIONS, check_loss_reduction: re-exported)
     LOSS_REDUCTIONS,
+    AutocastState,
     check_loss_reduction,
     generic_grad_sampler,
     summed_loss_backprops,
+    under_autocast,
 )
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.grad_sample.sink import LayerCapture
@@ -45,6 +47,19 @@ def trainable_parameters(module: nn.Module) -> Dict[str, nn.Parameter]:
             seen.add(id(p))
             out[name] = p
     return out
+
+
+def per_sample_precision(t: Any) -> Any:
+    """A floating tensor of half precision (bfloat16, float16) in float32; anything else as it is.
+
+    Per-sample arithmetic (hand-written rules, norms, clipped sums) reads A and G through this: its results
+    then hold the float32 products of the half-precision values the layer computed with, so each sample's
+    norm is that of the very gradient that is clipped and summed, and a sum over the batch is not rounded
+    to 8 mantissa bits (a rounding of the sum that grows with the batch would break the sensitivity bound).
+    Under autocast it also gives A and G one dtype (a float32 input, a bfloat16 output gradient)."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.element_size() < 4:
+        return t.float()
+    return t
 
 
 def compute_grad_samples(
@@ -75,13 +90,16 @@ def layer_capture(
     kwargs: Optional[Mapping[str, Any]] = None,
     generic: bool = False,
     backprops_scale: float = 1.0,
+    autocast: Optional[AutocastState] = None,
 ) -> LayerCapture:
     """What a layer hands its model's sink: ``activations`` and ``backprops`` are batch first, the
     backprops those of a summed loss once multiplied by ``backprops_scale`` (left to the capture: see
     :class:`~fxdp.grad_sample.sink.LayerCapture`). With a hand-written rule (unless ``generic``) the
     capture carries the layer, A and G (the rule sees neither ``kwargs`` nor ``batch_dim``); otherwise only
     the generic rule's thunk, which re-runs each sample with the batch at ``batch_dim`` (the layer's own
-    layout)."""
+    layout), under ``autocast`` (the autocast settings of the layer's forward, see
+    :func:`~fxdp.grad_sample.generic.autocast_state`). A hand-written rule sees half-precision A and G in
+    float32 (:func:`per_sample_precision`)."""
     params = tuple(trainable_parameters(module).values())
     if batch_size == 0:  # an empty batch (Poisson sampling): no rows; rules' reshape(n, -1) cannot take it
         return LayerCapture(0, lambda: {p: p.new_zeros((0, *p.shape)) for p in params}, params=params)
@@ -97,6 +115,9 @@ def layer_capture(
 
     rule = None if generic else find_grad_sampler(module)
     if rule is not None:
+        activations = [per_sample_precision(a) for a in activations]
+        backprops = per_sample_precision(backprops)
+
         def grad_samples() -> Dict[nn.Parameter, torch.Tensor]:
             with torch.enable_grad():  # backward hooks run with grad mode off: the CPU LSTM has no backward there
                 return {p: g for p, g in summed(lambda g: rule(module, activations, g)).items() if p.requires_grad}
@@ -107,7 +128,8 @@ def layer_capture(
 
     def generic() -> Dict[nn.Parameter, torch.Tensor]:
         with torch.enable_grad():
-            return summed(lambda g: generic_grad_sampler(module, activations, g, batch_dim=batch_dim, kwargs=kwargs))
+            rerun = under_autocast(autocast, generic_grad_sampler)
+            return summed(lambda g: rerun(module, activations, g, batch_dim=batch_dim, kwargs=kwargs))
 
     return LayerCapture(batch_size, generic, params=params)
 

@@ -20,7 +20,8 @@ undoes a mean reduction's ``1/N``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+import contextlib
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -33,6 +34,35 @@ from fxdp.layout import PACKED, BatchLayout
 
 Position = Union[int, str]
 LOSS_REDUCTIONS = ("mean", "sum")
+
+
+AUTOCAST_DEVICES = ("cpu", "cuda")
+AutocastState = Tuple[Tuple[str, bool, torch.dtype], ...]
+
+
+def autocast_state() -> AutocastState:
+    """The autocast settings in force now, per device type: taken as a layer runs forward, so that the
+    generic rule re-runs it (in backward, usually after the user's autocast region has ended) in the same
+    precision, i.e. computes the per-sample gradients of the function the forward computed."""
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES)
+
+
+def under_autocast(state: Optional[AutocastState], call: Callable) -> Callable:
+    """``call`` run with the autocast settings ``state`` (from :func:`autocast_state`); ``call`` itself when
+    none was on in forward and none is on now."""
+    if state is None:
+        return call
+    differs = [(d, on, dtype) for d, on, dtype in state if on or torch.is_autocast_enabled(d)]
+    if not differs:
+        return call
+
+    def run(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for d, on, dtype in differs:
+                stack.enter_context(torch.autocast(d, dtype=dtype, enabled=on))
+            return call(*args, **kwargs)
+
+    return run
 
 
 def check_loss_reduction(loss_reduction: str) -> None:

@@ -280,7 +280,7 @@ class GradSampleSink(GradientSink):
     def squared_norms(self, params):
         self._step.check_readable()
         return {
-            p: p.grad_sample.reshape(p.grad_sample.shape[0], p.numel()).pow(2).sum(1)
+            p: wide(p.grad_sample.reshape(p.grad_sample.shape[0], p.numel())).pow(2).sum(1)
             for p in params
             if getattr(p, "grad_sample", None) is not None
         }
@@ -290,7 +290,7 @@ class GradSampleSink(GradientSink):
         out = {}
         for p in params:
             if p in factors and getattr(p, "grad_sample", None) is not None:
-                gs = p.grad_sample
+                gs = wide(p.grad_sample)
                 out[p] = torch.tensordot(factors[p].to(gs.dtype), gs, dims=1)
         return out
 
@@ -299,6 +299,13 @@ class GradSampleSink(GradientSink):
         for p in params:
             if hasattr(p, "grad_sample"):
                 p.grad_sample = None
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in at least float32. Every sink answers norms and clipped sums in at least float32, whatever the
+    per-sample gradients' dtype: a bfloat16 norm or sum is rounded to 8 mantissa bits, and a sum over the
+    batch rounded that coarsely can move by more than one sample's bound C (see docs/mixed_precision.md)."""
+    return t if t.dtype in (torch.float32, torch.float64) or not t.is_floating_point() else t.float()
 
 
 def pending_of_this_backward(sink) -> dict:
@@ -342,4 +349,4 @@ def sink_of(model: nn.Module) -> Optional[GradientSink]:
 
 
 __all__: List[str] = ["LayerCapture", "GradientSink", "GradSampleSink", "StepCalls", "batch_size_problem",
-                      "check_grad_sample", "sink_of", "SINK_ATTR", "PerSampleError", "PrivacySettingError"]
+                      "check_grad_sample", "sink_of", "SINK_ATTR", "wide", "PerSampleError", "PrivacySettingError"]

@@ -384,7 +384,7 @@ class DPOptimizer(Optimizer):
 
     def _clip_factors(self, norms: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
         if self.clipping == "per_layer":
-            return {p: (self._bound(p) / (sq.sqrt() + _EPS)).clamp(max=1.0) for p, sq in norms.items()}
+            return {p: (self._bound(p) / (_wide(sq).sqrt() + _EPS)).clamp(max=1.0) for p, sq in norms.items()}
         device = next(iter(norms.values())).device
         total = sum(_wide(sq).to(device) for sq in norms.values())
         factor = (self._max_grad_norm / (total.sqrt() + _EPS)).clamp(max=1.0)
@@ -406,16 +406,19 @@ class DPOptimizer(Optimizer):
         self.sink.clear(params)
         grads = []
         for p in params:
+            # formed in at least float32 (the sinks' sums are), noise included: a half-precision parameter's
+            # gradient is rounded once, after the noise (post-processing; see docs/mixed_precision.md)
             grad = sums.pop(p, None)
-            grad = torch.zeros_like(p) if grad is None else grad.to(p.dtype).reshape(p.shape)
+            dtype = _wide_dtype(p.dtype)
+            grad = torch.zeros(p.shape, dtype=dtype, device=p.device) if grad is None else grad.to(dtype).reshape(p.shape)
             earlier = self._summed.pop(p, None)
             if earlier is not None:
-                grad.add_(earlier.view_as(p), alpha=scale)
+                grad.add_(earlier.view_as(grad), alpha=scale)
             if std > 0:
                 add_gaussian_noise_(grad, std * scale, secure_mode=self.secure_mode, generator=self.generator)
             grads.append(grad)
         for p, grad in zip(params, self._reduce(grads)):
-            p.grad = grad
+            p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
         self._summed.clear()
 
     # hooks for training across processes (fxdp.distributed.DistributedDPOptimizer overrides them)
@@ -638,6 +641,11 @@ def _positive_bound(value: Any, what: str) -> float:
     return float(value)
 
 
+def _wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
 def _wide(t: torch.Tensor) -> torch.Tensor:
-    """At least float32: squared norms of half-precision gradients overflow."""
+    """At least float32: squared norms of half-precision gradients overflow, and a half-precision clipped sum
+    or noise is rounded to a few mantissa bits."""
     return t if t.dtype in (torch.float32, torch.float64) else t.float()

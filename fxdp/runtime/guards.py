@@ -220,9 +220,26 @@ def input_signature(inputs: Tuple[Any, ...]) -> tuple:
     return (str(spec), *(_leaf_signature(x) for x in leaves))
 
 
+def run_eagerly(fn: Callable, *args):
+    """``fn(*args)``, run as Python on every call, also inside ``torch.compile``: the structure watch and the
+    shape guard read mutable state (the model's layers, the layouts analysed so far) that a traced copy would
+    fold into constants, checked afterwards only as far as torch.compile's own guards happen to cover it. Under
+    torch.compile this is a graph break (one per forward for each check), under torch.fx tracing it is traced."""
+    if torch.compiler.is_dynamo_compiling():
+        from torch._dynamo import disable  # (loaded already: torch.compile is running)
+
+        return disable(fn, recursive=True)(*args)
+    return fn(*args)
+
+
 def batch_size(source: BatchSource, *inputs) -> int:
-    """The guard, then the number of samples in this forward call (see the module docstring). Without
-    grad mode no DP-aware op records anything (evaluation), so nothing needs guarding."""
+    """The guard, then the number of samples in this forward call (see the module docstring), run eagerly
+    under torch.compile (:func:`run_eagerly`)."""
+    return run_eagerly(_guarded_batch_size, source, *inputs)
+
+
+def _guarded_batch_size(source: BatchSource, *inputs) -> int:
+    """Without grad mode no DP-aware op records anything (evaluation), so nothing needs guarding."""
     if torch.is_grad_enabled():
         source.check(inputs)
     source.calls += 1
@@ -239,4 +256,5 @@ def forward_call(site) -> int:
     return site.calls
 
 
-__all__ = ["BatchSource", "FrozenUse", "TrainabilityChangedError", "batch_size", "forward_call", "input_signature"]
+__all__ = ["BatchSource", "FrozenUse", "TrainabilityChangedError", "batch_size", "forward_call", "input_signature",
+           "run_eagerly"]

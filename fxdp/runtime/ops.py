@@ -27,14 +27,15 @@ from fxdp.diagnostics.errors import PerSampleError
 from fxdp.grad_sample.accumulate import layer_capture, trainable_parameters
 from fxdp.grad_sample.bookkeeping import call_without_param_grads
 from fxdp.grad_sample.broadcast import added_parameter_grad_samples, added_parameter_sign, summed_dims
-from fxdp.grad_sample.generic import layout_grad_samples, summed_loss_backprops, summed_loss_scale
+from fxdp.grad_sample.generic import (autocast_state, layout_grad_samples, summed_loss_backprops, summed_loss_scale,
+                                     under_autocast)
 from fxdp.grad_sample.recurrent import recurrent_forward, recurrent_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler, rule_name
 from fxdp.grad_sample.sink import GradientSink, LayerCapture
 from fxdp.grad_sample.transformer import (bind_block_call, block_forward, encoder_would_nest, has_hooks,
                                           inputs_fit, transformer_rule_applies)
 from fxdp.layout import BATCHED, BROADCAST, BatchLayout, parse_layout
-from fxdp.runtime.guards import BatchSource, forward_call
+from fxdp.runtime.guards import BatchSource, forward_call, run_eagerly
 
 
 @dataclass
@@ -146,7 +147,9 @@ def _on_backward(out, outputs: List[torch.Tensor], record):
             with torch.enable_grad():
                 record([g])
 
-        outputs[0].register_hook(record_with_grad_mode)
+        # (eagerly under torch.compile: dynamo would trace the hook's body, Python with side effects on the
+        # sink, and break the graph here anyway, after speculating through the sink with symbolic shapes)
+        run_eagerly(outputs[0].register_hook, record_with_grad_mode)
         return out
 
     def all_grads(grads):
@@ -155,7 +158,7 @@ def _on_backward(out, outputs: List[torch.Tensor], record):
             full[k] = g
         record(full)
 
-    own = dict(zip(needing, _OwnOutputs.apply(all_grads, *[outputs[k] for k in needing])))
+    own = dict(zip(needing, run_eagerly(_OwnOutputs.apply, all_grads, *[outputs[k] for k in needing])))
     leaves, spec = pytree.tree_flatten(out)
     k = -1
     for i, leaf in enumerate(leaves):
@@ -178,8 +181,10 @@ def _deliver(site: PerSampleSite, capture: LayerCapture, call: int) -> None:
 
 
 def _generic_recorder(call, leaves, layouts, positions, out_layouts, n, site):
-    """The backward step of the generic rule: per-sample gradients of the leaves at ``positions``."""
+    """The backward step of the generic rule: per-sample gradients of the leaves at ``positions``, the
+    call re-run under the autocast settings of its forward (taken now: this runs as the call runs forward)."""
     forward = forward_call(site)
+    call = under_autocast(autocast_state(), call)
 
     def record(grads) -> None:
         grads = summed_loss_backprops(grads, site.loss_reduction, n)

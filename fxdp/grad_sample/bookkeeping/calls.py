@@ -89,6 +89,16 @@ class _EmbeddingNoGrad(_PositionalFunction):
         return None, None, None
 
 
+def _as_autocast_would(x, weight, bias):
+    """The operands cast as autocast casts a convolution's (``F.conv2d`` is on its list of ops, the
+    ``torch.convolution`` called here is not): to autocast's dtype, when autocast is on for ``x``'s device."""
+    device = x.device.type
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device)
+    return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
 def _detached(t):
     return None if t is None else t.detach()
 
@@ -110,10 +120,11 @@ def call_without_param_grads(module: nn.Module, args: tuple, kwargs: dict):
         return _LinearInputGradOnly.apply(x, module.weight.t(), module.bias)
     if _own_rule(module, _CONVS, conv_grad_sample) and x.dim() == len(module.kernel_size) + 2:
         x, padding = _pad_activations(module, x)
+        x, weight, bias = _as_autocast_would(x, module.weight, module.bias)
         if x.requires_grad:
-            return torch.convolution(x, module.weight.detach(), _detached(module.bias), list(module.stride),
+            return torch.convolution(x, weight.detach(), _detached(bias), list(module.stride),
                                      list(padding), list(module.dilation), False, [0] * len(padding), module.groups)
-        return _ConvInputGradOnly.apply(x, module.weight, module.bias, list(module.stride), list(padding),
+        return _ConvInputGradOnly.apply(x, weight, bias, list(module.stride), list(padding),
                                         list(module.dilation), module.groups)
     if (_own_rule(module, nn.Embedding, embedding_grad_sample) and module.max_norm is None
             and not module.scale_grad_by_freq and not module.sparse):

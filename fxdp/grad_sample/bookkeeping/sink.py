@@ -22,7 +22,7 @@ from fxdp.grad_sample.bookkeeping.uses import (
 from fxdp.grad_sample.linear import is_transformers_conv1d
 from fxdp.grad_sample.recurrent import RecurrentProjection
 from fxdp.grad_sample.sink import (GradientSink, LayerCapture, StepCalls, batch_size_problem, check_grad_sample,
-                                   pending_of_this_backward)
+                                   pending_of_this_backward, wide)
 
 
 class BookkeepingSink(GradientSink):
@@ -90,9 +90,10 @@ class BookkeepingSink(GradientSink):
             for p, gs in capture.grad_samples().items():
                 if p.requires_grad:
                     check_grad_sample(p, gs, capture.batch_size, module)
-                    out[p] = _Materialised(gs.detach())
+                    out[p] = _Materialised(wide(gs.detach()))
             return out
-        a, g_raw = acts[0].detach(), unscaled.detach()
+        # norms and clipped sums in at least float32 (see wide); A and G of hand-written rules come widened already
+        a, g_raw = wide(acts[0].detach()), wide(unscaled.detach())
         if a.shape[0] != capture.batch_size or g_raw.shape[0] != capture.batch_size:
             raise PerSampleError(
                 f"fxdp: {plan.layer} delivered input {tuple(a.shape)} and output gradient {tuple(g_raw.shape)} for "
