@@ -472,7 +472,7 @@ def compute_microbatch_grad_sample(x, module: nn.Module, batch_first: bool = Tru
     torch.manual_seed(0)
     for sample in chunk_method(x):
         model.zero_grad(set_to_none=True)
-        inputs = sample if isinstance(sample, tuple) else (sample.unsqueeze(0 if batch_first else 1),)
+        inputs = sample if type(sample) is tuple else (sample.unsqueeze(0 if batch_first else 1),)
         _l1_loss(model(*inputs), loss_reduction).backward()
         for name, p in _trainable(model).items():
             grads[name].append(p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
@@ -486,7 +486,7 @@ def compute_engine_grad_sample(x, module: nn.Module, batch_first: bool = True, l
     wrapped = wrap_model(model, grad_sample_mode, batch_first=batch_first, loss_reduction=loss_reduction)
     torch.manual_seed(0)
     wrapped.zero_grad()
-    out = wrapped(*x) if isinstance(x, tuple) else wrapped(x)
+    out = wrapped(*x) if type(x) is tuple else wrapped(x)  # a PackedSequence is a tuple too: one input
     _l1_loss(out, loss_reduction).backward()
     return {name: p.grad_sample for name, p in _trainable(model).items()}
 
