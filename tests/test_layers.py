@@ -235,3 +235,14 @@ def test_functorch_refuses_a_packed_input_whose_output_is_not_packed():
         wrapped(_packed([3, 2], 4, True, True))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all(getattr(p, "grad_sample", None) is None for p in model.parameters())
+
+
+def test_compiled_graph_refuses_a_first_batch_of_packed_sequences_with_what_to_do():
+    model = Output(DPGRU(4, 5))
+    compiled = fxdp.compile_for_dp(model)  # no example inputs: the first batch is analysed
+    with pytest.raises(fxdp.BatchDimAnalysisError, match="input 'x' is a PackedSequence, which the compiled graph "
+                                                         "does not take yet; use grad_sample_mode='hooks'"):
+        compiled(_packed([3, 2], 4, False, True))
+    assert all(getattr(p, "grad_sample", None) is None and p.grad is None for p in model.parameters())
+    # with example inputs, compile_for_dp chooses the hooks engine up front
+    assert fxdp.report(fxdp.compile_for_dp(model, example_inputs=(_packed([3, 2], 4, False, True),))).engine == "hooks"
