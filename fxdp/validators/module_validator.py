@@ -49,7 +49,7 @@ Fixer = Callable[..., nn.Module]
 
 _TYPE_ERROR = "expected nn.Module subclasses to register a rule for, got {!r}"
 
-logger = logging.getLogger("fxdp")
+logger = logging.getLogger("fxdp.validators")
 
 
 class _RuleTable(MutableMapping):
