@@ -30,9 +30,10 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from torch.utils import _pytree as pytree
 
-from fxdp.compiler import compile_for_dp
+from fxdp.compiler import compile_for_dp, wrap_model
 from fxdp.engines import GradSampleModuleBase, PerSampleModel, check_grad_sample_mode
 from fxdp.engines.selfcheck import SelfCheckError, cross_sample_dependence, preserved_state
 from fxdp.grad_sample.accumulate import zero_grad_sample
@@ -411,3 +412,100 @@ def _nan_aware_max(t: torch.Tensor) -> float:
 def _short_list(items: List[int], limit: int = 10) -> str:
     shown = ", ".join(str(i) for i in items[:limit])
     return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
+
+
+# -- Opacus's per-sample test helpers (opacus.utils.per_sample_gradients_utils / module_utils) ----------------
+#
+# The same comparison as above with Opacus's conventions, so that tests written for Opacus run on fxdp: the
+# loss is an L1 loss against zeros (over a PackedSequence output: the mean over samples of each one's mean, or
+# the sum), the reference runs each sample alone in a batch of one, results are dicts by parameter name.
+
+
+def clone_module(module: nn.Module) -> nn.Module:
+    """An independent copy of ``module``."""
+    return copy.deepcopy(module)
+
+
+def is_batch_empty(batch) -> bool:
+    """Whether a batch (a tensor, or a sequence of them whose first one carries the batch) has no entries."""
+    return (batch if isinstance(batch, torch.Tensor) else batch[0]).numel() == 0
+
+
+def are_state_dict_equal(sd1: Dict[str, torch.Tensor], sd2: Dict[str, torch.Tensor]) -> bool:
+    """The same keys, and values ``allclose`` key by key."""
+    return sd1.keys() == sd2.keys() and all(torch.allclose(sd1[k], sd2[k]) for k in sd1)
+
+
+def get_grad_sample_modes(use_ew: bool = False) -> List[str]:
+    """The engines that run the model as it is, as Opacus's tests sweep them (``"ew"`` with ``use_ew``)."""
+    return ["hooks", "functorch"] + (["ew"] if use_ew else [])
+
+
+def _sequences(packed: PackedSequence) -> List[torch.Tensor]:
+    """Each sample's own ``(T_i, ...)`` sequence, in the caller's order."""
+    padded, lengths = pad_packed_sequence(packed, batch_first=True)
+    return [padded[i, :length] for i, length in enumerate(lengths.tolist())]
+
+
+def _l1_loss(out, reduction: str) -> torch.Tensor:
+    if isinstance(out, PackedSequence):
+        if reduction == "sum":
+            return out.data.abs().sum()
+        rows = _sequences(out)
+        return sum(r.abs().mean() for r in rows) / len(rows)
+    return nn.functional.l1_loss(out, torch.zeros_like(out), reduction=reduction)
+
+
+def _trainable(module: nn.Module) -> Dict[str, nn.Parameter]:
+    return {name: p for name, p in module.named_parameters() if p.requires_grad}
+
+
+def compute_microbatch_grad_sample(x, module: nn.Module, batch_first: bool = True, loss_reduction: str = "mean",
+                                   chunk_method=iter) -> Dict[str, torch.Tensor]:
+    """Each sample's gradient, from the sample run alone (a batch of one), stacked batch first by name."""
+    model = clone_module(module)
+    if isinstance(x, PackedSequence):
+        x = _sequences(x)  # each a (T_i, ...) sequence, run alone as a batch of one
+    elif not batch_first and not isinstance(x, list):
+        x = x.transpose(0, 1)
+    grads: Dict[str, List[torch.Tensor]] = {name: [] for name in _trainable(model)}
+    torch.manual_seed(0)
+    for sample in chunk_method(x):
+        model.zero_grad(set_to_none=True)
+        inputs = sample if type(sample) is tuple else (sample.unsqueeze(0 if batch_first else 1),)
+        _l1_loss(model(*inputs), loss_reduction).backward()
+        for name, p in _trainable(model).items():
+            grads[name].append(p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+    return {name: torch.stack(g) for name, g in grads.items()}
+
+
+def compute_engine_grad_sample(x, module: nn.Module, batch_first: bool = True, loss_reduction: str = "mean",
+                               grad_sample_mode: str = "hooks") -> Dict[str, torch.Tensor]:
+    """``p.grad_sample`` by name, from the engine ``grad_sample_mode`` on a copy of ``module``."""
+    model = clone_module(module)
+    wrapped = wrap_model(model, grad_sample_mode, batch_first=batch_first, loss_reduction=loss_reduction)
+    torch.manual_seed(0)
+    wrapped.zero_grad()
+    out = wrapped(*x) if type(x) is tuple else wrapped(x)  # a PackedSequence is a tuple too: one input
+    _l1_loss(out, loss_reduction).backward()
+    return {name: p.grad_sample for name, p in _trainable(model).items()}
+
+
+def compute_grad_samples_microbatch_and_engine(x, module: nn.Module, batch_first: bool = True,
+                                               loss_reduction: str = "mean", grad_sample_mode: str = "hooks",
+                                               chunk_method=iter):
+    """(reference, engine): :func:`compute_microbatch_grad_sample` and :func:`compute_engine_grad_sample`.
+
+    Raises:
+        RuntimeError: ``x`` has no samples.
+        ValueError: the two disagree on which parameters have per-sample gradients.
+    """
+    if not isinstance(x, PackedSequence) and is_batch_empty(x):
+        raise RuntimeError("fxdp: x has no samples; the per-sample reference needs at least one")
+    reference = compute_microbatch_grad_sample(x, module, batch_first, loss_reduction, chunk_method)
+    engine = compute_engine_grad_sample(x, module, batch_first, loss_reduction, grad_sample_mode)
+    if reference.keys() != engine.keys():
+        raise ValueError(f"fxdp: the reference and the engine disagree on the parameters: only in the reference "
+                         f"{sorted(reference.keys() - engine.keys())}, only in the engine "
+                         f"{sorted(engine.keys() - reference.keys())}")
+    return reference, engine

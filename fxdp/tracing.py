@@ -65,7 +65,8 @@ for _name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "
 
 
 def is_leaf_layer(module: nn.Module) -> bool:
-    """Modules the graph calls whole: torch.nn layers and anything with a registered per-sample rule.
+    """Modules the graph calls whole: torch.nn layers, subclasses of them that keep torch's ``forward``
+    (``fxdp.layers.DPLSTM``), and anything with a registered per-sample rule.
 
     A user's subclass of a layer that overrides ``forward`` (``class CosineLinear(nn.Linear)``) has no
     rule (:mod:`fxdp.registry`), so it is traced into like any composite module."""
@@ -73,7 +74,8 @@ def is_leaf_layer(module: nn.Module) -> bool:
         return True
     if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
         return False
-    return type(module).__module__.startswith("torch.nn")
+    forward_from = getattr(type(module).forward, "__module__", None) or ""
+    return type(module).__module__.startswith("torch.nn") or forward_from.startswith("torch.nn.")
 
 
 class DPTracer(torch.fx.Tracer):

@@ -7,16 +7,23 @@ which knows where the batch sits in every input and output from the batch_dim pa
 tensor arguments carry the batch (at dim 0, or 1 with ``batch_first=False``), keyword arguments are
 passed unchanged to every sample, and the model must return one tensor. Random ops (dropout in
 training mode) cannot be replayed per sample and make vmap raise.
+
+A ``PackedSequence`` input (one positional argument, sequences of different lengths) cannot be split for
+vmap: each sample then runs alone, as a PackedSequence of one, in a loop, with its own rows of the output
+gradient; the output must then be a PackedSequence too (its rows are what say whose gradient is whose).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Dict, List
 
 import torch
+from torch import nn
+from torch.nn.utils.rnn import PackedSequence, pack_sequence, pad_packed_sequence
 
 from fxdp.engines.base import GradSampleModuleBase, ParameterWatch
-from fxdp.grad_sample.sink import SINK_ATTR
+from fxdp.grad_sample.generic import summed_loss_backprops
+from fxdp.grad_sample.sink import SINK_ATTR, LayerCapture
 
 
 class FunctorchGradSampleModule(GradSampleModuleBase):
@@ -32,6 +39,8 @@ class FunctorchGradSampleModule(GradSampleModuleBase):
         out = self._module(*args, **kwargs)
         if not torch.is_grad_enabled():
             return out
+        if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
+            return self._packed(args, kwargs, out)
         if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f"fxdp: grad_sample_mode='functorch' differentiates the model's output, which must be a "
@@ -42,6 +51,51 @@ class FunctorchGradSampleModule(GradSampleModuleBase):
             activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
             out.register_hook(self._output_hook(self._module, activations, kwargs, generic=True))
         return out
+
+
+    def _packed(self, args, kwargs, out):
+        """The loop for a PackedSequence input (see the module docstring)."""
+        if len(args) != 1 or not isinstance(args[0], PackedSequence) or any(
+                isinstance(v, torch.Tensor) for v in kwargs.values()):
+            raise TypeError("fxdp: grad_sample_mode='functorch' takes a PackedSequence as the model's only tensor "
+                            "input; use grad_sample_mode='hooks' for this model")
+        if not isinstance(out, PackedSequence):
+            raise TypeError(
+                f"fxdp: grad_sample_mode='functorch' with a PackedSequence input needs a PackedSequence output, "
+                f"whose rows say which sample each gradient row belongs to, but {type(self._module).__name__}."
+                f"forward returned {_describe(out)}. Use grad_sample_mode='hooks' for this model.")
+        params = {name: p for name, p in self._module.named_parameters() if p.requires_grad}
+        if out.data.requires_grad and params:
+            inputs, call = _sequences(args[0]), self.forward_calls
+            model, reduction = self._module, self.loss_reduction
+
+            def hook(grad: torch.Tensor) -> None:
+                grads = _sequences(out._replace(data=summed_loss_backprops(grad, reduction, len(inputs))))
+
+                def grad_samples() -> Dict[nn.Parameter, torch.Tensor]:
+                    rows = [_alone(model, params, x, g, kwargs) for x, g in zip(inputs, grads)]
+                    return {p: torch.stack([r[i] for r in rows]) for i, p in enumerate(params.values())}
+
+                capture = LayerCapture(len(inputs), grad_samples, params=tuple(params.values()))
+                capture.call = call
+                self._deliver(capture)
+
+            out.data.register_hook(hook)
+        return out
+
+
+def _sequences(packed: PackedSequence) -> List[torch.Tensor]:
+    """Each sample's rows ``(T_i, ...)``, in the caller's order."""
+    padded, lengths = pad_packed_sequence(packed, batch_first=True)
+    return [padded[i, :length] for i, length in enumerate(lengths.tolist())]
+
+
+def _alone(model: nn.Module, params: Dict[str, nn.Parameter], x: torch.Tensor, grad: torch.Tensor, kwargs):
+    """The gradient of ``<model(x alone), grad>`` for every parameter (zero where it does not reach)."""
+    with torch.enable_grad():
+        out = torch.func.functional_call(model, params, (pack_sequence([x.detach()]),), kwargs, strict=False)
+        found = torch.autograd.grad(out.data, list(params.values()), grad, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g for g, p in zip(found, params.values())]
 
 
 def _describe(value: Any) -> str:

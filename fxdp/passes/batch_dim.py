@@ -40,6 +40,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.node import map_aggregate
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.nn.utils.rnn import PackedSequence
 
 from fxdp import meta
 from fxdp.diagnostics import BatchDimAnalysisError, Finding, Kind, MissingBatchRuleError, PassReport, PassResult, Severity
@@ -448,6 +449,13 @@ def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: 
         raise ValueError(f"fxdp batch_dim: batch_dim must be a non-negative int, got {batch_dim!r}")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values = _bind_inputs(placeholders, example_inputs)
+    for node, value in zip(placeholders, values):
+        if isinstance(value, PackedSequence):
+            raise BatchDimAnalysisError(
+                f"fxdp batch_dim: input '{node.target}' is a PackedSequence, which the compiled graph does not take "
+                "yet; use grad_sample_mode='hooks' (or 'functorch'), which trains recurrent layers on packed "
+                "sequences, or pass padded tensors and pack them inside forward (the model then runs on the hooks "
+                "engine)")
     packed = packed_inputs(gm, placeholders, values)
     # a packed input's length is no batch size: the hypotheses are made without it
     sized = [None if i in packed else v for i, v in enumerate(values)]

@@ -7,6 +7,8 @@ copy. Default rules live one family per module; importing this package registers
   or LayerNorm, chosen by the layer's input shape
 - :mod:`~fxdp.validators.instance_norm` — InstanceNorm running statistics; turned off
 - :mod:`~fxdp.validators.inplace_flags` — ``inplace=True`` modules; always turned off by ``fix``
+- :mod:`~fxdp.validators.dp_layers`     — stock LSTM/GRU/RNN/MultiheadAttention: valid; ``fix`` gives
+  them the types of :mod:`fxdp.layers` (as Opacus's ``fix`` does), nothing else changes
 
 Add rules for your own types with :func:`register_module_validator` / :func:`register_module_fixer`.
 """
@@ -24,7 +26,7 @@ from fxdp.validators.module_validator import (
     register_module_fixer,
     register_module_validator,
 )
-from fxdp.validators import batch_norm, instance_norm  # noqa: E402,F401  (the default rules)
+from fxdp.validators import batch_norm, dp_layers, instance_norm  # noqa: E402,F401  (the default rules)
 
 __all__ = [
     "ModuleValidator",

@@ -10,6 +10,10 @@ keeping the affine parameters, chosen by what the layer normalises:
   ``BatchNorm1d`` may see either shape, so it becomes ``GroupNorm(1, C)``, right for both;
 - one value per sample (``(N, 1)``): no per-sample normalisation depends on it; refused.
 
+``fix(model, replace_bn_with_in=True)`` asks for ``InstanceNorm1d/2d/3d`` instead (by the BatchNorm's
+type), keeping the affine parameters and without running statistics; refused where each channel of a
+sample holds one value (``(N, C)`` features, ``(N, C, 1, 1)``), where its output would be its bias.
+
 Without example inputs a ``BatchNorm2d``/``3d`` is taken to see more than one position per channel
 (a ``(N, C, 1, 1)`` input after global pooling is only recognised with example inputs).
 """
@@ -84,12 +88,19 @@ def values_per_channel(module: _BatchNorm, input_shapes: Optional[Sequence[Tuple
 
 @register_module_fixer(_BatchNorm)
 def replace_batch_norm(module: _BatchNorm, *, num_groups: Optional[int] = None,
-                       input_shapes: Optional[Sequence[Tuple[int, ...]]] = None, **kwargs) -> nn.Module:
+                       input_shapes: Optional[Sequence[Tuple[int, ...]]] = None, replace_bn_with_in: bool = False,
+                       **kwargs) -> nn.Module:
     """A per-sample norm with the BatchNorm's channels, eps and affine parameters (copied).
 
     ``input_shapes``: the shapes the layer's input had in the example forward of
     ``ModuleValidator.fix(model, example_inputs=...)`` (None without example inputs).
+    ``replace_bn_with_in``: an InstanceNorm instead (not with ``num_groups``).
     """
+    if replace_bn_with_in:
+        if num_groups is not None:
+            raise ValueError(f"replace_bn_with_in=True and num_groups={num_groups} ask for two different "
+                             "replacements (InstanceNorm, GroupNorm); pass one of them")
+        return _instance_norm(module, input_shapes)
     if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
         return LazyGroupNorm(num_groups, eps=module.eps, affine=module.affine)
     channels = module.num_features
@@ -123,6 +134,31 @@ def replace_batch_norm(module: _BatchNorm, *, num_groups: Optional[int] = None,
     else:
         norm = nn.GroupNorm(1, channels, eps=module.eps, affine=module.affine, **_factory(module))
     return _copy_affine(module, norm)
+
+
+_INSTANCE_NORM_FOR = {
+    nn.BatchNorm1d: nn.InstanceNorm1d, nn.BatchNorm2d: nn.InstanceNorm2d, nn.BatchNorm3d: nn.InstanceNorm3d,
+    nn.LazyBatchNorm1d: nn.LazyInstanceNorm1d, nn.LazyBatchNorm2d: nn.LazyInstanceNorm2d,
+    nn.LazyBatchNorm3d: nn.LazyInstanceNorm3d,
+}
+
+
+def _instance_norm(module: _BatchNorm, input_shapes) -> nn.Module:
+    """``InstanceNorm{1,2,3}d`` for a ``BatchNorm{1,2,3}d``: each channel of each sample normalised over
+    its positions, the affine parameters copied, no running statistics."""
+    kind = next((v for k, v in _INSTANCE_NORM_FOR.items() if isinstance(module, k)), None)
+    if kind is None:
+        raise ValueError(f"replace_bn_with_in=True: no InstanceNorm matches {type(module).__name__}, whose "
+                         "number of spatial dims its type does not fix; leave replace_bn_with_in out for GroupNorm")
+    per_channel = values_per_channel(module, input_shapes) if input_shapes else None
+    if per_channel == 1:
+        raise ValueError(f"replace_bn_with_in=True: its input {_shapes(input_shapes)} has one value per channel "
+                         f"and sample, and InstanceNorm normalises each over its positions: {ONE_VALUE_ADVICE}; "
+                         "or leave replace_bn_with_in out (LayerNorm or GroupNorm)")
+    options = dict(eps=module.eps, affine=module.affine, track_running_stats=False)
+    if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+        return kind(**options)
+    return _copy_affine(module, kind(module.num_features, **options, **_factory(module)))
 
 
 def _shapes(input_shapes) -> str:

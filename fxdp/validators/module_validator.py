@@ -10,13 +10,21 @@ Signatures: a validator is ``fn(module, **kwargs) -> list[UnsupportedError]``, a
 ``fn(module, *, input_shapes, **kwargs) -> nn.Module`` (it may return the module itself, changed, or a
 replacement). ``input_shapes`` are the shapes of the module's input in the example forward of
 ``fix(model, example_inputs=...)``, one per call (``None`` without example inputs; empty for a module
-the forward did not call).
+the forward did not call). A fixer receives only the keyword arguments its signature names (all of them
+if it takes ``**kwargs``), so a fixer written ``def fix(module)`` works too.
+
+``ModuleValidator.VALIDATORS`` and ``ModuleValidator.FIXERS`` show the registries as dicts from module
+type to rule (Opacus's class attributes): ``VALIDATORS[nn.BatchNorm2d]`` is the rule ``validate`` uses
+for that type (found along its MRO), and ``FIXERS[MyLayer] = fix`` registers a fixer.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
+import logging
 import warnings
+from collections.abc import MutableMapping
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Type, Union
 
 import torch
@@ -41,12 +49,61 @@ Fixer = Callable[..., nn.Module]
 
 _TYPE_ERROR = "expected nn.Module subclasses to register a rule for, got {!r}"
 
+logger = logging.getLogger("fxdp.validators")
+
+
+class _RuleTable(MutableMapping):
+    """One validator class's validators or fixers as a dict from module type to rule (see the module).
+
+    Reading looks a type up as ``validate``/``fix`` do; writing and deleting change the registry of the
+    class it was read from; iteration lists every registered type, the class's own first."""
+
+    def __init__(self, owner: type, attr: str):
+        self._owner, self._attr = owner, attr
+
+    def __getitem__(self, module_type):
+        rule = _lookup(self._owner, self._attr, module_type) if isinstance(module_type, type) else None
+        if rule is None:
+            raise KeyError(module_type)
+        return rule
+
+    def __setitem__(self, module_type, rule) -> None:
+        vars(self._owner)[self._attr].register(module_type)(rule)
+
+    def __delitem__(self, module_type) -> None:
+        del vars(self._owner)[self._attr].entries[module_type]
+
+    def _types(self) -> List[type]:
+        registries = [vars(k)[self._attr] for k in self._owner.__mro__ if self._attr in vars(k)]
+        return list(dict.fromkeys(t for registry in registries for t in registry.entries))
+
+    def __iter__(self):
+        return iter(self._types())
+
+    def __len__(self) -> int:
+        return len(self._types())
+
+    def __repr__(self) -> str:
+        return repr({t: self[t] for t in self})
+
+
+class _RulesOf:
+    """The class attribute ``VALIDATORS`` / ``FIXERS``: a :class:`_RuleTable` of the class it is read from."""
+
+    def __init__(self, attr: str):
+        self.attr = attr
+
+    def __get__(self, instance, owner: type) -> _RuleTable:
+        return _RuleTable(owner, self.attr)
+
 
 class ModuleValidator:
     """Validates and fixes models for DP-SGD; holds the registries of validators and fixers."""
 
     _validators: TypeRegistry[Validator] = TypeRegistry(nn.Module, _TYPE_ERROR)
     _fixers: TypeRegistry[Fixer] = TypeRegistry(nn.Module, _TYPE_ERROR)
+    VALIDATORS = _RulesOf("_validators")
+    FIXERS = _RulesOf("_fixers")
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -253,10 +310,10 @@ def _apply_fixers(validator_class, module: nn.Module, name: str, memo: Dict[int,
     result = module
     fixer = validator_class.find_fixer(module)
     if fixer is not None:
-        before, before_items = _describe_module(module), _repr_items(module)
+        before, before_items, changes_before = _describe_module(module), _repr_items(module), len(changes)
         input_shapes = None if shapes is None else shapes.get(name, ())
         try:
-            result = fixer(module, input_shapes=input_shapes, **kwargs)
+            result = fixer(module, **_accepted(fixer, dict(kwargs, input_shapes=input_shapes)))
         except ValueError as exc:
             raise ValueError(f"cannot fix `{name or ROOT_NAME}` ({op_name(module)}): {exc}") from exc
         if not isinstance(result, nn.Module):
@@ -273,8 +330,23 @@ def _apply_fixers(validator_class, module: nn.Module, name: str, memo: Dict[int,
             new = [item for item in after_items if item not in before_items]
             type_name = op_name(module)
             changes.append((name or ROOT_NAME, f"{type_name}({', '.join(old)})", f"{type_name}({', '.join(new)})"))
+        if len(changes) > changes_before:  # the line Opacus logs for each replacement (scripts read it)
+            logger.info("Replaced sub_module %s: %s with %s", *changes[-1])
     memo[id(module)] = result
     return result
+
+
+def _accepted(fixer: Callable, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The keyword arguments ``fixer`` takes: all of them with ``**kwargs``, else those it names."""
+    try:
+        parameters = inspect.signature(fixer).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): give it everything
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return kwargs
+    named = {p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                      inspect.Parameter.KEYWORD_ONLY)}
+    return {k: v for k, v in kwargs.items() if k in named}
 
 
 def _describe_module(module: nn.Module) -> str:

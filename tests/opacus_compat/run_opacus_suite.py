@@ -104,7 +104,8 @@ NAMES: Dict[str, Tuple[str, str]] = {
 }
 
 # Names that exist only inside Opacus's implementation. They become a placeholder that fails when used, so a
-# test that reads them fails visibly; those tests are excluded below.
+# test that reads them fails visibly; those tests are excluded below. A test-data generator becomes a stand-in
+# of ours instead (internal.py, STAND_INS: _gen_packed_data), so its tests run on the same kind of data.
 INTERNAL = {"_generate_noise", "_clip_and_accumulate_parameter", "_gen_packed_data", "unfold2d",
             "convolution2d_backward_as_a_convolution", "embedding_norm_sample", "FSDP2Wrapper"}
 
