@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
+import concurrent.futures
 import importlib.util
 import os
 import pathlib
@@ -122,6 +123,7 @@ EXCLUDED: Dict[str, str] = {
     "grad_samples/embedding_norm_sample_test.py": "tests Opacus's private embedding-norm kernel",
     "multigpu_fsdpcheck.py": "FSDP wrapper of Opacus (not a test file; FSDP is issue #23)",
 }
+BASELINE = pathlib.Path(__file__).with_name("passing_on_opacus.txt")
 FXDP_MARK = "# rewritten for fxdp by run_opacus_suite.py"
 
 
@@ -170,30 +172,42 @@ def copy_suite(source: pathlib.Path, into: pathlib.Path, rewrite: bool) -> pathl
     return target
 
 
-def start_pytest(folder: pathlib.Path, pytest_args: List[str]) -> subprocess.Popen:
-    """pytest over ``folder`` in the background, one thread (the two runs share the machine's cores)."""
+def run_suite(folder: pathlib.Path, files: List[str], pytest_args: List[str], jobs: int,
+              timeout: float) -> Dict[str, Tuple[str, str]]:
+    """Test id -> (outcome, first line of the failure) for the tests of ``files`` (all when empty), run by
+    ``jobs`` pytest processes of one thread each, the files shared out by size."""
+    paths = [folder / f for f in files] or sorted(folder.rglob("*_test.py"), key=lambda f: -f.stat().st_size)
+    shards: List[List[pathlib.Path]] = [[] for _ in range(max(1, min(jobs, len(paths))))]
+    sizes = [0] * len(shards)
+    for path in paths:
+        smallest = sizes.index(min(sizes))
+        shards[smallest].append(path)
+        sizes[smallest] += path.stat().st_size
+    runs = [_start_pytest(folder, shard, pytest_args, folder.parent / f"junit{i}.xml")
+            for i, shard in enumerate(shards)]
+    deadline = time.monotonic() + timeout
+    outcomes: Dict[str, Tuple[str, str]] = {}
+    for run, report in runs:
+        try:
+            run.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            run.terminate()
+            run.wait()
+            print(f"a pytest run in {folder} ran past the time limit: its tests count as not run", file=sys.stderr)
+        if report.exists():
+            outcomes.update((_test_id(case, folder), _outcome(case))
+                            for case in ET.parse(report).getroot().iter("testcase"))
+    return outcomes
+
+
+def _start_pytest(folder: pathlib.Path, paths: List[pathlib.Path], pytest_args: List[str],
+                  report: pathlib.Path) -> Tuple[subprocess.Popen, pathlib.Path]:
     repo = pathlib.Path(__file__).resolve().parents[2]
-    targets = [a for a in pytest_args if a.startswith("opacus_tests/")] or [str(folder)]
-    options = [a for a in pytest_args if not a.startswith("opacus_tests/")]
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               f"--junitxml={folder.parent / 'junit.xml'}", "--rootdir", str(folder.parent), *targets, *options]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+               "--rootdir", str(folder.parent), *map(str, paths), *pytest_args]
     env = {**os.environ, "PYTHONPATH": f"{repo}:{folder.parent}", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(command, cwd=folder.parent, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def results(run: subprocess.Popen, folder: pathlib.Path, timeout: float) -> Dict[str, Tuple[str, str]]:
-    """Test id -> (outcome, first line of the failure) for every test pytest reported in ``folder``."""
-    try:
-        run.wait(timeout=max(timeout, 1))
-    except subprocess.TimeoutExpired:
-        run.terminate()
-        run.wait()
-        print(f"pytest in {folder} ran past the time limit: its tests count as not run", file=sys.stderr)
-    report = folder.parent / "junit.xml"
-    if not report.exists():
-        return {}
-    return {_test_id(case, folder): _outcome(case) for case in ET.parse(report).getroot().iter("testcase")}
+    run = subprocess.Popen(command, cwd=folder.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return run, report
 
 
 def _test_id(case: ET.Element, folder: pathlib.Path) -> str:
@@ -232,42 +246,74 @@ def main() -> int:
     parser.add_argument("--require", type=float, default=0.0,
                         help="exit non-zero when fewer than this fraction of the counted tests pass on fxdp")
     parser.add_argument("-k", default=None, help="pytest -k expression: run a subset")
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds for the two pytest runs (they run side by side)")
-    parser.add_argument("--keep", action="store_true", help="keep the temporary folders and print their paths")
+    parser.add_argument("--jobs", type=int, default=2, help="pytest processes (one thread each)")
+    parser.add_argument("--timeout", type=int, default=3600, help="seconds for all the tests")
+    parser.add_argument("--with-opacus", action="store_true",
+                        help="run the suite on Opacus too, side by side, instead of reading the recorded baseline")
+    parser.add_argument("--record-baseline", action="store_true",
+                        help=f"run the suite on Opacus only and record the tests that pass in {BASELINE.name}")
     parser.add_argument("--fxdp-only", action="store_true",
-                        help="skip the run on Opacus: list each test's outcome on fxdp (while working on a file)")
+                        help="no baseline: list each test's outcome on fxdp (while working on a file)")
     parser.add_argument("files", nargs="*", help="test files relative to Opacus's tests folder (default: all)")
     args = parser.parse_args()
-    pytest_args = (["-k", args.k] if args.k else []) + [f"opacus_tests/{f}" for f in args.files]
+    pytest_args = ["-k", args.k] if args.k else []
 
     source = opacus_tests_dir()
     work = pathlib.Path(tempfile.mkdtemp(prefix="opacus-suite-"))
     try:
-        (work / "opacus").mkdir()
-        (work / "fxdp").mkdir()
-        fxdp_folder = copy_suite(source, work / "fxdp", rewrite=True)
-        fxdp_run = start_pytest(fxdp_folder, pytest_args)
-        if not args.fxdp_only:
-            opacus_folder = copy_suite(source, work / "opacus", rewrite=False)
-            opacus_run = start_pytest(opacus_folder, pytest_args)
-        deadline = time.monotonic() + args.timeout
-        on_fxdp = results(fxdp_run, fxdp_folder, deadline - time.monotonic())
-        on_opacus = {} if args.fxdp_only else results(opacus_run, opacus_folder, deadline - time.monotonic())
+        sides = {"fxdp": not args.record_baseline, "opacus": args.with_opacus or args.record_baseline}
+        folders = {side: copy_suite(source, work / side, rewrite=side == "fxdp")
+                   for side, wanted in sides.items() if wanted}
+        jobs = max(1, args.jobs // len(folders))
+        with concurrent.futures.ThreadPoolExecutor(len(folders)) as pool:
+            futures = {side: pool.submit(run_suite, folder, args.files, pytest_args, jobs, args.timeout)
+                       for side, folder in folders.items()}
+        outcomes = {side: future.result() for side, future in futures.items()}
     finally:
-        if args.keep:
-            print(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    if args.record_baseline:
+        return record_baseline(outcomes["opacus"])
     if args.fxdp_only:
-        for test, (outcome, message) in sorted(on_fxdp.items()):
+        for test, (outcome, message) in sorted(outcomes["fxdp"].items()):
             print(f"{outcome:8s} {test}" + (f": {message}" if message else ""))
         return 0
-    return summarise(on_opacus, on_fxdp, args.require)
+    passing_on_opacus = ([t for t, (o, _) in outcomes["opacus"].items() if o == "passed"] if args.with_opacus
+                         else read_baseline())
+    if args.files:
+        passing_on_opacus = [t for t in passing_on_opacus if t.split("::")[0] in args.files]
+    if args.k:
+        passing_on_opacus = [t for t in passing_on_opacus if t in outcomes["fxdp"]]
+    return summarise(passing_on_opacus, outcomes["fxdp"], args.require)
 
 
-def summarise(on_opacus, on_fxdp, require: float) -> int:
-    counted = [t for t, (outcome, _) in on_opacus.items() if outcome == "passed" and not excluded_because(t)]
-    excluded = [t for t in on_opacus if excluded_because(t)]
+def record_baseline(on_opacus: Dict[str, Tuple[str, str]]) -> int:
+    import torch
+    passed = sorted(t for t, (outcome, _) in on_opacus.items() if outcome == "passed")
+    header = [f"# The tests of opacus=={_opacus_version()} that pass on Opacus (torch {torch.__version__}, "
+              f"{len(passed)} of {len(on_opacus)}).",
+              "# Written by `run_opacus_suite.py --record-baseline`; `--with-opacus` runs Opacus instead of reading it."]
+    BASELINE.write_text("\n".join(header + passed) + "\n")
+    print(f"recorded {len(passed)} of {len(on_opacus)} tests passing on Opacus in {BASELINE}")
+    return 0
+
+
+def read_baseline() -> List[str]:
+    lines = BASELINE.read_text().splitlines()
+    recorded = lines[0].split("opacus==")[1].split(" ")[0]
+    if recorded != _opacus_version():
+        sys.exit(f"{BASELINE.name} was recorded with opacus=={recorded}, this is {_opacus_version()}: "
+                 "install that version, or record again with --record-baseline")
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def _opacus_version() -> str:
+    import importlib.metadata
+    return importlib.metadata.version("opacus")
+
+
+def summarise(passing_on_opacus: List[str], on_fxdp: Dict[str, Tuple[str, str]], require: float) -> int:
+    counted = [t for t in passing_on_opacus if not excluded_because(t)]
+    excluded = [t for t in passing_on_opacus if excluded_because(t)]
     def on_fxdp_of(test: str) -> Tuple[str, str]:
         # a file that fails to import on fxdp is one "error" entry named after the file
         return on_fxdp.get(test) or on_fxdp.get(test.split("::")[0], ("not run", ""))
@@ -275,8 +321,8 @@ def summarise(on_opacus, on_fxdp, require: float) -> int:
     failing = [t for t in counted if on_fxdp_of(t)[0] != "passed"]
     per_file = collections.Counter(t.split("::")[0] for t in counted)
     failed_per_file = collections.Counter(t.split("::")[0] for t in failing)
-    print(f"Opacus's suite: {len(on_opacus)} tests; {sum(o == 'passed' for o, _ in on_opacus.values())} pass on "
-          f"Opacus; {len(excluded)} excluded (reasons in EXCLUDED); {len(counted)} counted")
+    print(f"Opacus's suite: {len(passing_on_opacus)} tests pass on Opacus; {len(excluded)} of them excluded "
+          f"(reasons in EXCLUDED); {len(counted)} counted")
     print(f"{'file':60s} {'counted':>8s} {'pass on fxdp':>13s}")
     for name in sorted(per_file):
         print(f"{name:60s} {per_file[name]:8d} {per_file[name] - failed_per_file[name]:13d}")
