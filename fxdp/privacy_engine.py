@@ -50,6 +50,8 @@ from fxdp.validators import ModuleValidator
 MODULE_KEY = "module_state_dict"
 OPTIMIZER_KEY = "optimizer_state_dict"
 ACCOUNTANT_KEY = "privacy_accountant_state_dict"
+SCHEDULER_KEYS = {"noise_scheduler": "noise_scheduler_state_dict",
+                  "grad_clip_scheduler": "grad_clip_scheduler_state_dict"}
 
 # How ε is accounted for a loader kept as it is (make_private(poisson_sampling=False)):
 # "poisson" reports the Poisson figure at rate 1 / len(loader), as Opacus does: an approximation that is
@@ -313,17 +315,23 @@ class PrivacyEngine:
         path,
         module: nn.Module,
         optimizer: Optional[DPOptimizer] = None,
+        noise_scheduler: Any = None,
+        grad_clip_scheduler: Any = None,
         checkpoint_dict: Optional[Dict[str, Any]] = None,
     ) -> None:
-        """Save the model's weights, the optimizer's state (and its noise generator's) and the
-        accountant's history to ``path`` with ``torch.save``; ``checkpoint_dict`` adds entries of
-        your own (the epoch, say). The weights are saved under the plain model's parameter names,
-        so ``model.load_state_dict(torch.load(path)["module_state_dict"])`` works without fxdp."""
+        """Save the model's weights, the optimizer's state (and its noise generator's), the accountant's
+        history and the schedulers' states (:mod:`fxdp.optim.schedulers`) to ``path`` with ``torch.save``;
+        ``checkpoint_dict`` adds entries of your own (the epoch, say). The weights are saved under the plain
+        model's parameter names, so ``model.load_state_dict(torch.load(path)["module_state_dict"])`` works
+        without fxdp."""
         checkpoint = dict(checkpoint_dict or {})
         checkpoint[MODULE_KEY] = self._plain(module).state_dict()
         checkpoint[ACCOUNTANT_KEY] = self.accountant.state_dict()
         if optimizer is not None:
             checkpoint[OPTIMIZER_KEY] = optimizer.state_dict()
+        for name, scheduler in (("noise_scheduler", noise_scheduler), ("grad_clip_scheduler", grad_clip_scheduler)):
+            if scheduler is not None:
+                checkpoint[SCHEDULER_KEYS[name]] = scheduler.state_dict()
         torch.save(checkpoint, path)
 
     def load_checkpoint(
@@ -332,10 +340,12 @@ class PrivacyEngine:
         path,
         module: nn.Module,
         optimizer: Optional[DPOptimizer] = None,
+        noise_scheduler: Any = None,
+        grad_clip_scheduler: Any = None,
         map_location: Any = None,
     ) -> Dict[str, Any]:
-        """Restore a :meth:`save_checkpoint` into ``module``, ``optimizer`` and this engine's accountant
-        (whose history the checkpoint's replaces). Returns the entries of ``checkpoint_dict``."""
+        """Restore a :meth:`save_checkpoint` into ``module``, ``optimizer``, the schedulers and this engine's
+        accountant (whose history the checkpoint's replaces). Returns the entries of ``checkpoint_dict``."""
         checkpoint = torch.load(path, map_location=map_location, weights_only=True)
         missing = [k for k in (MODULE_KEY, ACCOUNTANT_KEY) if k not in checkpoint]
         if missing:
@@ -344,11 +354,20 @@ class PrivacyEngine:
         if optimizer is not None and OPTIMIZER_KEY not in checkpoint:
             raise ValueError(f"fxdp: {path} holds no optimizer state (it was saved without optimizer=); "
                              "call load_checkpoint without optimizer, or save the optimizer too")
+        schedulers = {"noise_scheduler": noise_scheduler, "grad_clip_scheduler": grad_clip_scheduler}
+        for name, scheduler in schedulers.items():
+            if scheduler is not None and SCHEDULER_KEYS[name] not in checkpoint:
+                raise ValueError(f"fxdp: {path} holds no {name} state (it was saved without {name}=); call "
+                                 f"load_checkpoint without {name}, or save it too")
         self._plain(module).load_state_dict(checkpoint.pop(MODULE_KEY))
         self.accountant.load_state_dict(checkpoint.pop(ACCOUNTANT_KEY))
         optimizer_state = checkpoint.pop(OPTIMIZER_KEY, None)
         if optimizer is not None:
             optimizer.load_state_dict(optimizer_state)
+        for name, scheduler in schedulers.items():
+            state = checkpoint.pop(SCHEDULER_KEYS[name], None)
+            if scheduler is not None:
+                scheduler.load_state_dict(state)
         return checkpoint
 
     def _plain(self, module: nn.Module) -> nn.Module:
