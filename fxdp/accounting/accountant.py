@@ -143,21 +143,17 @@ class Accountant(abc.ABC):
 
         A history records what was done, not how it was analysed, so one saved by another accountant that
         reports a bound is accepted: loading an RDP accountant's history into a PLD accountant analyses the
-        same steps more tightly. Loading a bound's history into an accountant that is not a bound (GDP) is
-        refused: the run was reported with a bound, and would silently continue with an approximation.
+        same steps more tightly. An accountant that is not a bound (GDP) loads only its own kind's history: a
+        run reported with a bound would silently continue with an approximation.
         """
         if not isinstance(state_dict, dict) or "history" not in state_dict or "mechanism" not in state_dict:
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict expects the dict that state_dict() returned "
                 f"(with 'history' and 'mechanism' keys), got {state_dict!r:.200}"
             )
-        from fxdp.accounting.registry import ACCOUNTANTS  # (the registry imports this module)
-
-        saved_by = ACCOUNTANTS.get(str(state_dict["mechanism"]))
-        if saved_by is not None and saved_by.is_bound and not self.is_bound and isinstance(saved_by, type) \
-                and not isinstance(self, saved_by):
+        if not self.is_bound and str(state_dict["mechanism"]) != self.mechanism:
             raise ValueError(
-                f"the history was saved by a {state_dict['mechanism']!r} accountant, which reports a bound on ε; "
+                f"the history was saved by a {state_dict['mechanism']!r} accountant; "
                 f"{type(self).__name__} ({self.mechanism!r}) is an approximation, not a bound. Load it into an "
                 "accountant that reports a bound (create_accountant('pld') or 'rdp')")
         history: List[HistoryEntry] = []

@@ -51,13 +51,14 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fxdp.grad_sample.sink import GradientSink, GradSampleSink, PerSampleError, PrivacySettingError
+from fxdp.optim.extension_points import OpacusExtensionPoints
 from fxdp.optim.noise import add_gaussian_noise_
 
 CLIPPING_MODES = ("flat", "per_layer")
 LOSS_REDUCTIONS = ("mean", "sum")
 _EPS = 1e-6  # in the clip factor C / (norm + eps): a zero gradient gets factor 1, never a division by 0
-# Opacus's DPOptimizer extension points. This DP optimizer forms the clipped, noised gradient in one pass
-# (_write_private_grads) and never calls them: a subclass's override would be silently ignored.
+# Opacus's DPOptimizer extension points. The default step forms the clipped, noised gradient in one pass
+# (_write_private_grads); a subclass overriding one of them steps through them instead (_step_through_overrides).
 _OPACUS_EXTENSION_POINTS = ("pre_step", "clip_and_accumulate", "add_noise", "scale_grad")
 _NEEDS_EXPECTED_BATCH_SIZE = (
     "fxdp: loss_reduction='mean' needs expected_batch_size (the expected number of samples per logical batch: "
@@ -66,7 +67,7 @@ _SECURE_WITH_GENERATOR = ("fxdp: secure_mode draws noise from the OS's cryptogra
                           "would make the noise predictable. Pass generator=None")
 
 
-class DPOptimizer(Optimizer):
+class DPOptimizer(OpacusExtensionPoints, Optimizer):
     """Wraps ``optimizer`` (any ``torch.optim.Optimizer``) so that its step is a DP-SGD step.
 
     Args:
@@ -104,7 +105,7 @@ class DPOptimizer(Optimizer):
         generator: Optional[torch.Generator] = None,
         param_names: Optional[Dict[nn.Parameter, str]] = None,
     ):
-        _refuse_ignored_overrides(type(self))
+        self._overrides = _overridden_extension_points(type(self))
         if isinstance(optimizer, DPOptimizer):
             raise TypeError("fxdp: the optimizer is already a DPOptimizer; wrap the original optimizer once")
         if not isinstance(optimizer, Optimizer):
@@ -129,9 +130,16 @@ class DPOptimizer(Optimizer):
         self.expected_batch_size = expected_batch_size
         self.max_grad_norm = max_grad_norm
         self._check_settings()
+        if set(self._overrides) - {"scale_grad"}:
+            warnings.warn(
+                f"fxdp: {type(self).__name__} overrides {', '.join(self._overrides)}: its step runs them. fxdp's "
+                "accountants analyse the default mechanism (each sample clipped to max_grad_norm, Gaussian noise of "
+                "std noise_multiplier * max_grad_norm, one step per Poisson batch); if yours differs, the ε they "
+                "report is not yours: account for your mechanism yourself", stacklevel=2)
         self._step_hooks: List[Callable[["DPOptimizer"], None]] = []
         self._summed: Dict[nn.Parameter, torch.Tensor] = {}  # clipped sums of this logical batch so far
         self._skip_next = False
+        self._step_factors: Optional[Dict[nn.Parameter, torch.Tensor]] = None  # (for clip_and_accumulate)
         self._needs_zero_grad = False  # a logical step ran and zero_grad() has not been called since
         self.steps = 0  # logical steps taken
         # what the data loader said (observe_batch): logical batches begun since the last step (None: no
@@ -300,7 +308,7 @@ class DPOptimizer(Optimizer):
         self.sink.clear(self._all_params())
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         self._needs_zero_grad = False
-        if self._logical_batches and not self._summed:
+        if self._logical_batches and not self._accumulating():
             # what earlier batches left is gone: only the batch handed out last can still reach the step
             self._logical_batches = 1
 
@@ -318,7 +326,7 @@ class DPOptimizer(Optimizer):
         empty, and whether it is the first of a pass over the loader. A step then refuses to run on more
         than one logical batch, and lets a step with no per-sample gradient through only when the batch was
         empty (noise only, as Poisson sampling requires)."""
-        if self._logical_batches is None or (new_epoch and not self._summed):
+        if self._logical_batches is None or (new_epoch and not self._accumulating()):
             # a pass left by break is forgotten, unless skip steps accumulated part of its batch for the next step
             self._logical_batches = 0
         self._logical_batches += 1
@@ -347,11 +355,16 @@ class DPOptimizer(Optimizer):
         params = self._trainable_params()
         self._check_params_are_the_models(params)
         factors = self._factors(params)
-        if self._skip_next:
+        if self._overrides:
+            if not self._step_through_overrides(params, factors):
+                return None
+        elif self._skip_next:
             self._skip_next = False
             self._accumulate(params, factors)
             return None
-        self._write_private_grads(params, factors)
+        else:
+            self._write_private_grads(params, factors)
+        self._before_update()
         result = self.original_optimizer.step()
         self._needs_zero_grad = True
         self.steps += 1
@@ -417,6 +430,15 @@ class DPOptimizer(Optimizer):
         for p, grad in zip(params, self._reduce(grads)):
             p.grad = grad
         self._summed.clear()
+
+    def _accumulating(self) -> bool:
+        """Whether skip steps have accumulated part of a logical batch for the next step."""
+        return bool(self._summed) or (bool(self._overrides)
+                                      and any(getattr(p, "summed_grad", None) is not None for p in self.params))
+
+    def _before_update(self) -> None:
+        """Called after the private gradient is written and before the wrapped optimizer's step (AdaClip
+        updates its bound here)."""
 
     # hooks for training across processes (fxdp.distributed.DistributedDPOptimizer overrides them)
 
@@ -617,19 +639,11 @@ class DPOptimizer(Optimizer):
         return ", ".join(self._name(p) for p in params)
 
 
-def _refuse_ignored_overrides(cls: type) -> None:
-    """A subclass written for Opacus's DPOptimizer (a Laplace mechanism in ``add_noise``, say) would run with
-    fxdp's Gaussian noise and clipping instead of its own, silently: refused, naming the method."""
-    overridden = [name for name in _OPACUS_EXTENSION_POINTS
-                  if any(name in vars(klass) for klass in cls.__mro__ if issubclass(klass, DPOptimizer)
-                         and klass is not DPOptimizer)]
-    if overridden:
-        raise TypeError(
-            f"fxdp: {cls.__name__} overrides {', '.join(overridden)}, Opacus's DPOptimizer extension point(s), which "
-            "fxdp's DPOptimizer never calls: it clips, adds Gaussian noise and scales in one pass "
-            "(_write_private_grads), so the override would be silently ignored. fxdp does not support custom "
-            "clipping or noise mechanisms through these methods yet; use fxdp's DPOptimizer as it is, or Opacus "
-            "for this optimizer")
+def _overridden_extension_points(cls: type) -> List[str]:
+    """The extension points of Opacus's DPOptimizer that ``cls`` (a subclass) overrides."""
+    return [name for name in _OPACUS_EXTENSION_POINTS
+            if any(name in vars(klass) for klass in cls.__mro__ if issubclass(klass, DPOptimizer)
+                   and klass is not DPOptimizer)]
 
 
 def _positive_bound(value: Any, what: str) -> float:
@@ -641,3 +655,14 @@ def _positive_bound(value: Any, what: str) -> float:
 def _wide(t: torch.Tensor) -> torch.Tensor:
     """At least float32: squared norms of half-precision gradients overflow."""
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+class DPPerLayerOptimizer(DPOptimizer):
+    """Opacus's name and signature for ``DPOptimizer(..., clipping="per_layer")``: ``max_grad_norm`` is a list
+    with one bound per trainable parameter."""
+
+    def __init__(self, optimizer: Optimizer, *, noise_multiplier: float, max_grad_norm: Sequence[float],
+                 expected_batch_size: Optional[int], loss_reduction: str = "mean", **kwargs: Any):
+        super().__init__(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                         expected_batch_size=expected_batch_size, loss_reduction=loss_reduction,
+                         clipping="per_layer", **kwargs)
