@@ -42,7 +42,7 @@ from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer,
                               global_batch_size, split_data_parallel, wrap_like)
 from fxdp.grad_sample.bookkeeping import BookkeepingSink
 from fxdp.grad_sample.sink import sink_of
-from fxdp.optim import DPOptimizer
+from fxdp.optim import AdaClipDPOptimizer, DPOptimizer
 from fxdp.optim.noise import secure_seed
 from fxdp.validators import ModuleValidator
 
@@ -105,8 +105,13 @@ class PrivacyEngine:
         noise_generator: Optional[torch.Generator] = None,
         materialise_grad_sample: bool = False,
         fixed_batch_accounting: str = "poisson",
+        **optimizer_kwargs: Any,
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
         """Returns ``(compiled model, DPOptimizer, data loader)``.
+
+        ``clipping="adaptive"`` builds an :class:`fxdp.optim.AdaClipDPOptimizer` (its arguments, e.g.
+        ``target_unclipped_quantile``, go in ``optimizer_kwargs``; the accountant records ``noise_multiplier``,
+        which that optimizer's two noises together amount to).
 
         ``max_grad_norm`` is the clipping bound C (for ``clipping="per_layer"``, a list with one bound
         per trainable parameter of the optimizer). With ``poisson_sampling`` (what the accounting
@@ -137,10 +142,15 @@ class PrivacyEngine:
                                   sink=BookkeepingSink() if bookkept else None)
         self._originals[compiled] = module
         data_loader, sample_rate, expected_batch_size = self._prepare_data(data_loader, poisson_sampling, ddp)
-        optimizer_class, across_ranks = DPOptimizer, {}
+        optimizer_class, across_ranks = DPOptimizer, dict(optimizer_kwargs)
+        if clipping == "adaptive":
+            if ddp is not None:
+                raise ValueError("fxdp: clipping='adaptive' is for one process (its unclipped count is not "
+                                 "combined across processes yet); use clipping='flat' with DDP")
+            optimizer_class, clipping = AdaClipDPOptimizer, "flat"
         if ddp is not None:
             optimizer_class = DistributedDPOptimizer
-            across_ranks = dict(process_group=ddp.process_group, bucket_bytes=bucket_bytes_of(ddp))
+            across_ranks.update(process_group=ddp.process_group, bucket_bytes=bucket_bytes_of(ddp))
         dp_optimizer = optimizer_class(
             optimizer,
             noise_multiplier=noise_multiplier,

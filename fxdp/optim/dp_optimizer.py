@@ -50,7 +50,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from fxdp.grad_sample.sink import GradientSink, GradSampleSink, PerSampleError, PrivacySettingError
+from fxdp.grad_sample.sink import GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError
 from fxdp.optim.extension_points import OpacusExtensionPoints
 from fxdp.optim.noise import add_gaussian_noise_
 
@@ -345,7 +345,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
                 loss = closure()
         self._check_settings()
         if self._needs_zero_grad:
-            raise PerSampleError(
+            raise StepRefusedError(
                 "fxdp: DPOptimizer.step() was called again without optimizer.zero_grad() since the last "
                 "step. Call optimizer.zero_grad() (the DP optimizer's: model.zero_grad() does not reset it) "
                 "once per logical batch, before its backward pass; otherwise gradients of the last step "
@@ -355,6 +355,9 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         params = self._trainable_params()
         self._check_params_are_the_models(params)
         factors = self._factors(params)
+        # p.grad_sample stays readable after the step until zero_grad(), as Opacus leaves it (a step without
+        # zero_grad() is refused, so they are never read again as another batch's)
+        kept = {p: p.grad_sample for p in params if getattr(p, "grad_sample", None) is not None}
         if self._overrides:
             if not self._step_through_overrides(params, factors):
                 return None
@@ -364,6 +367,8 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
             return None
         else:
             self._write_private_grads(params, factors)
+        for p, grad_sample in kept.items():
+            p.grad_sample = grad_sample
         self._before_update()
         result = self.original_optimizer.step()
         self._needs_zero_grad = True
@@ -459,7 +464,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         if len(set(rows.values())) > 1:
             (p1, n1), *others = rows.items()
             p2, n2 = next((p, n) for p, n in others if n != n1)
-            raise PerSampleError(
+            raise StepRefusedError(
                 f"fxdp: parameter '{self._name(p1)}' has per-sample gradients for {n1} samples but "
                 f"'{self._name(p2)}' for {n2}: one of them received none in some backward pass since the last "
                 "step, so samples cannot be matched up for clipping. Call optimizer.step() after each "
@@ -473,7 +478,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         for p in params:
             why = self.sink.retired_reason(p)
             if why is not None:
-                raise PerSampleError(
+                raise StepRefusedError(
                     f"fxdp: parameter '{self._name(p)}' is in the optimizer, but the model no longer uses it ({why}), "
                     "so DP-SGD would move it by noise alone. Call make_private again with the changed model and an "
                     "optimizer over its parameters (the privacy engine's accountant keeps the privacy spent so far), "
@@ -488,7 +493,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         accounted at the rate of one; none (once a loader tells its batches) means the batch came from
         elsewhere, and would be accounted as a Poisson sample it is not."""
         if self._logical_batches == 0:
-            raise PerSampleError(
+            raise StepRefusedError(
                 "fxdp: optimizer.step() without a batch from the data loader make_private returned since the last "
                 "step: this step's batch came from elsewhere (the loader you passed to make_private, or a batch "
                 "already used for a step), but the accountant would record it as a fresh Poisson sample of the "
@@ -496,7 +501,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
                 "engine.make_private(...)), one step per batch"
             )
         if self._logical_batches is not None and self._logical_batches > 1:
-            raise PerSampleError(
+            raise StepRefusedError(
                 f"fxdp: the data loader handed out {self._logical_batches} batches since the last optimizer step, "
                 "but one private step takes one batch (the accountant records one step at the sampling rate). "
                 "Call optimizer.step() once per batch, an empty one too (it adds noise only); to cut a batch that "
@@ -508,7 +513,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         is right for an empty batch, and a useless (silently counted) step otherwise."""
         plain = next((p for p in params if p.grad is not None and bool(p.grad.ne(0).any())), None)
         if plain is not None:
-            raise PerSampleError(
+            raise StepRefusedError(
                 f"fxdp: parameter '{self._name(plain)}' received a gradient in backward but no parameter received "
                 "a per-sample gradient: the backward pass ran through a model fxdp did not compile or wrap, most "
                 "likely the original model instead of the one make_private (or fxdp.compile_for_dp) returned. Call "
@@ -516,7 +521,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
                 "DP-SGD clips; this step would have discarded the gradient and added noise only"
             )
         if not self._batch_empty and params:
-            raise PerSampleError(
+            raise StepRefusedError(
                 "fxdp: optimizer.step() found no per-sample gradient since the last step: no backward pass ran "
                 "through the private model (loss.backward() missing, or called after step()?). The step would add "
                 "noise only and still be counted by the accountant. Run the model and loss.backward() on the batch "
@@ -531,7 +536,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         for p, sq in norms.items():
             bad = ~torch.isfinite(sq)
             if bool(bad.any()):
-                raise PerSampleError(
+                raise StepRefusedError(
                     f"fxdp: the per-sample gradient of parameter '{self._name(p)}' is not finite (inf or nan, or "
                     f"too large to square) for {int(bad.sum())} of {sq.shape[0]} samples (first: sample "
                     f"{int(bad.nonzero()[0])}); "
@@ -546,7 +551,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
             return  # an empty batch (or no backward): nothing to compare with
         for p in params:
             if p not in norms and p.grad is not None and bool(p.grad.ne(0).any()):
-                raise PerSampleError(
+                raise StepRefusedError(
                     f"fxdp: parameter '{self._name(p)}' received a gradient in backward but no per-sample "
                     "gradient, so DP-SGD cannot clip it. Is it used outside the model that was compiled or "
                     "wrapped (fxdp.compile_for_dp / make_private), or is the optimizer's parameter list from "
@@ -621,7 +626,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
 
     def _bound(self, p: nn.Parameter) -> float:
         if p not in self._bounds:
-            raise PerSampleError(f"fxdp: parameter '{self._name(p)}' has no per_layer bound: it was frozen when "
+            raise StepRefusedError(f"fxdp: parameter '{self._name(p)}' has no per_layer bound: it was frozen when "
                                  "the DPOptimizer was built and is trainable now. Freeze it again, or build the "
                                  "DPOptimizer (make_private) again with one bound per trainable parameter")
         return self._bounds[p]
