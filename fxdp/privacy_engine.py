@@ -456,3 +456,26 @@ def _check_optimizer_params_in_module(module: nn.Module, optimizer: Optimizer) -
     if idle:
         warnings.warn(f"fxdp: trainable parameters not in the optimizer ({', '.join(idle)}) get per-sample gradients "
                       "that nothing uses or clears; freeze them with requires_grad_(False)", stacklevel=3)
+
+
+class PrivacyEngineAdaptiveClipping(PrivacyEngine):
+    """A :class:`PrivacyEngine` whose ``make_private`` clips adaptively (Opacus's name):
+    :class:`fxdp.optim.AdaClipDPOptimizer`, the bound following ``target_unclipped_quantile`` of the per-sample
+    norms between ``min_clipbound`` and ``max_clipbound``; ``max_grad_norm`` is the initial bound.
+
+    ``unclipped_num_std`` defaults to Andrew et al.'s heuristic, a twentieth of the batch size: of the EXPECTED
+    batch size (Opacus takes the actual one, which makes the noise depend on the data). The accountant records
+    ``noise_multiplier``: the gradient's noise and the count's together are one Gaussian mechanism of that
+    multiplier (see :mod:`fxdp.optim.adaclip`), which needs ``noise_multiplier < 2 * unclipped_num_std``."""
+
+    def make_private(self, *, module: nn.Module, optimizer: Optimizer, data_loader: DataLoader,
+                     noise_multiplier: float, max_grad_norm: float, target_unclipped_quantile: float = 0.5,
+                     min_clipbound: float = 1.0, max_clipbound: float = 1e8, clipbound_learning_rate: float = 0.2,
+                     unclipped_num_std: Optional[float] = None, **kwargs: Any):
+        if unclipped_num_std is None:
+            unclipped_num_std = len(data_loader.dataset) / max(1, len(data_loader)) / 20
+        return super().make_private(
+            module=module, optimizer=optimizer, data_loader=data_loader, noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm, clipping="adaptive", target_unclipped_quantile=target_unclipped_quantile,
+            min_clipbound=min_clipbound, max_clipbound=max_clipbound, clipbound_learning_rate=clipbound_learning_rate,
+            unclipped_num_std=unclipped_num_std, **kwargs)

@@ -229,3 +229,30 @@ def test_adaclip_moves_the_bound_by_the_centred_unclipped_fraction_over_the_expe
     opt.step()
     fraction = (2 - 6 / 2) / 8 + 0.5  # the centred count over the EXPECTED batch size (8, not 6)
     assert opt.max_grad_norm == pytest.approx(bound * math.exp(-0.2 * (fraction - 0.5)))
+
+
+def test_privacy_engine_adaptive_clipping_accounts_the_users_sigma_and_moves_the_bound():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    model = nn.Linear(5, 2)
+    loader = DataLoader(TensorDataset(torch.randn(200, 5), torch.randn(200, 2)), batch_size=40)
+    engine = fxdp.PrivacyEngineAdaptiveClipping(accountant="rdp")
+    model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                             data_loader=loader, noise_multiplier=1.0, max_grad_norm=1e4,
+                                             min_clipbound=0.01, target_unclipped_quantile=0.5)
+    assert isinstance(opt, AdaClipDPOptimizer) and opt.unclipped_num_std == 40 / 20  # the expected batch size's
+    bounds = []
+    for x, y in loader:
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        bounds.append(opt.max_grad_norm)
+    assert engine.accountant.history == [(1.0, 0.2, 5)]
+    assert bounds[-1] < 1e4 * 0.95 ** 5  # a bound above every norm leaves all unclipped: it shrinks each step
+    small = nn.Linear(5, 2)
+    with pytest.raises(PrivacySettingError, match=r"smaller than 2 \* unclipped_num_std"):  # 2 * 5 / 20 < 1
+        fxdp.PrivacyEngineAdaptiveClipping().make_private(
+            module=small, optimizer=torch.optim.SGD(small.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(torch.randn(20, 5)), batch_size=5), noise_multiplier=1.0,
+            max_grad_norm=1.0)
