@@ -52,8 +52,8 @@ class AdaClipDPOptimizer(DPOptimizer):
                                       f"{target_unclipped_quantile}")
         if noise_multiplier > 0 and not noise_multiplier < 2 * unclipped_num_std:
             raise PrivacySettingError(
-                f"fxdp: noise_multiplier ({noise_multiplier}) must be smaller than 2 * unclipped_num_std "
-                f"({2 * unclipped_num_std}): the count of unclipped samples spends part of each step's privacy, "
+                f"fxdp: noise_multiplier must be smaller than 2 * unclipped_num_std (got {noise_multiplier} and "
+                f"2 * {unclipped_num_std}): the count of unclipped samples spends part of each step's privacy, "
                 "and the gradient's noise must make up the rest (Andrew et al. 2021, Theorem 1)")
         self.target_unclipped_quantile = float(target_unclipped_quantile)
         self.clipbound_learning_rate = float(clipbound_learning_rate)
