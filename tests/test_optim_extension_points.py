@@ -1,6 +1,6 @@
 """Opacus's DPOptimizer extension points honoured (pre_step, clip_and_accumulate, add_noise, scale_grad), with
-fxdp's checks still run; DPPerLayerOptimizer; AdaClipDPOptimizer and what it accounts; p.grad_sample after a
-step; the optimizer's refusals as ValueErrors.
+fxdp's checks still run; DPPerLayerOptimizer; AdaClipDPOptimizer and what it accounts;
+the optimizer's refusals as ValueErrors.
 
 References are plain PyTorch: each sample's gradient from the model run on a batch of one (float64).
 """
@@ -162,20 +162,6 @@ def test_step_refusals_are_also_value_errors_as_opacus_raises():
     with pytest.raises(ValueError, match=r"step\(\) was called again without optimizer.zero_grad\(\)") as error:
         opt.step()
     assert isinstance(error.value, PerSampleError) and isinstance(error.value, RuntimeError)
-
-
-def test_grad_sample_is_left_after_step_until_zero_grad():
-    model, x, y = model_and_batch()
-    expected = per_sample_grads(model, x, y)
-    private = fxdp.GradSampleModule(model, loss_reduction="sum")
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=1.0, max_grad_norm=1.0,
-                      expected_batch_size=4)
-    backward(private, x, y)
-    opt.step()
-    for k, p in enumerate(model.parameters()):
-        torch.testing.assert_close(p.grad_sample, torch.stack([sample[k] for sample in expected]))
-    opt.zero_grad()
-    assert all(p.grad_sample is None for p in model.parameters())
 
 
 def test_dp_per_layer_optimizer_clips_each_parameter_to_its_bound():

@@ -355,9 +355,6 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         params = self._trainable_params()
         self._check_params_are_the_models(params)
         factors = self._factors(params)
-        # p.grad_sample stays readable after the step until zero_grad(), as Opacus leaves it (a step without
-        # zero_grad() is refused, so they are never read again as another batch's)
-        kept = {p: p.grad_sample for p in params if getattr(p, "grad_sample", None) is not None}
         if self._overrides:
             if not self._step_through_overrides(params, factors):
                 return None
@@ -367,8 +364,6 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
             return None
         else:
             self._write_private_grads(params, factors)
-        for p, grad_sample in kept.items():
-            p.grad_sample = grad_sample
         self._before_update()
         result = self.original_optimizer.step()
         self._needs_zero_grad = True
