@@ -52,7 +52,7 @@ from fxdp.passes.batch_dim import find_batch_dim_violations
 from fxdp.passes.batch_rules import register_batch_rule
 from fxdp.data import BatchMemoryManager, DPDataLoader
 from fxdp.optim import DPOptimizer
-from fxdp.privacy_engine import PrivacyEngine
+from fxdp.privacy_engine import PrivacyEngine, PrivacyEngineAdaptiveClipping
 from fxdp import accounting, audit  # noqa: E402  (fxdp.accounting.RDPAccountant, fxdp.audit.one_run)
 
 __version__ = "0.1.0"
@@ -68,6 +68,7 @@ __all__ = [
     "DPDataLoader",
     "DPOptimizer",
     "PrivacyEngine",
+    "PrivacyEngineAdaptiveClipping",
     "accounting",
     "audit",
     "BatchDimAnalysisError",

@@ -45,7 +45,7 @@ from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer,
                               global_batch_size, split_data_parallel, wrap_like)
 from fxdp.grad_sample.bookkeeping import BookkeepingSink
 from fxdp.grad_sample.sink import sink_of
-from fxdp.optim import DPOptimizer
+from fxdp.optim import AdaClipDPOptimizer, DPOptimizer
 from fxdp.optim.noise import secure_seed
 from fxdp.tracing import trace
 from fxdp.validators import ModuleValidator
@@ -54,6 +54,8 @@ from fxdp.validators import ModuleValidator
 MODULE_KEY = "module_state_dict"
 OPTIMIZER_KEY = "optimizer_state_dict"
 ACCOUNTANT_KEY = "privacy_accountant_state_dict"
+SCHEDULER_KEYS = {"noise_scheduler": "noise_scheduler_state_dict",
+                  "grad_clip_scheduler": "grad_clip_scheduler_state_dict"}
 
 # How ε is accounted for a loader kept as it is (make_private(poisson_sampling=False)):
 # "poisson" reports the Poisson figure at rate 1 / len(loader), as Opacus does: an approximation that is
@@ -107,8 +109,13 @@ class PrivacyEngine:
         noise_generator: Optional[torch.Generator] = None,
         materialise_grad_sample: bool = False,
         fixed_batch_accounting: str = "poisson",
+        **optimizer_kwargs: Any,
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
         """Returns ``(compiled model, DPOptimizer, data loader)``.
+
+        ``clipping="adaptive"`` builds an :class:`fxdp.optim.AdaClipDPOptimizer` (its arguments, e.g.
+        ``target_unclipped_quantile``, go in ``optimizer_kwargs``; the accountant records ``noise_multiplier``,
+        which that optimizer's two noises together amount to).
 
         ``max_grad_norm`` is the clipping bound C (for ``clipping="per_layer"``, a list with one bound
         per trainable parameter of the optimizer). With ``poisson_sampling`` (what the accounting
@@ -148,10 +155,15 @@ class PrivacyEngine:
             from_loader.mark(compiled)
         self._originals[compiled] = module
         data_loader, sample_rate, expected_batch_size = self._prepare_data(data_loader, poisson_sampling, ddp)
-        optimizer_class, across_ranks = DPOptimizer, {}
+        optimizer_class, across_ranks = DPOptimizer, dict(optimizer_kwargs)
+        if clipping == "adaptive":
+            if ddp is not None:
+                raise ValueError("fxdp: clipping='adaptive' is for one process (its unclipped count is not "
+                                 "combined across processes yet); use clipping='flat' with DDP")
+            optimizer_class, clipping = AdaClipDPOptimizer, "flat"
         if ddp is not None:
             optimizer_class = DistributedDPOptimizer
-            across_ranks = dict(process_group=ddp.process_group, bucket_bytes=bucket_bytes_of(ddp))
+            across_ranks.update(process_group=ddp.process_group, bucket_bytes=bucket_bytes_of(ddp))
         dp_optimizer = optimizer_class(
             optimizer,
             noise_multiplier=noise_multiplier,
@@ -326,17 +338,23 @@ class PrivacyEngine:
         path,
         module: nn.Module,
         optimizer: Optional[DPOptimizer] = None,
+        noise_scheduler: Any = None,
+        grad_clip_scheduler: Any = None,
         checkpoint_dict: Optional[Dict[str, Any]] = None,
     ) -> None:
-        """Save the model's weights, the optimizer's state (and its noise generator's) and the
-        accountant's history to ``path`` with ``torch.save``; ``checkpoint_dict`` adds entries of
-        your own (the epoch, say). The weights are saved under the plain model's parameter names,
-        so ``model.load_state_dict(torch.load(path)["module_state_dict"])`` works without fxdp."""
+        """Save the model's weights, the optimizer's state (and its noise generator's), the accountant's
+        history and the schedulers' states (:mod:`fxdp.optim.schedulers`) to ``path`` with ``torch.save``;
+        ``checkpoint_dict`` adds entries of your own (the epoch, say). The weights are saved under the plain
+        model's parameter names, so ``model.load_state_dict(torch.load(path)["module_state_dict"])`` works
+        without fxdp."""
         checkpoint = dict(checkpoint_dict or {})
         checkpoint[MODULE_KEY] = self._plain(module).state_dict()
         checkpoint[ACCOUNTANT_KEY] = self.accountant.state_dict()
         if optimizer is not None:
             checkpoint[OPTIMIZER_KEY] = optimizer.state_dict()
+        for name, scheduler in (("noise_scheduler", noise_scheduler), ("grad_clip_scheduler", grad_clip_scheduler)):
+            if scheduler is not None:
+                checkpoint[SCHEDULER_KEYS[name]] = scheduler.state_dict()
         torch.save(checkpoint, path)
 
     def load_checkpoint(
@@ -345,10 +363,12 @@ class PrivacyEngine:
         path,
         module: nn.Module,
         optimizer: Optional[DPOptimizer] = None,
+        noise_scheduler: Any = None,
+        grad_clip_scheduler: Any = None,
         map_location: Any = None,
     ) -> Dict[str, Any]:
-        """Restore a :meth:`save_checkpoint` into ``module``, ``optimizer`` and this engine's accountant
-        (whose history the checkpoint's replaces). Returns the entries of ``checkpoint_dict``."""
+        """Restore a :meth:`save_checkpoint` into ``module``, ``optimizer``, the schedulers and this engine's
+        accountant (whose history the checkpoint's replaces). Returns the entries of ``checkpoint_dict``."""
         checkpoint = torch.load(path, map_location=map_location, weights_only=True)
         missing = [k for k in (MODULE_KEY, ACCOUNTANT_KEY) if k not in checkpoint]
         if missing:
@@ -357,11 +377,20 @@ class PrivacyEngine:
         if optimizer is not None and OPTIMIZER_KEY not in checkpoint:
             raise ValueError(f"fxdp: {path} holds no optimizer state (it was saved without optimizer=); "
                              "call load_checkpoint without optimizer, or save the optimizer too")
+        schedulers = {"noise_scheduler": noise_scheduler, "grad_clip_scheduler": grad_clip_scheduler}
+        for name, scheduler in schedulers.items():
+            if scheduler is not None and SCHEDULER_KEYS[name] not in checkpoint:
+                raise ValueError(f"fxdp: {path} holds no {name} state (it was saved without {name}=); call "
+                                 f"load_checkpoint without {name}, or save it too")
         self._plain(module).load_state_dict(checkpoint.pop(MODULE_KEY))
         self.accountant.load_state_dict(checkpoint.pop(ACCOUNTANT_KEY))
         optimizer_state = checkpoint.pop(OPTIMIZER_KEY, None)
         if optimizer is not None:
             optimizer.load_state_dict(optimizer_state)
+        for name, scheduler in schedulers.items():
+            state = checkpoint.pop(SCHEDULER_KEYS[name], None)
+            if scheduler is not None:
+                scheduler.load_state_dict(state)
         return checkpoint
 
     def _plain(self, module: nn.Module) -> nn.Module:
@@ -506,3 +535,26 @@ def _check_optimizer_params_in_module(module: nn.Module, optimizer: Optimizer) -
     if idle:
         warnings.warn(f"fxdp: trainable parameters not in the optimizer ({', '.join(idle)}) get per-sample gradients "
                       "that nothing uses or clears; freeze them with requires_grad_(False)", stacklevel=3)
+
+
+class PrivacyEngineAdaptiveClipping(PrivacyEngine):
+    """A :class:`PrivacyEngine` whose ``make_private`` clips adaptively (Opacus's name):
+    :class:`fxdp.optim.AdaClipDPOptimizer`, the bound following ``target_unclipped_quantile`` of the per-sample
+    norms between ``min_clipbound`` and ``max_clipbound``; ``max_grad_norm`` is the initial bound.
+
+    ``unclipped_num_std`` defaults to Andrew et al.'s heuristic, a twentieth of the batch size: of the EXPECTED
+    batch size (Opacus takes the actual one, which makes the noise depend on the data). The accountant records
+    ``noise_multiplier``: the gradient's noise and the count's together are one Gaussian mechanism of that
+    multiplier (see :mod:`fxdp.optim.adaclip`), which needs ``noise_multiplier < 2 * unclipped_num_std``."""
+
+    def make_private(self, *, module: nn.Module, optimizer: Optimizer, data_loader: DataLoader,
+                     noise_multiplier: float, max_grad_norm: float, target_unclipped_quantile: float = 0.5,
+                     min_clipbound: float = 1.0, max_clipbound: float = 1e8, clipbound_learning_rate: float = 0.2,
+                     unclipped_num_std: Optional[float] = None, **kwargs: Any):
+        if unclipped_num_std is None:
+            unclipped_num_std = len(data_loader.dataset) / max(1, len(data_loader)) / 20
+        return super().make_private(
+            module=module, optimizer=optimizer, data_loader=data_loader, noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm, clipping="adaptive", target_unclipped_quantile=target_unclipped_quantile,
+            min_clipbound=min_clipbound, max_clipbound=max_clipbound, clipbound_learning_rate=clipbound_learning_rate,
+            unclipped_num_std=unclipped_num_std, **kwargs)

@@ -220,9 +220,10 @@ def test_state_dict_round_trip_preserves_epsilon_and_the_next_steps(tmp_path):
     "state, match",
     [
         ([(1.0, 0.1, 3)], "history"),
-        ({"history": [(1.0, 0.1)]}, r"history\[0\]"),
-        ({"history": [(1.0, 2.0, 3)]}, "sample_rate"),
-        ({"history": [(1.0, 0.1, -3)]}, "num_steps"),
+        ({"history": [(1.0, 0.1)], "mechanism": "rdp"}, r"history\[0\]"),
+        ({"history": [(1.0, 2.0, 3)], "mechanism": "rdp"}, "sample_rate"),
+        ({"history": [(1.0, 0.1, -3)], "mechanism": "rdp"}, "num_steps"),
+        ({"history": []}, "mechanism"),  # a state_dict() always names its mechanism
     ],
 )
 def test_load_state_dict_refuses_malformed_histories(state, match):

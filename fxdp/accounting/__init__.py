@@ -5,29 +5,39 @@ target ε needs.
   Google's ``dp-accounting``; the tightest bound here. ``"prv"``, Opacus's default, names it too.
 - :class:`RDPAccountant` (``"rdp"``, pure ``math``): Rényi DP of the Poisson-subsampled Gaussian mechanism;
   a looser bound (about 10-15% more ε), fast.
-- :class:`GDPAccountant` (``"gdp"``): the central-limit Gaussian-DP approximation, not a bound.
-- :func:`create_accountant` by name, :func:`get_noise_multiplier` for calibration.
+- :class:`GDPAccountant` (``"gdp"``, Opacus's ``GaussianAccountant``): the central-limit Gaussian-DP
+  approximation, not a bound.
+- :class:`PRVAccountant` (``"prv"``): the PLD accountant under Opacus's name.
+- :func:`create_accountant` by name (:func:`register_accountant` adds one), :func:`get_noise_multiplier` for
+  calibration.
 
 All assume Poisson sampling and add/remove neighbouring (see :mod:`fxdp.accounting.accountant`).
 This package is pure math and imports nothing from the rest of fxdp.
 """
 
+from fxdp.accounting import registry
 from fxdp.accounting.accountant import Accountant
 from fxdp.accounting.calibration import get_noise_multiplier, steps_in_epochs
 from fxdp.accounting.gdp import GDPAccountant
-from fxdp.accounting.pld import PLDAccountant
+from fxdp.accounting.pld import PLDAccountant, PRVAccountant
 from fxdp.accounting.rdp import DEFAULT_ORDERS, RDPAccountant, compute_rdp, epsilon_from_rdp
-from fxdp.accounting.registry import ACCOUNTANTS, create_accountant
+from fxdp.accounting.registry import ACCOUNTANTS, create_accountant, register_accountant
+
+GaussianAccountant = GDPAccountant  # Opacus's name for the "gdp" accountant
 
 __all__ = [
     "ACCOUNTANTS",
     "Accountant",
     "DEFAULT_ORDERS",
     "GDPAccountant",
+    "GaussianAccountant",
     "PLDAccountant",
+    "PRVAccountant",
     "RDPAccountant",
     "compute_rdp",
     "create_accountant",
+    "register_accountant",
+    "registry",
     "epsilon_from_rdp",
     "get_noise_multiplier",
     "steps_in_epochs",

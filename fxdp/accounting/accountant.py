@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 HistoryEntry = Tuple[float, float, int]  # (noise_multiplier, sample_rate, num_steps)
 
@@ -71,14 +71,29 @@ def check_num_steps(num_steps: Any, name: str = "num_steps") -> int:
     return int(num_steps)
 
 
+class MechanismName(str):
+    """An accountant's name, read as Opacus's code reads it too: ``accountant.mechanism`` is the string,
+    and ``accountant.mechanism()`` (Opacus's classmethod) returns it."""
+
+    def __call__(self) -> str:
+        return str(self)
+
+
 class Accountant(abc.ABC):
-    """Records DP-SGD steps and reports the (ε, δ) they spent.
+    """Records DP-SGD steps and reports the (ε, δ) they spent (Opacus's ``IAccountant``).
 
     Subclasses set :attr:`mechanism` (the name :func:`create_accountant` knows them by) and implement
     :meth:`get_epsilon`; the history, its merging and its (de)serialisation live here.
     """
 
-    mechanism: str = ""
+    mechanism: str = MechanismName("")
+    #: whether :meth:`get_epsilon` is an upper bound on the ε spent (the GDP approximation is not)
+    is_bound: bool = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if isinstance(vars(cls).get("mechanism"), str):
+            cls.mechanism = MechanismName(vars(cls)["mechanism"])
 
     def __init__(self) -> None:
         self.history: List[HistoryEntry] = []
@@ -101,22 +116,46 @@ class Accountant(abc.ABC):
         """The total number of steps recorded."""
         return sum(num_steps for _, _, num_steps in self.history)
 
-    def state_dict(self) -> Dict[str, Any]:
-        """The history (plain floats and ints), and the mechanism name for information."""
-        return {"mechanism": self.mechanism, "history": [tuple(entry) for entry in self.history]}
+    def get_privacy_spent(self, *, delta: float, **kwargs: Any) -> Tuple[float, Optional[float]]:
+        """``(ε, None)`` at ``delta`` (Opacus's name; Opacus's RDP accountant puts the best Rényi order second,
+        fxdp's :meth:`RDPAccountant.get_privacy_spent` too)."""
+        return self.get_epsilon(delta=delta, **kwargs), None
+
+    def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[[Any], None]:
+        """A step hook for ``DPOptimizer.attach_step_hook``: records one step at ``sample_rate`` with the
+        optimizer's noise multiplier at that step (a scheduler's change counts from the step it applies to)."""
+        sample_rate = check_sample_rate(sample_rate)
+
+        def hook(optimizer: Any) -> None:
+            self.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=sample_rate)
+
+        return hook
+
+    def state_dict(self, destination: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """The history (a copy: plain floats and ints) and the mechanism's name, into ``destination`` when given."""
+        state = {} if destination is None else destination
+        state["history"] = [tuple(entry) for entry in self.history]
+        state["mechanism"] = str(self.mechanism)
+        return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Replace the history with a saved one.
 
-        A history records what was done, not how it was analysed, so one saved by another kind of
-        accountant is accepted: loading an RDP accountant's history into a PLD accountant analyses the
-        same steps more tightly.
+        A history records what was done, not how it was analysed, so one saved by another accountant that
+        reports a bound is accepted: loading an RDP accountant's history into a PLD accountant analyses the
+        same steps more tightly. An accountant that is not a bound (GDP) loads only its own kind's history: a
+        run reported with a bound would silently continue with an approximation.
         """
-        if not isinstance(state_dict, dict) or "history" not in state_dict:
+        if not isinstance(state_dict, dict) or "history" not in state_dict or "mechanism" not in state_dict:
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict expects the dict that state_dict() returned "
-                f"(with a 'history' key), got {type(state_dict).__name__}"
+                f"(with 'history' and 'mechanism' keys), got {state_dict!r:.200}"
             )
+        if not self.is_bound and str(state_dict["mechanism"]) != self.mechanism:
+            raise ValueError(
+                f"the history was saved by a {state_dict['mechanism']!r} accountant; "
+                f"{type(self).__name__} ({self.mechanism!r}) is an approximation, not a bound. Load it into an "
+                "accountant that reports a bound (create_accountant('pld') or 'rdp')")
         history: List[HistoryEntry] = []
         for i, entry in enumerate(state_dict["history"]):
             try:

@@ -75,6 +75,7 @@ class GDPAccountant(Accountant):
     """The central-limit Gaussian-DP approximation (``"gdp"``); warns once that it is not a bound."""
 
     mechanism = "gdp"
+    is_bound = False
 
     def __init__(self) -> None:
         super().__init__()

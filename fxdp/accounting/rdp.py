@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 from fxdp.accounting.accountant import (
     Accountant,
@@ -213,10 +213,16 @@ class RDPAccountant(Accountant):
         if not self.orders or not all(order > 1 for order in self.orders):
             raise ValueError(f"orders must be a non-empty list of numbers > 1, got {orders!r}")
 
-    def get_epsilon_and_order(self, delta: float) -> Tuple[float, float]:
-        """ε for ``delta`` and the RDP order that attains it (``nan`` when ε is infinite)."""
+    def get_epsilon_and_order(self, delta: float, alphas: Optional[Sequence[float]] = None) -> Tuple[float, float]:
+        """ε for ``delta`` and the RDP order that attains it (``nan`` when ε is infinite); ``alphas``: other
+        orders than the accountant's (Opacus's argument)."""
         delta = check_delta(delta)
-        return epsilon_from_rdp(self.orders, compute_rdp(self.history, self.orders), delta)
+        orders = self.orders if alphas is None else tuple(float(a) for a in alphas)
+        return epsilon_from_rdp(orders, compute_rdp(self.history, orders), delta)
 
-    def get_epsilon(self, delta: float) -> float:
-        return self.get_epsilon_and_order(delta)[0]
+    def get_epsilon(self, delta: float, alphas: Optional[Sequence[float]] = None) -> float:
+        return self.get_epsilon_and_order(delta, alphas)[0]
+
+    def get_privacy_spent(self, *, delta: float, alphas: Optional[Sequence[float]] = None) -> Tuple[float, float]:
+        """``(ε, the best order)``, as Opacus's RDP accountant returns them."""
+        return self.get_epsilon_and_order(delta, alphas)

@@ -1,12 +1,15 @@
 """Data for DP-SGD: Poisson sampling (also across processes) and the memory manager.
 
 ``DPDataLoader``       each sample joins each batch independently with rate q (what the accounting assumes)
-``PoissonBatchSampler`` the sampler behind it, usable alone
+``PoissonBatchSampler`` the sampler behind it, usable alone (Opacus's names: ``UniformWithReplacementSampler``,
+                       ``DistributedUniformWithReplacementSampler``)
 ``BatchMemoryManager`` logical batches cut into physical batches that fit, accounting unchanged
 """
 
-from fxdp.data.loader import DPDataLoader, EmptyBatchCollate
+from fxdp.data.loader import DPDataLoader, EmptyBatchCollate, switch_generator, wrap_collate_with_empty
 from fxdp.data.memory_manager import BatchMemoryManager
-from fxdp.data.sampler import PoissonBatchSampler
+from fxdp.data.sampler import (DistributedUniformWithReplacementSampler, PoissonBatchSampler,
+                               UniformWithReplacementSampler)
 
-__all__ = ["BatchMemoryManager", "DPDataLoader", "EmptyBatchCollate", "PoissonBatchSampler"]
+__all__ = ["BatchMemoryManager", "DPDataLoader", "DistributedUniformWithReplacementSampler", "EmptyBatchCollate",
+           "PoissonBatchSampler", "UniformWithReplacementSampler", "switch_generator", "wrap_collate_with_empty"]

@@ -5,38 +5,127 @@ from __future__ import annotations
 import collections.abc
 import contextlib
 import random
+import logging
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler
 from torch.utils.data.dataloader import default_collate
 
 from fxdp.data.sampler import PoissonBatchSampler
+
+_LOG = logging.getLogger(__name__)
 
 # DataLoader options that a Poisson loader decides itself: the batches come from its sampler.
 _SAMPLING_OPTIONS = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
 
 
 class EmptyBatchCollate:
-    """Wraps a collate function so that an empty list of samples gives an empty batch.
+    """Wraps a collate function so that an empty list of samples gives an empty batch (Opacus's
+    ``CollateFnWithEmpty``).
 
     The empty batch has the structure, trailing shapes and dtypes a batch of one would have (a
     tuple of tensors stays a tuple of tensors, each of shape ``(0, *sample_shape)``): the model runs
-    on it, backward gives no per-sample gradient, and the optimizer still adds its noise. The
-    template is computed once, from the first sample, when the loader is built (so the wrapper
-    pickles small for worker processes).
+    on it, backward gives no per-sample gradient, and the optimizer still adds its noise. Its template:
+
+    - with ``dataset`` (what :class:`DPDataLoader` passes), computed once from ``dataset[0]`` when the
+      loader is built (so the wrapper pickles small for worker processes);
+    - otherwise learnt from the first non-empty batch; an empty batch before any is a list of empty
+      tensors of ``sample_empty_shapes`` and ``dtypes`` (``[]`` without them), with a logged warning.
+
+    ``collate_fn=None`` returns the list of samples as it is. ``batch_first=False`` puts the empty batch
+    dimension second. ``rand_on_empty=True`` replaces an empty batch by one random sample of 0s and 1s
+    (data-independent, so no privacy cost; its clipped gradient is added to the noise of that step).
     """
 
-    def __init__(self, collate_fn: Callable[[list], Any], dataset: Dataset):
+    def __init__(self, collate_fn: Optional[Callable[[list], Any]], dataset: Optional[Dataset] = None, *,
+                 sample_empty_shapes: Optional[Sequence[Sequence[int]]] = None,
+                 dtypes: Optional[Sequence[torch.dtype]] = None, rand_on_empty: bool = False,
+                 batch_first: bool = True):
         self.collate_fn = collate_fn
-        with random_state_kept():  # a dataset or collate function drawing random numbers leaves the sampling as it was
-            self.empty_batch = _empty_like_batch(collate_fn([dataset[0]]))
+        self.sample_empty_shapes = sample_empty_shapes
+        self.dtypes = dtypes
+        self.rand_on_empty = rand_on_empty
+        self.batch_first = batch_first
+        if dataset is None:
+            self.template = None
+        else:
+            with random_state_kept():  # a dataset or collate function drawing random numbers leaves the sampling as it was
+                self.template = self._collate([dataset[0]])
+        self._seen_batch = False  # (for the warning about an empty first batch)
+
+    @property
+    def empty_batch(self) -> Any:
+        return None if self.template is None else _empty_like_batch(self.template, self._empty_rows())
+
+    def _collate(self, samples: list) -> Any:
+        return samples if self.collate_fn is None else self.collate_fn(samples)
+
+    def _empty_rows(self):
+        return _random_row if self.rand_on_empty else (_no_row if self.batch_first else _no_row_second)
 
     def __call__(self, samples: list) -> Any:
-        if len(samples) == 0:
-            return self.empty_batch
-        return self.collate_fn(samples)
+        if len(samples) > 0:
+            batch = self._collate(samples)
+            self._seen_batch = True
+            if self.template is None:
+                self.template = _first_row(batch)
+            return batch
+        if self.template is not None:
+            if not _is_structure(self.template):
+                # no empty form fxdp knows; and an empty batch must never be a real sample (it would be
+                # trained on without being accounted)
+                raise TypeError(f"Unsupported batch type {type(self.template).__name__} for an empty Poisson batch: "
+                                "the collate function must return tensors, or dicts, lists or tuples of them")
+            if not self._seen_batch:
+                self._seen_batch = True
+                _LOG.warning("First batch is empty (Poisson sampling): its empty tensors have the shapes and dtypes "
+                             "of dataset[0]'s batch")
+            return _empty_like_batch(self.template, self._empty_rows())
+        _LOG.warning("First batch is empty: the empty batch is %s, as sample_empty_shapes and dtypes give "
+                     "(build the loader from the dataset, or pass them, for the shapes of a real batch)",
+                     "a list of empty tensors" if self.sample_empty_shapes else "[]")
+        if not self.sample_empty_shapes:
+            return []
+        dtypes = self.dtypes or [torch.get_default_dtype()] * len(self.sample_empty_shapes)
+        return [torch.zeros(tuple(shape), dtype=dtype) for shape, dtype in zip(self.sample_empty_shapes, dtypes)]
+
+
+def wrap_collate_with_empty(*, collate_fn: Optional[Callable[[list], Any]], sample_empty_shapes=None,
+                            dtypes=None, rand_on_empty: bool = False, batch_first: bool = True) -> EmptyBatchCollate:
+    """``collate_fn`` wrapped so that an empty list of samples gives an empty batch (:class:`EmptyBatchCollate`)."""
+    return EmptyBatchCollate(collate_fn, sample_empty_shapes=sample_empty_shapes, dtypes=dtypes,
+                             rand_on_empty=rand_on_empty, batch_first=batch_first)
+
+
+def _first_row(batch: Any) -> Any:
+    """A batch of one cut from ``batch`` (the template of its empty batch), structures kept."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:1].clone() if batch.dim() > 0 else batch
+    if isinstance(batch, collections.abc.Mapping):
+        return type(batch)({key: _first_row(value) for key, value in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_first_row(value) for value in batch))
+    if isinstance(batch, collections.abc.Sequence) and not isinstance(batch, (str, bytes)):
+        if any(_is_structure(item) for item in batch):
+            return type(batch)(_first_row(item) for item in batch)
+        return type(batch)(batch[:1])
+    return batch
+
+
+def _no_row(t: torch.Tensor) -> torch.Tensor:
+    return t[:0].clone()
+
+
+def _no_row_second(t: torch.Tensor) -> torch.Tensor:
+    """The empty batch of a batch-second layout: a sample's shape is ``t.shape[1:]``; batch goes second."""
+    sample = t.shape[1:]
+    return t.new_zeros((*sample[:1], 0, *sample[1:])) if sample else t.new_zeros((0,))
+
+
+def _random_row(t: torch.Tensor) -> torch.Tensor:
+    return torch.randint(0, 2, t[:1].shape).to(t.dtype)
 
 
 @contextlib.contextmanager
@@ -85,17 +174,18 @@ def _is_structure(x: Any) -> bool:
     )
 
 
-def _empty_like_batch(batch: Any) -> Any:
-    """The batch of one ``batch`` with every batch dimension cut to length zero."""
+def _empty_like_batch(batch: Any, rows: Callable[[torch.Tensor], torch.Tensor] = _no_row) -> Any:
+    """The batch of one ``batch`` with every batch dimension cut to length zero (``rows`` makes each
+    tensor's empty batch)."""
     if isinstance(batch, torch.Tensor):
-        return batch[:0].clone()
+        return rows(batch)
     if isinstance(batch, collections.abc.Mapping):
-        return type(batch)({key: _empty_like_batch(value) for key, value in batch.items()})
+        return type(batch)({key: _empty_like_batch(value, rows) for key, value in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_empty_like_batch(value) for value in batch))
+        return type(batch)(*(_empty_like_batch(value, rows) for value in batch))
     if isinstance(batch, collections.abc.Sequence) and not isinstance(batch, (str, bytes)):
         if any(_is_structure(item) for item in batch):  # a structure of batched fields
-            return type(batch)(_empty_like_batch(item) for item in batch)
+            return type(batch)(_empty_like_batch(item, rows) for item in batch)
         return type(batch)()  # a batched field of plain values (strings): one per sample
     return batch
 
@@ -147,8 +237,12 @@ class DPDataLoader(DataLoader):
         collate_fn: Optional[Callable[[list], Any]] = None,
         generator: Optional[torch.Generator] = None,
         distributed: bool = False,
+        drop_last: bool = False,
         **loader_kwargs: Any,
     ):
+        if drop_last:  # (Opacus's signature) a Poisson batch is never cut short
+            warnings.warn("DPDataLoader ignores drop_last=True: Poisson batches vary in size and none is dropped",
+                          stacklevel=2)
         if isinstance(dataset, IterableDataset):
             raise TypeError(
                 "DPDataLoader needs a map-style dataset (with __getitem__ and __len__) to sample each "
@@ -201,8 +295,8 @@ class DPDataLoader(DataLoader):
     ) -> "DPDataLoader":
         """A Poisson loader over ``data_loader``'s dataset with ``sample_rate = 1 / len(data_loader)``
         and as many batches per epoch as ``data_loader`` has; its collate function, workers, pinning
-        and timeouts are kept. (So the expected batch size is ``len(dataset) / len(data_loader)``,
-        about the original batch size.)"""
+        and timeouts are kept, and its ``generator`` when ``generator`` is None. (So the expected batch
+        size is ``len(dataset) / len(data_loader)``, about the original batch size.)"""
         if isinstance(data_loader.dataset, IterableDataset):
             raise TypeError(
                 "DPDataLoader.from_data_loader needs a loader over a map-style dataset; "
@@ -216,10 +310,29 @@ class DPDataLoader(DataLoader):
             sample_rate=1.0 / steps,
             steps=steps,
             collate_fn=_unwrapped_collate(data_loader.collate_fn),
-            generator=generator,
+            generator=generator if generator is not None else data_loader.generator,
             distributed=distributed,
             **loader_options(data_loader),
         )
+
+
+def switch_generator(*, data_loader: DataLoader, generator: Optional[torch.Generator]) -> DataLoader:
+    """``data_loader`` with its random sampling drawn from ``generator`` instead: a shuffling loader (its
+    ``RandomSampler``) or a Poisson one. A loader that draws nothing at random cannot switch: ValueError."""
+    batch_sampler = data_loader.batch_sampler
+    if isinstance(batch_sampler, PoissonBatchSampler):
+        batch_sampler.generator = generator
+        return data_loader
+    sampler = getattr(batch_sampler, "sampler", None)
+    if not isinstance(sampler, RandomSampler) or type(batch_sampler) is not BatchSampler:
+        raise ValueError(f"switch_generator: the loader samples with {type(sampler or batch_sampler).__name__}, "
+                         "which draws nothing at random; only a shuffling loader (shuffle=True) or a Poisson "
+                         "one has a generator to switch")
+    sampler = RandomSampler(sampler.data_source, replacement=sampler.replacement,
+                            num_samples=sampler._num_samples, generator=generator)
+    return DataLoader(data_loader.dataset, batch_sampler=BatchSampler(sampler, batch_sampler.batch_size,
+                                                                      batch_sampler.drop_last),
+                      collate_fn=data_loader.collate_fn, generator=generator, **loader_options(data_loader))
 
 
 def _unwrapped_collate(collate_fn: Callable) -> Callable:

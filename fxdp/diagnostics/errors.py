@@ -58,6 +58,12 @@ class PerSampleError(FxdpError, RuntimeError):
     in backward, or when the DP optimizer read them); the message says which and what to do."""
 
 
+class StepRefusedError(PerSampleError, ValueError):
+    """The DP optimizer refuses a step before anything moves (no per-sample gradient since the last step,
+    ``zero_grad()`` missing, several batches for one step, non-finite per-sample gradients, ...). Also a
+    ValueError, which Opacus's optimizer raises in these cases, so code written for Opacus catches it."""
+
+
 class ModelChangedError(FxdpError, RuntimeError):
     """A model changed after it was compiled or wrapped (a layer or parameter replaced, a frozen parameter made
     trainable) in a way fxdp cannot follow in place: compile it again (or call make_private again)."""

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 # Re-exported: readers of this contract (the DP optimizer, which imports only this module) raise it too.
-from fxdp.diagnostics.errors import PerSampleError, PrivacySettingError
+from fxdp.diagnostics.errors import PerSampleError, PrivacySettingError, StepRefusedError
 
 
 @dataclass

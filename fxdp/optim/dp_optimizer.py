@@ -50,14 +50,15 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from fxdp.grad_sample.sink import GradientSink, GradSampleSink, PerSampleError, PrivacySettingError
+from fxdp.grad_sample.sink import GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError
+from fxdp.optim.extension_points import OpacusExtensionPoints
 from fxdp.optim.noise import add_gaussian_noise_
 
 CLIPPING_MODES = ("flat", "per_layer")
 LOSS_REDUCTIONS = ("mean", "sum")
 _EPS = 1e-6  # in the clip factor C / (norm + eps): a zero gradient gets factor 1, never a division by 0
-# Opacus's DPOptimizer extension points. This DP optimizer forms the clipped, noised gradient in one pass
-# (_write_private_grads) and never calls them: a subclass's override would be silently ignored.
+# Opacus's DPOptimizer extension points. The default step forms the clipped, noised gradient in one pass
+# (_write_private_grads); a subclass overriding one of them steps through them instead (_step_through_overrides).
 _OPACUS_EXTENSION_POINTS = ("pre_step", "clip_and_accumulate", "add_noise", "scale_grad")
 _NEEDS_EXPECTED_BATCH_SIZE = (
     "fxdp: loss_reduction='mean' needs expected_batch_size (the expected number of samples per logical batch: "
@@ -66,7 +67,7 @@ _SECURE_WITH_GENERATOR = ("fxdp: secure_mode draws noise from the OS's cryptogra
                           "would make the noise predictable. Pass generator=None")
 
 
-class DPOptimizer(Optimizer):
+class DPOptimizer(OpacusExtensionPoints, Optimizer):
     """Wraps ``optimizer`` (any ``torch.optim.Optimizer``) so that its step is a DP-SGD step.
 
     Args:
@@ -104,7 +105,7 @@ class DPOptimizer(Optimizer):
         generator: Optional[torch.Generator] = None,
         param_names: Optional[Dict[nn.Parameter, str]] = None,
     ):
-        _refuse_ignored_overrides(type(self))
+        self._overrides = _overridden_extension_points(type(self))
         if isinstance(optimizer, DPOptimizer):
             raise TypeError("fxdp: the optimizer is already a DPOptimizer; wrap the original optimizer once")
         if not isinstance(optimizer, Optimizer):
@@ -129,9 +130,16 @@ class DPOptimizer(Optimizer):
         self.expected_batch_size = expected_batch_size
         self.max_grad_norm = max_grad_norm
         self._check_settings()
+        if set(self._overrides) - {"scale_grad"}:
+            warnings.warn(
+                f"fxdp: {type(self).__name__} overrides {', '.join(self._overrides)}: its step runs them. fxdp's "
+                "accountants analyse the default mechanism (each sample clipped to max_grad_norm, Gaussian noise of "
+                "std noise_multiplier * max_grad_norm, one step per Poisson batch); if yours differs, the ε they "
+                "report is not yours: account for your mechanism yourself", stacklevel=2)
         self._step_hooks: List[Callable[["DPOptimizer"], None]] = []
         self._summed: Dict[nn.Parameter, torch.Tensor] = {}  # clipped sums of this logical batch so far
         self._skip_next = False
+        self._step_factors: Optional[Dict[nn.Parameter, torch.Tensor]] = None  # (for clip_and_accumulate)
         self._needs_zero_grad = False  # a logical step ran and zero_grad() has not been called since
         self.steps = 0  # logical steps taken
         # what the data loader said (observe_batch): logical batches begun since the last step (None: no
@@ -300,7 +308,7 @@ class DPOptimizer(Optimizer):
         self.sink.clear(self._all_params())
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         self._needs_zero_grad = False
-        if self._logical_batches and not self._summed:
+        if self._logical_batches and not self._accumulating():
             # what earlier batches left is gone: only the batch handed out last can still reach the step
             self._logical_batches = 1
 
@@ -318,7 +326,7 @@ class DPOptimizer(Optimizer):
         empty, and whether it is the first of a pass over the loader. A step then refuses to run on more
         than one logical batch, and lets a step with no per-sample gradient through only when the batch was
         empty (noise only, as Poisson sampling requires)."""
-        if self._logical_batches is None or (new_epoch and not self._summed):
+        if self._logical_batches is None or (new_epoch and not self._accumulating()):
             # a pass left by break is forgotten, unless skip steps accumulated part of its batch for the next step
             self._logical_batches = 0
         self._logical_batches += 1
@@ -337,7 +345,7 @@ class DPOptimizer(Optimizer):
                 loss = closure()
         self._check_settings()
         if self._needs_zero_grad:
-            raise PerSampleError(
+            raise StepRefusedError(
                 "fxdp: DPOptimizer.step() was called again without optimizer.zero_grad() since the last "
                 "step. Call optimizer.zero_grad() (the DP optimizer's: model.zero_grad() does not reset it) "
                 "once per logical batch, before its backward pass; otherwise gradients of the last step "
@@ -347,11 +355,16 @@ class DPOptimizer(Optimizer):
         params = self._trainable_params()
         self._check_params_are_the_models(params)
         factors = self._factors(params)
-        if self._skip_next:
+        if self._overrides:
+            if not self._step_through_overrides(params, factors):
+                return None
+        elif self._skip_next:
             self._skip_next = False
             self._accumulate(params, factors)
             return None
-        self._write_private_grads(params, factors)
+        else:
+            self._write_private_grads(params, factors)
+        self._before_update()
         result = self.original_optimizer.step()
         self._needs_zero_grad = True
         self.steps += 1
@@ -421,6 +434,15 @@ class DPOptimizer(Optimizer):
             p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
         self._summed.clear()
 
+    def _accumulating(self) -> bool:
+        """Whether skip steps have accumulated part of a logical batch for the next step."""
+        return bool(self._summed) or (bool(self._overrides)
+                                      and any(getattr(p, "summed_grad", None) is not None for p in self.params))
+
+    def _before_update(self) -> None:
+        """Called after the private gradient is written and before the wrapped optimizer's step (AdaClip
+        updates its bound here)."""
+
     # hooks for training across processes (fxdp.distributed.DistributedDPOptimizer overrides them)
 
     def _adds_noise(self) -> bool:
@@ -440,7 +462,7 @@ class DPOptimizer(Optimizer):
         if len(set(rows.values())) > 1:
             (p1, n1), *others = rows.items()
             p2, n2 = next((p, n) for p, n in others if n != n1)
-            raise PerSampleError(
+            raise StepRefusedError(
                 f"fxdp: parameter '{self._name(p1)}' has per-sample gradients for {n1} samples but "
                 f"'{self._name(p2)}' for {n2}: one of them received none in some backward pass since the last "
                 "step, so samples cannot be matched up for clipping. Call optimizer.step() after each "
@@ -454,7 +476,7 @@ class DPOptimizer(Optimizer):
         for p in params:
             why = self.sink.retired_reason(p)
             if why is not None:
-                raise PerSampleError(
+                raise StepRefusedError(
                     f"fxdp: parameter '{self._name(p)}' is in the optimizer, but the model no longer uses it ({why}), "
                     "so DP-SGD would move it by noise alone. Call make_private again with the changed model and an "
                     "optimizer over its parameters (the privacy engine's accountant keeps the privacy spent so far), "
@@ -469,7 +491,7 @@ class DPOptimizer(Optimizer):
         accounted at the rate of one; none (once a loader tells its batches) means the batch came from
         elsewhere, and would be accounted as a Poisson sample it is not."""
         if self._logical_batches == 0:
-            raise PerSampleError(
+            raise StepRefusedError(
                 "fxdp: optimizer.step() without a batch from the data loader make_private returned since the last "
                 "step: this step's batch came from elsewhere (the loader you passed to make_private, or a batch "
                 "already used for a step), but the accountant would record it as a fresh Poisson sample of the "
@@ -477,7 +499,7 @@ class DPOptimizer(Optimizer):
                 "engine.make_private(...)), one step per batch"
             )
         if self._logical_batches is not None and self._logical_batches > 1:
-            raise PerSampleError(
+            raise StepRefusedError(
                 f"fxdp: the data loader handed out {self._logical_batches} batches since the last optimizer step, "
                 "but one private step takes one batch (the accountant records one step at the sampling rate). "
                 "Call optimizer.step() once per batch, an empty one too (it adds noise only); to cut a batch that "
@@ -489,7 +511,7 @@ class DPOptimizer(Optimizer):
         is right for an empty batch, and a useless (silently counted) step otherwise."""
         plain = next((p for p in params if p.grad is not None and bool(p.grad.ne(0).any())), None)
         if plain is not None:
-            raise PerSampleError(
+            raise StepRefusedError(
                 f"fxdp: parameter '{self._name(plain)}' received a gradient in backward but no parameter received "
                 "a per-sample gradient: the backward pass ran through a model fxdp did not compile or wrap, most "
                 "likely the original model instead of the one make_private (or fxdp.compile_for_dp) returned. Call "
@@ -497,7 +519,7 @@ class DPOptimizer(Optimizer):
                 "DP-SGD clips; this step would have discarded the gradient and added noise only"
             )
         if not self._batch_empty and params:
-            raise PerSampleError(
+            raise StepRefusedError(
                 "fxdp: optimizer.step() found no per-sample gradient since the last step: no backward pass ran "
                 "through the private model (loss.backward() missing, or called after step()?). The step would add "
                 "noise only and still be counted by the accountant. Run the model and loss.backward() on the batch "
@@ -512,7 +534,7 @@ class DPOptimizer(Optimizer):
         for p, sq in norms.items():
             bad = ~torch.isfinite(sq)
             if bool(bad.any()):
-                raise PerSampleError(
+                raise StepRefusedError(
                     f"fxdp: the per-sample gradient of parameter '{self._name(p)}' is not finite (inf or nan, or "
                     f"too large to square) for {int(bad.sum())} of {sq.shape[0]} samples (first: sample "
                     f"{int(bad.nonzero()[0])}); "
@@ -527,7 +549,7 @@ class DPOptimizer(Optimizer):
             return  # an empty batch (or no backward): nothing to compare with
         for p in params:
             if p not in norms and p.grad is not None and bool(p.grad.ne(0).any()):
-                raise PerSampleError(
+                raise StepRefusedError(
                     f"fxdp: parameter '{self._name(p)}' received a gradient in backward but no per-sample "
                     "gradient, so DP-SGD cannot clip it. Is it used outside the model that was compiled or "
                     "wrapped (fxdp.compile_for_dp / make_private), or is the optimizer's parameter list from "
@@ -602,7 +624,7 @@ class DPOptimizer(Optimizer):
 
     def _bound(self, p: nn.Parameter) -> float:
         if p not in self._bounds:
-            raise PerSampleError(f"fxdp: parameter '{self._name(p)}' has no per_layer bound: it was frozen when "
+            raise StepRefusedError(f"fxdp: parameter '{self._name(p)}' has no per_layer bound: it was frozen when "
                                  "the DPOptimizer was built and is trainable now. Freeze it again, or build the "
                                  "DPOptimizer (make_private) again with one bound per trainable parameter")
         return self._bounds[p]
@@ -620,19 +642,11 @@ class DPOptimizer(Optimizer):
         return ", ".join(self._name(p) for p in params)
 
 
-def _refuse_ignored_overrides(cls: type) -> None:
-    """A subclass written for Opacus's DPOptimizer (a Laplace mechanism in ``add_noise``, say) would run with
-    fxdp's Gaussian noise and clipping instead of its own, silently: refused, naming the method."""
-    overridden = [name for name in _OPACUS_EXTENSION_POINTS
-                  if any(name in vars(klass) for klass in cls.__mro__ if issubclass(klass, DPOptimizer)
-                         and klass is not DPOptimizer)]
-    if overridden:
-        raise TypeError(
-            f"fxdp: {cls.__name__} overrides {', '.join(overridden)}, Opacus's DPOptimizer extension point(s), which "
-            "fxdp's DPOptimizer never calls: it clips, adds Gaussian noise and scales in one pass "
-            "(_write_private_grads), so the override would be silently ignored. fxdp does not support custom "
-            "clipping or noise mechanisms through these methods yet; use fxdp's DPOptimizer as it is, or Opacus "
-            "for this optimizer")
+def _overridden_extension_points(cls: type) -> List[str]:
+    """The extension points of Opacus's DPOptimizer that ``cls`` (a subclass) overrides."""
+    return [name for name in _OPACUS_EXTENSION_POINTS
+            if any(name in vars(klass) for klass in cls.__mro__ if issubclass(klass, DPOptimizer)
+                   and klass is not DPOptimizer)]
 
 
 def _positive_bound(value: Any, what: str) -> float:
@@ -649,3 +663,14 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     """At least float32: squared norms of half-precision gradients overflow, and a half-precision clipped sum
     or noise is rounded to a few mantissa bits."""
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+class DPPerLayerOptimizer(DPOptimizer):
+    """Opacus's name and signature for ``DPOptimizer(..., clipping="per_layer")``: ``max_grad_norm`` is a list
+    with one bound per trainable parameter."""
+
+    def __init__(self, optimizer: Optimizer, *, noise_multiplier: float, max_grad_norm: Sequence[float],
+                 expected_batch_size: Optional[int], loss_reduction: str = "mean", **kwargs: Any):
+        super().__init__(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                         expected_batch_size=expected_batch_size, loss_reduction=loss_reduction,
+                         clipping="per_layer", **kwargs)
