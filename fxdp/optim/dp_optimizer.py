@@ -485,6 +485,13 @@ class DPOptimizer(Optimizer):
         """No per-sample gradient since the last step: the step would add noise only, and be counted. That
         is right for an empty batch, and a useless (silently counted) step otherwise."""
         plain = next((p for p in params if p.grad is not None and bool(p.grad.ne(0).any())), None)
+        if plain is not None and not self.sink.enabled:
+            raise PerSampleError(
+                f"fxdp: parameter '{self._name(plain)}' received a gradient in backward but no per-sample gradient: "
+                "the model's per-sample computation is switched off (model.disable_hooks()). Call "
+                "model.enable_hooks() before the forward and backward of a private step; this step would have "
+                "discarded the gradient and added noise only"
+            )
         if plain is not None:
             raise PerSampleError(
                 f"fxdp: parameter '{self._name(plain)}' received a gradient in backward but no parameter received "

@@ -53,7 +53,9 @@ class BookkeepingSink(GradientSink):
 
     # Layers it can book-keep run without their weight gradient in backward (only input gradients
     # flow, see :func:`call_without_param_grads`): the optimizer writes ``p.grad`` from the clipped sums.
-    skips_param_grads = True
+    @property
+    def skips_param_grads(self) -> bool:
+        return self.enabled  # switched off (disable_hooks): the layers compute their ordinary gradient
 
     # A copied or pickled model (copy.deepcopy, torch.save) gets a fresh sink: what is recorded belongs
     # to backward passes of the original, and a lock cannot be copied.
@@ -66,6 +68,8 @@ class BookkeepingSink(GradientSink):
     # -- write side ------------------------------------------------------------------------------------
 
     def add(self, capture: LayerCapture) -> None:
+        if not self.enabled:
+            return
         uses = self._uses(capture)
         with self._lock:
             pending = pending_of_this_backward(self)
