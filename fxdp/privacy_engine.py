@@ -40,6 +40,7 @@ from fxdp.data import DPDataLoader
 from fxdp.data.loader import loader_options
 from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer, bucket_bytes_of, check_poisson_group,
                               global_batch_size, split_data_parallel, wrap_like)
+from fxdp.engines import DPLossFastGradientClipping
 from fxdp.grad_sample.bookkeeping import BookkeepingSink
 from fxdp.grad_sample.sink import sink_of
 from fxdp.optim import DPOptimizer
@@ -103,8 +104,13 @@ class PrivacyEngine:
         noise_generator: Optional[torch.Generator] = None,
         materialise_grad_sample: bool = False,
         fixed_batch_accounting: str = "poisson",
+        criterion: Optional[nn.Module] = None,
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
-        """Returns ``(compiled model, DPOptimizer, data loader)``.
+        """Returns ``(compiled model, DPOptimizer, data loader)``, or with ``criterion`` (Opacus's ghost
+        clipping surface) ``(compiled model, DPOptimizer, DPLossFastGradientClipping, data loader)``: the
+        criterion wrapped to return per-sample losses whose ``backward()`` is one ordinary backward.
+        ``grad_sample_mode="ghost"`` is the default ``"fx"``, which book-keeps already (one backward gives
+        per-sample norms and clipped sums); ``"ghost_fsdp"`` is refused (FSDP is not supported yet).
 
         ``max_grad_norm`` is the clipping bound C (for ``clipping="per_layer"``, a list with one bound
         per trainable parameter of the optimizer). With ``poisson_sampling`` (what the accounting
@@ -124,6 +130,11 @@ class PrivacyEngine:
         gradients, and ``fxdp.report(module)`` says per layer how. ``materialise_grad_sample=True`` keeps
         ``p.grad_sample`` instead (the other engines always materialise it).
         """
+        if grad_sample_mode == "ghost_fsdp":
+            raise ValueError("fxdp: grad_sample_mode='ghost_fsdp' (FSDP) is not supported yet; use "
+                             "grad_sample_mode='ghost' (or the default 'fx'), with DDP for several processes")
+        if grad_sample_mode == "ghost":
+            grad_sample_mode = "fx"
         _check_types(module, optimizer, data_loader)
         _check_optimizer_params_in_module(module, optimizer)
         self._check_not_private_elsewhere(module)
@@ -164,6 +175,9 @@ class PrivacyEngine:
             dp_optimizer.expect_observed_batches()
         if ddp is not None:
             compiled = wrap_like(compiled, ddp)
+        if criterion is not None:
+            return compiled, dp_optimizer, DPLossFastGradientClipping(
+                compiled, dp_optimizer, criterion, loss_reduction), data_loader
         return compiled, dp_optimizer, data_loader
 
     def make_private_with_epsilon(
