@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxdp.accounting import create_accountant, get_noise_multiplier, steps_in_epochs
-from fxdp.compiler import compile_for_dp
+from fxdp.compiler import attach_hooks, compile_for_dp
 from fxdp.diagnostics import AlreadyPrivateError, location_of_caller
 from fxdp.data import DPDataLoader
 from fxdp.data.loader import loader_options
@@ -105,12 +105,16 @@ class PrivacyEngine:
         materialise_grad_sample: bool = False,
         fixed_batch_accounting: str = "poisson",
         criterion: Optional[nn.Module] = None,
+        wrap_model: bool = True,
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
         """Returns ``(compiled model, DPOptimizer, data loader)``, or with ``criterion`` (Opacus's ghost
         clipping surface) ``(compiled model, DPOptimizer, DPLossFastGradientClipping, data loader)``: the
         criterion wrapped to return per-sample losses whose ``backward()`` is one ordinary backward.
         ``grad_sample_mode="ghost"`` is the default ``"fx"``, which book-keeps already (one backward gives
         per-sample norms and clipped sums); ``"ghost_fsdp"`` is refused (FSDP is not supported yet).
+        ``wrap_model=False`` (Opacus 1.6): keep calling ``module`` itself; the hooks engine is put on it (with
+        book-keeping unless ``materialise_grad_sample``) and returned in the model's place, as
+        :class:`~fxdp.engines.hooks.GradSampleHooks` (``cleanup()`` detaches it; the optimizer keeps it alive).
 
         ``max_grad_norm`` is the clipping bound C (for ``clipping="per_layer"``, a list with one bound
         per trainable parameter of the optimizer). With ``poisson_sampling`` (what the accounting
@@ -141,9 +145,20 @@ class PrivacyEngine:
         steps_per_epoch = _check_fixed_batch_accounting(fixed_batch_accounting, poisson_sampling, data_loader, module)
         module, ddp = split_data_parallel(module)  # DDP: compile its model; the optimizer communicates instead
         bookkept = grad_sample_mode == "fx" and not materialise_grad_sample
-        compiled = compile_for_dp(module, example_inputs, batch_dim=0 if batch_first else 1,
-                                  loss_reduction=loss_reduction, grad_sample_mode=grad_sample_mode,
-                                  sink=BookkeepingSink() if bookkept else None)
+        if not wrap_model:
+            if ddp is not None:
+                raise ValueError("fxdp: wrap_model=False with a DistributedDataParallel model is not supported: "
+                                 "pass wrap_model=True (the default) and call the model make_private returns")
+            if grad_sample_mode not in ("fx", "hooks"):
+                raise ValueError(f"fxdp: wrap_model=False puts the hooks engine on the model itself; "
+                                 f"grad_sample_mode={grad_sample_mode!r} needs its wrapper: pass wrap_model=True")
+            bookkept = not materialise_grad_sample and grad_sample_mode == "fx"
+            compiled = attach_hooks(module, batch_dim=0 if batch_first else 1, loss_reduction=loss_reduction,
+                                    sink=BookkeepingSink() if bookkept else None)
+        else:
+            compiled = compile_for_dp(module, example_inputs, batch_dim=0 if batch_first else 1,
+                                      loss_reduction=loss_reduction, grad_sample_mode=grad_sample_mode,
+                                      sink=BookkeepingSink() if bookkept else None)
         self._originals[compiled] = module
         data_loader, sample_rate, expected_batch_size = self._prepare_data(data_loader, poisson_sampling, ddp)
         optimizer_class, across_ranks = DPOptimizer, {}
@@ -163,6 +178,8 @@ class PrivacyEngine:
             param_names={p: name for name, p in module.named_parameters()},
             **across_ranks,
         )
+        if not wrap_model:
+            dp_optimizer.attached_hooks = compiled  # the hooks live as long as the optimizer that reads them
         if fixed_batch_accounting == "per_epoch":
             data_loader = _EpochsCounted(data_loader)
             dp_optimizer.attach_step_hook(self._per_epoch_accountant_hook(data_loader, steps_per_epoch))

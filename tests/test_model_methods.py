@@ -144,3 +144,39 @@ def test_get_gsm_class():
         get_gsm_class("ghost_fsdp")
     with pytest.raises(ValueError, match="'fx' is fxdp.compile_for_dp"):
         get_gsm_class("fx")
+
+
+def _make_private(model, **kwargs):
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 2
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    engine = fxdp.PrivacyEngine()
+    out = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=loader,
+                              noise_multiplier=0.0, max_grad_norm=0.3, poisson_sampling=False, **kwargs)
+    return engine, out, (x, y)
+
+
+@pytest.mark.parametrize("materialise", [False, True])
+def test_make_private_without_wrapping_trains_the_model_itself_as_the_wrapped_one(materialise):
+    ends = []
+    for wrap in (True, False):
+        model = mlp()
+        engine, (returned, optimizer, _), (x, y) = _make_private(model, wrap_model=wrap,
+                                                                 materialise_grad_sample=materialise)
+        if not wrap:
+            assert isinstance(returned, GradSampleHooks) and returned._module is model
+            del returned  # the optimizer keeps the hooks alive
+        run = model if not wrap else returned
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(run(x), y).backward()
+        optimizer.step()
+        ends.append([p.detach().clone() for p in model.parameters()])
+        assert len(engine.accountant) == 1
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*ends))
+    assert not all(torch.equal(a, b) for a, b in zip(ends[0], mlp().parameters()))
+
+
+def test_make_private_without_wrapping_refuses_engines_that_need_their_wrapper():
+    model = mlp()
+    with pytest.raises(ValueError, match="wrap_model=False.*'functorch' needs its wrapper"):
+        _make_private(model, wrap_model=False, grad_sample_mode="functorch")
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
