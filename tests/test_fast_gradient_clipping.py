@@ -138,3 +138,37 @@ def test_ghost_fsdp_is_refused_before_anything_changes():
                             data_loader=DataLoader(TensorDataset(x, y), batch_size=6), noise_multiplier=1.0,
                             max_grad_norm=C, grad_sample_mode="ghost_fsdp")
     assert len(engine.accountant) == 0
+
+
+def test_a_ghost_norm_rounded_below_zero_is_zero_not_nan():
+    """A sample whose gradient is ~0 (a saturated softmax): <A Aᵀ, G Gᵀ> can round to a tiny negative value,
+    whose square root would make its clip factor, and every parameter, NaN. The update must stay the
+    independent one."""
+    class Saturating(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.norm, self.wide = nn.Linear(2, 2), nn.LayerNorm(2), nn.Linear(2, 1024)
+            self.narrow, self.out = nn.Linear(1024, 10), nn.Linear(10, 1)
+
+        def forward(self, x):
+            h = self.wide(self.norm(torch.relu(self.fc1(x))))
+            return torch.softmax(self.out(self.narrow(h)).flatten(1), dim=1)
+
+    for seed in (0, 1):  # seeds where a ghost norm rounds below 0
+        torch.manual_seed(seed)
+        model, x, y = Saturating(), torch.randn(10, 5, 2), torch.randint(0, 2, (10, 5)).float()
+        reference = copy.deepcopy(model)
+        params = {k: v.detach() for k, v in reference.named_parameters()}
+        grads = vmap(grad(lambda p, xi, yi: nn.functional.cross_entropy(functional_call(reference, p, (xi[None],)),
+                                                                         yi[None])), in_dims=(None, 0, 0))(params, x, y)
+        norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
+        factors = (C / (norms + 1e-6)).clamp(max=1.0)
+        engine = GradSampleModuleFastGradientClipping(model, max_grad_norm=C)
+        optimizer = DPOptimizerFastGradientClipping(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                                                    max_grad_norm=C, expected_batch_size=10)
+        DPLossFastGradientClipping(engine, optimizer, nn.CrossEntropyLoss())(engine(x), y).backward()
+        assert bool((engine.get_norm_sample() >= 0).all())
+        optimizer.step()
+        for name, p in model.named_parameters():
+            expected = params[name] - torch.einsum("n,n...->...", factors, grads[name]) / 10
+            torch.testing.assert_close(p.detach(), expected, rtol=1e-4, atol=1e-6)

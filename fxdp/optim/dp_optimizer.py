@@ -511,6 +511,11 @@ class DPOptimizer(Optimizer):
             )
 
     def _check_finite(self, norms: Dict[nn.Parameter, torch.Tensor]) -> None:
+        if norms and bool(torch.stack([sq.min() for sq in norms.values()]).lt(0).any()):
+            p = next(p for p, sq in norms.items() if bool(sq.lt(0).any()))
+            raise PerSampleError(f"fxdp: the gradient sink gave parameter '{self._name(p)}' a negative squared "
+                                 "per-sample norm; its clip factor would be NaN. This is a bug in the sink: please "
+                                 "report it")
         if not norms or bool(torch.isfinite(torch.stack([_wide(sq).sum() for sq in norms.values()])).all()):
             return  # one check for the common case; the loop below only runs to name the culprits
         for p, sq in norms.items():

@@ -193,7 +193,8 @@ class BookkeepingSink(GradientSink):
 
     def squared_norms(self, params: Iterable[nn.Parameter]) -> Dict[nn.Parameter, torch.Tensor]:
         self._step.check_readable()
-        return {p: self._segments[p].norms for p in params if p in self._segments}
+        # a ghost norm <A Aᵀ, G Gᵀ> of a gradient near 0 can round below 0 (its square root would be NaN)
+        return {p: self._segments[p].norms.clamp(min=0) for p in params if p in self._segments}
 
     def clipped_sums(self, params, factors):
         params = list(params)
