@@ -511,7 +511,8 @@ class DPOptimizer(Optimizer):
             )
 
     def _check_finite(self, norms: Dict[nn.Parameter, torch.Tensor]) -> None:
-        if norms and bool(torch.stack([sq.min() for sq in norms.values()]).lt(0).any()):
+        if any(sq.numel() for sq in norms.values()) and bool(
+                torch.stack([sq.amin() for sq in norms.values() if sq.numel()]).lt(0).any()):
             p = next(p for p, sq in norms.items() if bool(sq.lt(0).any()))
             raise PerSampleError(f"fxdp: the gradient sink gave parameter '{self._name(p)}' a negative squared "
                                  "per-sample norm; its clip factor would be NaN. This is a bug in the sink: please "
