@@ -34,6 +34,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from torch.utils import _pytree as pytree
 
 from fxdp.compiler import compile_for_dp, wrap_model
+from fxdp.diagnostics.errors import EmptyBatchError
 from fxdp.engines import GradSampleModuleBase, PerSampleModel, check_grad_sample_mode
 from fxdp.engines.selfcheck import SelfCheckError, cross_sample_dependence, preserved_state
 from fxdp.grad_sample.accumulate import zero_grad_sample
@@ -187,6 +188,9 @@ def per_sample_gradient_diagnostics(
     inputs = _as_input_tuple(x)
     batch_dim = 0 if batch_first else 1
     n = _batch_size(inputs, batch_dim)
+    if is_batch_empty(inputs):  # empty in another dimension: all its gradients are zero
+        raise EmptyBatchError(f"fxdp: the input has shape {tuple(inputs[0].shape)}, no element; per-sample "
+                              "gradients need at least one sample with data to check")
     names = [name for name, p in _model_of(module).named_parameters() if p.requires_grad]
     if not names:
         raise ValueError(
@@ -195,23 +199,9 @@ def per_sample_gradient_diagnostics(
         )
     compiled = _is_compiled(module)
 
-    projections = None
-    expected: Dict[str, torch.Tensor] = {}
     reference = _fresh_copy(module)
-    for i in range(n):
-        one = tuple(t.narrow(batch_dim, i, 1) for t in inputs)
-        out = reference(*one)
-        if projections is None:
-            projections = _projections(out, batch_dim)
-        _projected_loss(out, projections, batch_dim, "sum").backward()
-        for name, p in _model_of(reference).named_parameters():
-            if name not in names:
-                continue
-            if name not in expected:
-                expected[name] = torch.zeros((n, *p.shape), dtype=p.dtype, device=p.device)
-            if p.grad is not None:  # None: the sample does not reach this parameter
-                expected[name][i] = p.grad.detach()
-        reference.zero_grad(set_to_none=True)
+    samples = (tuple(t.narrow(batch_dim, i, 1) for t in inputs) for i in range(n))
+    expected, projections = _batch_of_one_gradients(reference, samples, n, batch_dim, names)
 
     records = PerSampleGradientDiagnostics()
     with preserved_state(reference):
@@ -226,18 +216,48 @@ def per_sample_gradient_diagnostics(
             wrapped = _wrap(model_copy, grad_sample_mode, inputs, batch_dim, reduction)
         _without_self_check(wrapped)
         try:
-            out = wrapped(*inputs)
-            _projected_loss(out, projections, batch_dim, reduction).backward()
+            grad_samples, grads = _engine_gradients(wrapped, model_copy, inputs, projections, batch_dim, reduction)
         except SelfCheckError as exc:  # correct-or-error: the engine said so before handing out gradients
             records.engine_error, records.engine_findings = str(exc), exc.findings
             return records
-        grad_samples, grads = _read_gradients(model_copy, wrapped)
         for name in names:
             record = _compare(name, reduction, grad_samples.get(name), expected[name], atol, rtol)
             if record.grad_sample_shape is not None and not record.shape_mismatch and grads.get(name) is not None:
                 _compare_sum(record, grad_samples[name], grads[name], expected[name], atol, rtol)
             records.append(record)
     return records
+
+
+def _batch_of_one_gradients(reference: nn.Module, samples, n: int, batch_dim: int, names: List[str]):
+    """The definition: ({name: (n, *p.shape)}, projections), row i the gradient of sample i run alone through
+    ``reference`` (each of ``samples`` is the input tuple of one sample, batch of one); the loss is the
+    projection of the output by fixed random tensors drawn from the first sample's output."""
+    projections = None
+    expected: Dict[str, torch.Tensor] = {}
+    for i, one in enumerate(samples):
+        out = reference(*one)
+        if projections is None:
+            projections = _projections(out, batch_dim)
+        _projected_loss(out, projections, batch_dim, "sum").backward()
+        for name, p in _model_of(reference).named_parameters():
+            if name not in names:
+                continue
+            if name not in expected:
+                expected[name] = torch.zeros((n, *p.shape), dtype=p.dtype, device=p.device)
+            if p.grad is not None:  # None: the sample does not reach this parameter
+                expected[name][i] = p.grad.detach()
+        reference.zero_grad(set_to_none=True)
+    return expected, projections
+
+
+def _engine_gradients(wrapped: nn.Module, model: nn.Module, inputs, projections, batch_dim: int, reduction: str):
+    """One forward and backward of the whole batch through an engine: ({name: grad_sample}, {name: grad}).
+    ``projections`` None: drawn from the batch's output (the same tensors the samples run alone get)."""
+    out = wrapped(*inputs)
+    if projections is None:
+        projections = _projections(out, batch_dim, of_one=False)
+    _projected_loss(out, projections, batch_dim, reduction).backward()
+    return _read_gradients(model, wrapped)
 
 
 def _without_self_check(wrapped: nn.Module) -> None:
@@ -297,7 +317,7 @@ def _batch_size(inputs: Tuple[torch.Tensor, ...], batch_dim: int) -> int:
         raise ValueError(f"fxdp: the inputs disagree on the batch size (dimension {batch_dim}): {sorted(sizes)}")
     n = sizes.pop()
     if n == 0:
-        raise ValueError(
+        raise EmptyBatchError(
             f"fxdp: the batch is empty (size 0 in dimension {batch_dim}); per-sample gradients need at "
             "least one sample to check."
         )
@@ -322,12 +342,13 @@ def _output_tensors(out) -> List[torch.Tensor]:
     return tensors
 
 
-def _projections(out_of_one, batch_dim: int) -> List[torch.Tensor]:
-    """One fixed random tensor per output, shaped like a single sample's output."""
+def _projections(out, batch_dim: int, of_one: bool = True) -> List[torch.Tensor]:
+    """One fixed random tensor per output, shaped like a single sample's output (``out`` is the output of
+    one sample, or with ``of_one=False`` of a whole batch: the same tensors either way)."""
     generator = torch.Generator().manual_seed(0)
     projections = []
-    for t in _output_tensors(out_of_one):
-        if t.dim() <= batch_dim or t.shape[batch_dim] != 1:
+    for t in _output_tensors(out):
+        if t.dim() <= batch_dim or (of_one and t.shape[batch_dim] != 1):
             raise ValueError(
                 f"fxdp: for a batch of one sample the model returned shape {tuple(t.shape)}, without a "
                 f"batch dimension {batch_dim} of size 1; the checker needs outputs with the batch in the "
@@ -414,32 +435,40 @@ def _short_list(items: List[int], limit: int = 10) -> str:
     return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
 
 
-# -- Opacus's per-sample test helpers (opacus.utils.per_sample_gradients_utils / module_utils) ----------------
-#
-# The same comparison as above with Opacus's conventions, so that tests written for Opacus run on fxdp: the
-# loss is an L1 loss against zeros (over a PackedSequence output: the mean over samples of each one's mean, or
-# the sum), the reference runs each sample alone in a batch of one, results are dicts by parameter name.
+# -- Opacus's checking utilities (opacus.utils.per_sample_gradients_utils, module_utils), over the same loop --
 
-
-def clone_module(module: nn.Module) -> nn.Module:
-    """An independent copy of ``module``."""
-    return copy.deepcopy(module)
+def get_grad_sample_modes(use_ew: bool = False) -> List[str]:
+    """The engines whose per-sample gradients a check should cover: fxdp's default ``"fx"`` (the compiled
+    graph), ``"hooks"`` and ``"functorch"``, and ``"ew"`` (ExpandedWeights) with ``use_ew``."""
+    return ["fx", "hooks", "functorch"] + (["ew"] if use_ew else [])
 
 
 def is_batch_empty(batch) -> bool:
-    """Whether a batch (a tensor, or a sequence of them whose first one carries the batch) has no entries."""
-    return (batch if isinstance(batch, torch.Tensor) else batch[0]).numel() == 0
+    """Whether ``batch`` (a tensor, or a tuple whose first tensor carries the batch) holds no element."""
+    first = batch if isinstance(batch, torch.Tensor) else batch[0]
+    return first.numel() == 0
+
+
+def clone_module(module: nn.Module) -> nn.Module:
+    """An independent copy of ``module`` (parameters, buffers, and what fxdp compiled into it), by a
+    ``torch.save`` / ``torch.load`` round trip in memory."""
+    import io
+
+    with io.BytesIO() as buffer:
+        torch.save(module, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
 
 
 def are_state_dict_equal(sd1: Dict[str, torch.Tensor], sd2: Dict[str, torch.Tensor]) -> bool:
-    """The same keys, and values ``allclose`` key by key."""
-    return sd1.keys() == sd2.keys() and all(torch.allclose(sd1[k], sd2[k]) for k in sd1)
+    """Whether two state dicts have the same keys and, key by key, tensors of one shape that are
+    ``torch.allclose``."""
+    if sd1.keys() != sd2.keys():
+        return False
+    return all(v1.shape == sd2[k].shape and torch.allclose(v1, sd2[k]) for k, v1 in sd1.items())
 
 
-def get_grad_sample_modes(use_ew: bool = False) -> List[str]:
-    """The engines that run the model as it is, as Opacus's tests sweep them (``"ew"`` with ``use_ew``)."""
-    return ["hooks", "functorch"] + (["ew"] if use_ew else [])
-
+# A PackedSequence input (each sample its own length): the reference runs each sequence alone.
 
 def _sequences(packed: PackedSequence) -> List[torch.Tensor]:
     """Each sample's own ``(T_i, ...)`` sequence, in the caller's order."""
@@ -460,9 +489,10 @@ def _trainable(module: nn.Module) -> Dict[str, nn.Parameter]:
     return {name: p for name, p in module.named_parameters() if p.requires_grad}
 
 
-def compute_microbatch_grad_sample(x, module: nn.Module, batch_first: bool = True, loss_reduction: str = "mean",
+def _packed_microbatch_grad_sample(x, module: nn.Module, batch_first: bool = True, loss_reduction: str = "mean",
                                    chunk_method=iter) -> Dict[str, torch.Tensor]:
-    """Each sample's gradient, from the sample run alone (a batch of one), stacked batch first by name."""
+    """Each sample's gradient, from the sample run alone (a batch of one), stacked batch first by name (Opacus's
+    L1 loss: the batch-of-one projections above do not apply to a PackedSequence output)."""
     model = clone_module(module)
     if isinstance(x, PackedSequence):
         x = _sequences(x)  # each a (T_i, ...) sequence, run alone as a batch of one
@@ -481,7 +511,57 @@ def compute_microbatch_grad_sample(x, module: nn.Module, batch_first: bool = Tru
 
 def compute_engine_grad_sample(x, module: nn.Module, batch_first: bool = True, loss_reduction: str = "mean",
                                grad_sample_mode: str = "hooks") -> Dict[str, torch.Tensor]:
-    """``p.grad_sample`` by name, from the engine ``grad_sample_mode`` on a copy of ``module``."""
+    """``{parameter name: grad_sample}`` after one forward and backward of ``x`` through a copy of ``module``
+    wrapped by the engine ``grad_sample_mode`` (the loss: the output projected on fixed random tensors,
+    reduced by ``loss_reduction``). ``x``: a tensor or a tuple of positional inputs; it may be an empty
+    batch (the engine must accept it)."""
+    check_grad_sample_mode(grad_sample_mode)
+    if isinstance(x, PackedSequence):
+        return _packed_engine_grad_sample(x, module, batch_first, loss_reduction, grad_sample_mode)
+    inputs, batch_dim = _as_input_tuple(x), 0 if batch_first else 1
+    model_copy = _fresh_copy(module)
+    wrapped = _wrap(model_copy, grad_sample_mode, inputs, batch_dim, loss_reduction)
+    grad_samples, _ = _engine_gradients(wrapped, model_copy, inputs, None, batch_dim, loss_reduction)
+    return grad_samples
+
+
+def compute_grad_samples_microbatch_and_engine(x, module: nn.Module, batch_first: bool = True,
+                                               loss_reduction: str = "mean", grad_sample_mode: str = "hooks",
+                                               chunk_method=iter):
+    """``(batch-of-one gradients, engine's grad_sample)``, two ``{parameter name: (N, *p.shape)}`` dicts of
+    the same loss, for comparing (what :func:`check_per_sample_gradients_are_correct` compares).
+
+    ``chunk_method(x)`` yields the samples: a tensor without its batch dimension (``iter`` over a tensor,
+    the default; with ``batch_first=False`` over ``x`` with dims 0 and 1 swapped), or a tuple of inputs
+    already batched as one (for inputs such as an EmbeddingBag's indices and offsets). Raises
+    :class:`~fxdp.diagnostics.errors.EmptyBatchError` for an empty batch, ``ValueError`` when the two
+    disagree on which parameters have per-sample gradients."""
+    if is_batch_empty(x):
+        raise EmptyBatchError("fxdp: x is an empty batch; there is no sample to run alone and compare with")
+    if isinstance(x, PackedSequence):
+        return (_packed_microbatch_grad_sample(x, module, batch_first, loss_reduction, chunk_method),
+                _packed_engine_grad_sample(x, module, batch_first, loss_reduction, grad_sample_mode))
+    inputs, batch_dim = _as_input_tuple(x), 0 if batch_first else 1
+    names = [name for name, p in _model_of(module).named_parameters() if p.requires_grad]
+    source = x.transpose(0, 1) if isinstance(x, torch.Tensor) and not batch_first else x
+    samples = [one if isinstance(one, tuple) else (one.unsqueeze(batch_dim),) for one in chunk_method(source)]
+    expected, projections = _batch_of_one_gradients(_fresh_copy(module), samples, len(samples), batch_dim, names)
+
+    model_copy = _fresh_copy(module)
+    wrapped = _wrap(model_copy, grad_sample_mode, inputs, batch_dim, loss_reduction)
+    _without_self_check(wrapped)  # the caller compares every sample
+    grad_samples, _ = _engine_gradients(wrapped, model_copy, inputs, projections, batch_dim, loss_reduction)
+    grad_samples = {name: gs for name, gs in grad_samples.items() if name in set(names)}
+    if expected.keys() != grad_samples.keys():
+        raise ValueError(
+            "fxdp: the batch-of-one gradients and the engine's grad_sample cover different parameters: only "
+            f"batch-of-one: {sorted(expected.keys() - grad_samples.keys())}; only the engine: "
+            f"{sorted(grad_samples.keys() - expected.keys())}")
+    return expected, grad_samples
+
+
+def _packed_engine_grad_sample(x: PackedSequence, module: nn.Module, batch_first: bool, loss_reduction: str,
+                               grad_sample_mode: str) -> Dict[str, torch.Tensor]:
     model = clone_module(module)
     wrapped = wrap_model(model, grad_sample_mode, batch_first=batch_first, loss_reduction=loss_reduction)
     torch.manual_seed(0)
@@ -489,23 +569,3 @@ def compute_engine_grad_sample(x, module: nn.Module, batch_first: bool = True, l
     out = wrapped(*x) if type(x) is tuple else wrapped(x)  # a PackedSequence is a tuple too: one input
     _l1_loss(out, loss_reduction).backward()
     return {name: p.grad_sample for name, p in _trainable(model).items()}
-
-
-def compute_grad_samples_microbatch_and_engine(x, module: nn.Module, batch_first: bool = True,
-                                               loss_reduction: str = "mean", grad_sample_mode: str = "hooks",
-                                               chunk_method=iter):
-    """(reference, engine): :func:`compute_microbatch_grad_sample` and :func:`compute_engine_grad_sample`.
-
-    Raises:
-        RuntimeError: ``x`` has no samples.
-        ValueError: the two disagree on which parameters have per-sample gradients.
-    """
-    if not isinstance(x, PackedSequence) and is_batch_empty(x):
-        raise RuntimeError("fxdp: x has no samples; the per-sample reference needs at least one")
-    reference = compute_microbatch_grad_sample(x, module, batch_first, loss_reduction, chunk_method)
-    engine = compute_engine_grad_sample(x, module, batch_first, loss_reduction, grad_sample_mode)
-    if reference.keys() != engine.keys():
-        raise ValueError(f"fxdp: the reference and the engine disagree on the parameters: only in the reference "
-                         f"{sorted(reference.keys() - engine.keys())}, only in the engine "
-                         f"{sorted(engine.keys() - reference.keys())}")
-    return reference, engine

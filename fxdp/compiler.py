@@ -36,6 +36,7 @@ from fxdp.diagnostics import (
 from fxdp.engines import (
     ExpandedWeightsGradSampleModule,
     FunctorchGradSampleModule,
+    GradSampleHooks,
     GradSampleModule,
     NoOpGradSampleModule,
     check_grad_sample_mode,
@@ -609,6 +610,23 @@ def _reanalyse(guard: runtime.BatchSource, inputs) -> None:
         setattr(ctx.compiled, _REPORT_ATTR, dataclasses.replace(previous, passes=tuple(reports), notes=tuple(notes),
                                                                 fallback_reason=None, fallback_location=None))
     _pin_batch_inputs(guard, inputs)
+
+
+def attach_hooks(model: nn.Module, *, batch_dim: int = 0, loss_reduction: str = "mean", strict: bool = False,
+                 sink: Optional[GradientSink] = None) -> GradSampleHooks:
+    """The hooks engine on ``model`` itself, for code that keeps calling the model it has (Opacus's
+    ``make_private(wrap_model=False)``): the same analysis and refusals as :func:`compile_for_dp`, then
+    :class:`~fxdp.engines.hooks.GradSampleHooks` (keep it alive while training; ``cleanup()`` detaches it)."""
+    expect_module(model, "fxdp.compiler.attach_hooks(model, ...)")
+    check_loss_reduction(loss_reduction)
+    model = unwrap_or_refuse(model)
+    _, traced, reports = _analyse(model, None, batch_dim, strict)
+    _refuse_if_not_private(reports)
+    hooks = GradSampleHooks(model, batch_first=(batch_dim == 0), loss_reduction=loss_reduction, sink=sink,
+                            require_verified=strict)
+    setattr(hooks, _REPORT_ATTR, _make_report(model, traced, reports, "hooks", "the hooks engine was asked for on the "
+                                              "model itself (wrap_model=False)", notes=_bookkeeping_notes(sink, "hooks")))
+    return hooks
 
 
 def wrap_model(

@@ -37,12 +37,13 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxdp.accounting import create_accountant, get_noise_multiplier, steps_in_epochs
-from fxdp.compiler import _REPORT_ATTR, compile_for_dp, report
+from fxdp.compiler import _REPORT_ATTR, attach_hooks, compile_for_dp, report
 from fxdp.diagnostics import AlreadyPrivateError, UnsupportedInputError, location_of_caller
 from fxdp.data import DPDataLoader
 from fxdp.data.loader import first_samples_batch, loader_options
 from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer, bucket_bytes_of, check_poisson_group,
                               global_batch_size, split_data_parallel, wrap_like)
+from fxdp.engines import DPLossFastGradientClipping
 from fxdp.grad_sample.bookkeeping import BookkeepingSink
 from fxdp.grad_sample.sink import sink_of
 from fxdp.optim import AdaClipDPOptimizer, DPOptimizer
@@ -109,9 +110,18 @@ class PrivacyEngine:
         noise_generator: Optional[torch.Generator] = None,
         materialise_grad_sample: bool = False,
         fixed_batch_accounting: str = "poisson",
+        criterion: Optional[nn.Module] = None,
+        wrap_model: bool = True,
         **optimizer_kwargs: Any,
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
-        """Returns ``(compiled model, DPOptimizer, data loader)``.
+        """Returns ``(compiled model, DPOptimizer, data loader)``, or with ``criterion`` (Opacus's ghost
+        clipping surface) ``(compiled model, DPOptimizer, DPLossFastGradientClipping, data loader)``: the
+        criterion wrapped to return per-sample losses whose ``backward()`` is one ordinary backward.
+        ``grad_sample_mode="ghost"`` is the default ``"fx"``, which book-keeps already (one backward gives
+        per-sample norms and clipped sums); ``"ghost_fsdp"`` is refused (FSDP is not supported yet).
+        ``wrap_model=False`` (Opacus 1.6): keep calling ``module`` itself; the hooks engine is put on it (with
+        book-keeping unless ``materialise_grad_sample``) and returned in the model's place, as
+        :class:`~fxdp.engines.hooks.GradSampleHooks` (``cleanup()`` detaches it; the optimizer keeps it alive).
 
         ``clipping="adaptive"`` builds an :class:`fxdp.optim.AdaClipDPOptimizer` (its arguments, e.g.
         ``target_unclipped_quantile``, go in ``optimizer_kwargs``; the accountant records ``noise_multiplier``,
@@ -138,21 +148,37 @@ class PrivacyEngine:
         gradients, and ``fxdp.report(module)`` says per layer how. ``materialise_grad_sample=True`` keeps
         ``p.grad_sample`` instead (the other engines always materialise it).
         """
+        if grad_sample_mode == "ghost_fsdp":
+            raise ValueError("fxdp: grad_sample_mode='ghost_fsdp' (FSDP) is not supported yet; use "
+                             "grad_sample_mode='ghost' (or the default 'fx'), with DDP for several processes")
+        if grad_sample_mode == "ghost":
+            grad_sample_mode = "fx"
         _check_types(module, optimizer, data_loader)
         _check_optimizer_params_in_module(module, optimizer)
         self._check_not_private_elsewhere(module)
         steps_per_epoch = _check_fixed_batch_accounting(fixed_batch_accounting, poisson_sampling, data_loader, module)
         module, ddp = split_data_parallel(module)  # DDP: compile its model; the optimizer communicates instead
         bookkept = grad_sample_mode == "fx" and not materialise_grad_sample
-        from_loader = None
-        if example_inputs is None and grad_sample_mode == "fx" and not trace(module).ok:
-            from_loader = _inputs_from_the_loader(module, data_loader)
-            example_inputs = from_loader.inputs if from_loader is not None else None
-        compiled = compile_for_dp(module, example_inputs, batch_dim=0 if batch_first else 1,
-                                  loss_reduction=loss_reduction, grad_sample_mode=grad_sample_mode,
-                                  sink=BookkeepingSink() if bookkept else None)
-        if from_loader is not None:
-            from_loader.mark(compiled)
+        if not wrap_model:
+            if ddp is not None:
+                raise ValueError("fxdp: wrap_model=False with a DistributedDataParallel model is not supported: "
+                                 "pass wrap_model=True (the default) and call the model make_private returns")
+            if grad_sample_mode not in ("fx", "hooks"):
+                raise ValueError(f"fxdp: wrap_model=False puts the hooks engine on the model itself; "
+                                 f"grad_sample_mode={grad_sample_mode!r} needs its wrapper: pass wrap_model=True")
+            bookkept = not materialise_grad_sample and grad_sample_mode == "fx"
+            compiled = attach_hooks(module, batch_dim=0 if batch_first else 1, loss_reduction=loss_reduction,
+                                    sink=BookkeepingSink() if bookkept else None)
+        else:
+            from_loader = None
+            if example_inputs is None and grad_sample_mode == "fx" and not trace(module).ok:
+                from_loader = _inputs_from_the_loader(module, data_loader)
+                example_inputs = from_loader.inputs if from_loader is not None else None
+            compiled = compile_for_dp(module, example_inputs, batch_dim=0 if batch_first else 1,
+                                      loss_reduction=loss_reduction, grad_sample_mode=grad_sample_mode,
+                                      sink=BookkeepingSink() if bookkept else None)
+            if from_loader is not None:
+                from_loader.mark(compiled)
         self._originals[compiled] = module
         data_loader, sample_rate, expected_batch_size = self._prepare_data(data_loader, poisson_sampling, ddp)
         optimizer_class, across_ranks = DPOptimizer, dict(optimizer_kwargs)
@@ -177,6 +203,8 @@ class PrivacyEngine:
             param_names={p: name for name, p in module.named_parameters()},
             **across_ranks,
         )
+        if not wrap_model:
+            dp_optimizer.attached_hooks = compiled  # the hooks live as long as the optimizer that reads them
         if fixed_batch_accounting == "per_epoch":
             data_loader = _EpochsCounted(data_loader)
             dp_optimizer.attach_step_hook(self._per_epoch_accountant_hook(data_loader, steps_per_epoch))
@@ -189,6 +217,9 @@ class PrivacyEngine:
             dp_optimizer.expect_observed_batches()
         if ddp is not None:
             compiled = wrap_like(compiled, ddp)
+        if criterion is not None:
+            return compiled, dp_optimizer, DPLossFastGradientClipping(
+                compiled, dp_optimizer, criterion, loss_reduction), data_loader
         return compiled, dp_optimizer, data_loader
 
     def make_private_with_epsilon(

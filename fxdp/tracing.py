@@ -31,6 +31,7 @@ from torch.nn.utils.rnn import PackedSequence
 from fxdp import export_capture, meta
 from fxdp.diagnostics.errors import UnsupportedInputError
 from fxdp.diagnostics.source import SourceLocation, location_from_stack_trace, location_from_traceback
+from fxdp.grad_sample.model_methods import OpacusModelMethods
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.runtime.guards import run_eagerly
 
@@ -246,8 +247,22 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
-class CompiledGraphModule(torch.fx.GraphModule):
-    """A GraphModule whose copies (deepcopy, pickle, torch.save) keep every attribute and forward hook."""
+class CompiledGraphModule(OpacusModelMethods, torch.fx.GraphModule):
+    """A GraphModule whose copies (deepcopy, pickle, torch.save) keep every attribute and forward hook.
+    ``_module`` and :meth:`to_standard_module` give the model it was compiled from (the same parameters)."""
+
+    def _standard_module(self) -> nn.Module:
+        guard = self.__dict__.get("fxdp_batch")
+        original = getattr(getattr(guard, "context", None), "original", None)
+        return original if original is not None else self
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_module":  # Opacus's name for the wrapped model; a submodule of that name comes first
+                return self._standard_module()
+            raise
 
     def __call__(self, *args, **kwargs):
         # a model changed since it was compiled (a layer replaced, a parameter unfrozen) is compiled again

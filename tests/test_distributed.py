@@ -486,5 +486,31 @@ def test_make_private_refuses_fsdp(world_of_one):
         private(PrivacyEngine(), model, DataLoader(make_dataset(), batch_size=4), mode="fx")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_opacus_style_dpddp_around_the_plain_model_trains_as_ddp_does(world_of_one, mode):
+    """Opacus's DifferentiallyPrivateDistributedDataParallel(model) before make_private: the same steps as
+    DistributedDataParallel(model); around what make_private returned, it is refused (made private twice)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data.distributed import DistributedSampler
+
+    from fxdp.distributed import DPDistributedDataParallel, DistributedDPOptimizer
+    from fxdp.privacy_engine import PrivacyEngine
+
+    ds = make_dataset()
+    ends = []
+    for wrap in (DPDistributedDataParallel, DDP):
+        plain = make_model()
+        loader = DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, shuffle=False))
+        model, opt, loader = private(PrivacyEngine(), wrap(plain), loader, mode=mode)
+        assert type(model) is DPDistributedDataParallel and model.is_private
+        assert isinstance(opt, DistributedDPOptimizer)
+        train_steps(model, opt, list(loader)[:2])
+        ends.append([p.detach().clone() for p in plain.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*ends))
+    assert not all(torch.equal(a, b) for a, b in zip(ends[0], make_model().parameters()))  # it trained
+    with pytest.raises((TypeError, ValueError), match="already made private|already private"):
+        private(PrivacyEngine(), model, loader, mode=mode)  # (AlreadyPrivateError while its engine lives)
+
+
 if __name__ == "__main__":
     _rank_main(int(sys.argv[1]), sys.argv[2], sys.argv[3])

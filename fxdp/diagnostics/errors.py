@@ -79,6 +79,11 @@ class UnsupportedInputError(FxdpError, TypeError):
     batch was recorded, tensor keyword arguments under the hooks engine, an output without a tensor)."""
 
 
+class EmptyBatchError(FxdpError, ValueError, RuntimeError):
+    """A check that compares per-sample gradients with the samples run one at a time was given a batch with
+    no sample: there is nothing to compare (a RuntimeError too, as Opacus's checker raises)."""
+
+
 class ExportShapeError(FxdpError, ValueError):
     """A model captured with torch.export (fxdp/export_capture.py) was called with inputs whose shapes its
     graph cannot run: a size the model's code took from the example inputs (a sequence length)."""

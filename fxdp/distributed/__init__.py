@@ -15,5 +15,11 @@ from fxdp.distributed.data import check_poisson_group, global_batch_size
 from fxdp.distributed.model import DPDistributedDataParallel, bucket_bytes_of, split_data_parallel, wrap_like
 from fxdp.distributed.optimizer import DistributedDPOptimizer
 
-__all__ = ["DPDistributedDataParallel", "DistributedDPOptimizer", "bucket_bytes_of", "check_poisson_group",
+
+class DistributedDPOptimizerFastGradientClipping(DistributedDPOptimizer):
+    """Opacus's distributed optimizer for fast gradient (ghost) clipping: fxdp's DistributedDPOptimizer, which
+    reads the model's sink whichever it is (see fxdp.optim.DPOptimizerFastGradientClipping)."""
+
+
+__all__ = ["DPDistributedDataParallel", "DistributedDPOptimizer", "DistributedDPOptimizerFastGradientClipping", "bucket_bytes_of", "check_poisson_group",
            "global_batch_size", "split_data_parallel", "wrap_like"]

@@ -38,6 +38,10 @@ class DPDistributedDataParallel(nn.Module):
 
     ``module`` is the model ``fxdp.compile_for_dp`` returned; ``fxdp.report(this)`` is its report.
     Inputs must already be on the model's device (DDP's ``device_ids`` input scattering is not done).
+
+    Opacus's ``DifferentiallyPrivateDistributedDataParallel(model)`` is this class around the plain model,
+    before ``make_private``: rank 0's parameters and buffers are broadcast to every rank (as DDP does), and
+    ``make_private`` then treats it as it treats DistributedDataParallel.
     """
 
     def __init__(self, module: nn.Module, *, process_group: Optional[Any] = None,
@@ -47,6 +51,15 @@ class DPDistributedDataParallel(nn.Module):
         self.process_group = process_group
         self.device_ids = device_ids
         self.output_device = output_device
+        if sink_of(module) is None and dist.is_available() and dist.is_initialized():
+            with torch.no_grad():  # every rank starts from rank 0's model, as DDP does
+                for t in [*module.parameters(), *module.buffers()]:
+                    dist.broadcast(t, src=0, group=process_group)
+
+    @property
+    def is_private(self) -> bool:
+        """Whether it wraps a model fxdp compiled (what make_private returns), not a plain one."""
+        return sink_of(self.module) is not None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -74,6 +87,8 @@ class DPDistributedDataParallel(nn.Module):
 def split_data_parallel(module: nn.Module) -> Tuple[nn.Module, Optional[DistributedDataParallel]]:
     """``(model to compile, the DDP wrapper or None)``. Refuses what fxdp cannot train privately
     across processes yet, rather than letting it average unclipped gradients."""
+    if isinstance(module, DPDistributedDataParallel) and not module.is_private:
+        return module.module, module  # Opacus's DPDDP around the plain model: DDP's place
     if isinstance(module, DPDistributedDataParallel):
         raise TypeError("fxdp: this model was already made private (it is what make_private returned); pass "
                         "the original DistributedDataParallel model and a fresh optimizer")
@@ -101,7 +116,7 @@ def split_data_parallel(module: nn.Module) -> Tuple[nn.Module, Optional[Distribu
     return module, None
 
 
-def wrap_like(compiled: nn.Module, ddp: DistributedDataParallel) -> DPDistributedDataParallel:
+def wrap_like(compiled: nn.Module, ddp) -> DPDistributedDataParallel:
     """The compiled inner model, with ``ddp``'s surface."""
     return DPDistributedDataParallel(compiled, process_group=ddp.process_group,
                                      device_ids=ddp.device_ids, output_device=ddp.output_device)

@@ -18,13 +18,34 @@ engines never import the compiler.
 
 from fxdp.engines.base import GradSampleModuleBase
 from fxdp.engines.ew import ExpandedWeightsGradSampleModule
+from fxdp.engines.fast_gradient_clipping import (
+    DPLossFastGradientClipping,
+    DPTensorFastGradientClipping,
+    GradSampleHooksFastGradientClipping,
+    GradSampleModuleFastGradientClipping,
+)
 from fxdp.engines.functorch import FunctorchGradSampleModule
-from fxdp.engines.hooks import GradSampleModule
+from fxdp.engines.hooks import GradSampleHooks, GradSampleModule
 from fxdp.engines.no_op import NoOpGradSampleModule
 from fxdp.engines.whole_model import PerSampleModel
 
 #: The values of ``grad_sample_mode``.
 GRAD_SAMPLE_MODES = ("fx", "hooks", "ew", "functorch", "no_op")
+
+
+def get_gsm_class(grad_sample_mode: str) -> type:
+    """The wrapper class of an engine, by Opacus's ``grad_sample_mode`` names (``"ghost"``: the hooks engine
+    with a book-keeping sink; ``"fx"``, the compiled graph, has no class: use ``compile_for_dp``)."""
+    classes = {"hooks": GradSampleModule, "functorch": FunctorchGradSampleModule,
+               "ew": ExpandedWeightsGradSampleModule, "no_op": NoOpGradSampleModule,
+               "ghost": GradSampleModuleFastGradientClipping}
+    if grad_sample_mode == "ghost_fsdp":
+        raise ValueError("fxdp: grad_sample_mode='ghost_fsdp' (FSDP) is not supported yet; use DDP "
+                         "(fxdp.distributed.DPDistributedDataParallel) with grad_sample_mode='fx' or 'ghost'")
+    if grad_sample_mode not in classes:
+        raise ValueError(f"fxdp: grad_sample_mode {grad_sample_mode!r} has no wrapper class; valid: "
+                         + ", ".join(repr(m) for m in classes) + " ('fx' is fxdp.compile_for_dp)")
+    return classes[grad_sample_mode]
 
 
 def check_grad_sample_mode(grad_sample_mode: str) -> None:
@@ -36,9 +57,15 @@ def check_grad_sample_mode(grad_sample_mode: str) -> None:
 
 
 __all__ = [
+    "DPLossFastGradientClipping",
+    "DPTensorFastGradientClipping",
+    "GradSampleHooksFastGradientClipping",
+    "GradSampleModuleFastGradientClipping",
+    "get_gsm_class",
     "GRAD_SAMPLE_MODES",
     "ExpandedWeightsGradSampleModule",
     "FunctorchGradSampleModule",
+    "GradSampleHooks",
     "GradSampleModule",
     "GradSampleModuleBase",
     "NoOpGradSampleModule",

@@ -14,6 +14,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from fxdp.grad_sample.accumulate import layer_capture, zero_grad_sample
 from fxdp.grad_sample.generic import autocast_state, check_loss_reduction, summed_loss_backprops
+from fxdp.grad_sample.model_methods import OpacusModelMethods
 from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink, LayerCapture
 from fxdp.layout import BatchLayout
 
@@ -140,7 +141,7 @@ class ParameterWatch:
             self.known = now
 
 
-class GradSampleModuleBase(nn.Module):
+class GradSampleModuleBase(OpacusModelMethods, nn.Module):
     """The base of every engine's wrapper. ``sink`` receives the per-sample gradients (a fresh
     :class:`~fxdp.grad_sample.sink.GradSampleSink`, which writes ``p.grad_sample``, by default);
     :func:`fxdp.grad_sample.sink.sink_of` finds it as attribute ``fxdp_sink``."""
@@ -160,6 +161,9 @@ class GradSampleModuleBase(nn.Module):
 
     @property
     def module(self) -> nn.Module:
+        return self._module
+
+    def _standard_module(self) -> nn.Module:
         return self._module
 
     @property

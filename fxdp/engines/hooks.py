@@ -535,3 +535,15 @@ def fallback_self_check(model: nn.Module, example_inputs, batch_dim: int, strict
             f"the hooks fallback could not be verified on the example inputs ({engine.verification[12:]})",
             "check it with fxdp.check_per_sample_gradients_are_correct"),))
     return PassReport(check, changes=(Finding(check, "<model>", name, Kind.NOTE, Severity.INFO, engine.verification),))
+
+
+class GradSampleHooks(GradSampleModule):
+    """The hooks engine used without its wrapper: construct it on a model and call the model itself (its
+    layers carry the hooks; ``state_dict`` keeps the model's own keys). Keep this object alive while you
+    train: the hooks live and die with it. :meth:`cleanup` removes them and every ``p.grad_sample``."""
+
+    def cleanup(self) -> None:
+        self.remove_hooks()
+        for p in self._module.parameters():
+            if hasattr(p, "grad_sample"):
+                del p.grad_sample

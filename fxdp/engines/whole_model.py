@@ -18,13 +18,14 @@ from torch.utils import _pytree as pytree
 
 from fxdp import meta
 from fxdp.engines.base import ParameterWatch
+from fxdp.grad_sample.model_methods import OpacusModelMethods
 from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
 from fxdp.layout import UNKNOWN, BatchLayout
 from fxdp.passes.per_sample import batch_source
 from fxdp.runtime.ops import PerSampleSite, per_sample_call
 
 
-class PerSampleModel(nn.Module):
+class PerSampleModel(OpacusModelMethods, nn.Module):
     """The whole model as one DP-aware op, for models whose graph has a parametrised op the per_sample
     pass cannot handle: the generic rule over all parameters, each sample re-run alone, with the layouts
     the batch_dim pass found for every input (batched, broadcast or unbatched, positional or keyword)
@@ -40,6 +41,13 @@ class PerSampleModel(nn.Module):
         self._batch_input = batch_input  # (name, dim) of the input that carries the batch
         self._signature = inspect.signature(model.forward)
         self._parameter_watch = ParameterWatch(model)
+
+    def _standard_module(self) -> nn.Module:
+        return self.module
+
+    @property
+    def _module(self) -> nn.Module:  # Opacus's name for the wrapped model
+        return self.module
 
     def forward(self, *args, **kwargs):
         self._parameter_watch.check(self.fxdp_site.sink)

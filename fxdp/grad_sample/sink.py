@@ -82,6 +82,10 @@ LayerCapture.backprops = property(_summed_loss_backprops, _set_backprops)
 class GradientSink(abc.ABC):
     """Where DP-aware ops deliver (A, G, layout-resolved) captures, and where the optimizer reads from."""
 
+    #: False while the model's per-sample computation is switched off (``model.disable_hooks()``): what the
+    #: DP-aware ops deliver is dropped and parameters get their ordinary gradient (a DP optimizer refuses it)
+    enabled = True
+
     # -- write side: called from backward -------------------------------------------------------------
 
     @abc.abstractmethod
@@ -227,6 +231,8 @@ class GradSampleSink(GradientSink):
         self.__init__()
 
     def add(self, capture: LayerCapture) -> None:
+        if not self.enabled:
+            return
         if capture.batch_size == 0:  # an empty batch (Poisson sampling): no rows, and no rule to run
             grad_samples = {p: p.new_zeros((0, *p.shape)) for p in capture.params}
         else:
@@ -260,6 +266,8 @@ class GradSampleSink(GradientSink):
         """One backward pass's per-sample gradients (``calls``: the forward calls it reached -> their batch
         size): added per sample to the step's rows if the pass belongs to the step, else appended to them
         and the step refused (see :class:`StepCalls`)."""
+        if not self.enabled:
+            return
         if not any(getattr(p, "grad_sample", None) is not None for p in self._step.params.values()):
             self._step.reset()  # nothing of the step is held any more: this pass starts a new one
         earlier = {i: p.grad_sample for i, p in self._step.params.items()

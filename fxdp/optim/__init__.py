@@ -8,5 +8,13 @@ from fxdp.optim.noise import add_gaussian_noise_, gaussian_noise, secure_standar
 from fxdp.optim.schedulers import (ExponentialGradClip, ExponentialNoise, LambdaGradClip, LambdaNoise, StepGradClip,
                                    StepNoise)
 
-__all__ = ["AdaClipDPOptimizer", "CLIPPING_MODES", "DPOptimizer", "DPPerLayerOptimizer", "ExponentialGradClip", "ExponentialNoise", "LambdaGradClip", "LambdaNoise",
+
+class DPOptimizerFastGradientClipping(DPOptimizer):
+    """Opacus's optimizer for fast gradient (ghost) clipping: fxdp's DPOptimizer, which reads per-sample norms
+    and clipped sums from the model's sink whichever sink it is (a book-keeping one here:
+    ``DPLossFastGradientClipping`` points the optimizer at its module's sink, or pass ``sink=``)."""
+
+
+__all__ = ["AdaClipDPOptimizer", "CLIPPING_MODES", "DPOptimizer", "DPOptimizerFastGradientClipping",
+           "DPPerLayerOptimizer", "ExponentialGradClip", "ExponentialNoise", "LambdaGradClip", "LambdaNoise",
            "StepGradClip", "StepNoise", "add_gaussian_noise_", "gaussian_noise", "secure_standard_normal"]

@@ -120,6 +120,28 @@ EXCLUDED: Dict[str, str] = {
     "multidevice_optimizer_test.py::MultiDeviceOptimizerTest::test_clip_and_accumulate_parameter_multidevice":
         "calls Opacus's private _clip_and_accumulate_parameter",
     "grad_samples/conv2d_test.py::Conv2d_test::test_unfold2d": "tests Opacus's private unfold2d",
+    "grad_sample_module_test.py::GradSampleModuleTest::test_standard_module_validation":
+        "reads Opacus's private ft_compute_sample_grad attribute on the wrapped model",
+    "grad_sample_module_test.py::EWGradSampleModuleTest::test_standard_module_validation":
+        "reads Opacus's private ft_compute_sample_grad attribute on the wrapped model",
+    "grad_sample_hooks_test.py::GradSampleHooksTest::test_standard_module_validation":
+        "reads Opacus's private ft_compute_sample_grad attribute on the wrapped model",
+    "grad_sample_module_fast_gradient_clipping_test.py::GradSampleModuleTest::test_standard_module_validation":
+        "reads Opacus's private ft_compute_sample_grad attribute on the wrapped model",
+    "grad_sample_module_fast_gradient_clipping_test.py::GradSampleModuleFastGradientClippingTest::"
+    "test_standard_module_validation": "reads Opacus's private ft_compute_sample_grad attribute on the wrapped model",
+    "grad_sample_module_fast_gradient_clipping_test.py::GradSampleModuleFastGradientClippingTest::"
+    "test_norm_calculation_fast_gradient_clipping": "reads Opacus's private p._norm_sample",
+    "grad_sample_module_fast_gradient_clipping_test.py::GradSampleModuleFastGradientClippingEmbeddingLayerTest::"
+    "test_norm_calculation": "reads Opacus's private p._norm_sample",
+    "grad_sample_hooks_fast_gradient_clipping_test.py::GradSampleHooksFastGradientClippingTest::"
+    "test_norm_sample_computation": "reads Opacus's private p._norm_sample",
+    "grad_sample_hooks_fast_gradient_clipping_test.py::GradSampleHooksFastGradientClippingTest::test_hooks_creation":
+        "reads Opacus's private autograd_grad_sample_hooks attribute on the model",
+    "grad_sample_hooks_fast_gradient_clipping_test.py::GradSampleHooksFastGradientClippingTest::test_cleanup":
+        "reads Opacus's private autograd_grad_sample_hooks attribute on the model",
+    "grad_samples/conv2d_test.py::Conv2d_test::test_conv2d":
+        "swaps Opacus's private convolution2d_backward_as_a_convolution into GradSampleModule.GRAD_SAMPLERS",
     "grad_samples/embedding_norm_sample_test.py": "tests Opacus's private embedding-norm kernel",
     "multigpu_fsdpcheck.py": "FSDP wrapper of Opacus (not a test file; FSDP is issue #23)",
     "privacy_engine_validation_test.py::PrivacyEngineValidationTest::test_custom_linear_hooks":

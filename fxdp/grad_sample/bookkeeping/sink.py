@@ -53,7 +53,9 @@ class BookkeepingSink(GradientSink):
 
     # Layers it can book-keep run without their weight gradient in backward (only input gradients
     # flow, see :func:`call_without_param_grads`): the optimizer writes ``p.grad`` from the clipped sums.
-    skips_param_grads = True
+    @property
+    def skips_param_grads(self) -> bool:
+        return self.enabled  # switched off (disable_hooks): the layers compute their ordinary gradient
 
     # A copied or pickled model (copy.deepcopy, torch.save) gets a fresh sink: what is recorded belongs
     # to backward passes of the original, and a lock cannot be copied.
@@ -66,6 +68,8 @@ class BookkeepingSink(GradientSink):
     # -- write side ------------------------------------------------------------------------------------
 
     def add(self, capture: LayerCapture) -> None:
+        if not self.enabled:
+            return
         uses = self._uses(capture)
         with self._lock:
             pending = pending_of_this_backward(self)
@@ -190,7 +194,8 @@ class BookkeepingSink(GradientSink):
 
     def squared_norms(self, params: Iterable[nn.Parameter]) -> Dict[nn.Parameter, torch.Tensor]:
         self._step.check_readable()
-        return {p: self._segments[p].norms for p in params if p in self._segments}
+        # a ghost norm <A Aᵀ, G Gᵀ> of a gradient near 0 can round below 0 (its square root would be NaN)
+        return {p: self._segments[p].norms.clamp(min=0) for p in params if p in self._segments}
 
     def clipped_sums(self, params, factors):
         params = list(params)
