@@ -511,7 +511,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         is right for an empty batch, and a useless (silently counted) step otherwise."""
         plain = next((p for p in params if p.grad is not None and bool(p.grad.ne(0).any())), None)
         if plain is not None and not self.sink.enabled:
-            raise PerSampleError(
+            raise StepRefusedError(
                 f"fxdp: parameter '{self._name(plain)}' received a gradient in backward but no per-sample gradient: "
                 "the model's per-sample computation is switched off (model.disable_hooks()). Call "
                 "model.enable_hooks() before the forward and backward of a private step; this step would have "
@@ -539,7 +539,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         if any(sq.numel() for sq in norms.values()) and bool(
                 torch.stack([sq.amin() for sq in norms.values() if sq.numel()]).lt(0).any()):
             p = next(p for p, sq in norms.items() if bool(sq.lt(0).any()))
-            raise PerSampleError(f"fxdp: the gradient sink gave parameter '{self._name(p)}' a negative squared "
+            raise StepRefusedError(f"fxdp: the gradient sink gave parameter '{self._name(p)}' a negative squared "
                                  "per-sample norm; its clip factor would be NaN. This is a bug in the sink: please "
                                  "report it")
         if not norms or bool(torch.isfinite(torch.stack([_wide(sq).sum() for sq in norms.values()])).all()):
