@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from fxdp.diagnostics import PerSampleError, location_from_traceback
 from fxdp.engines.base import GradSampleModuleBase, ParameterWatch, trainable_own_params
-from fxdp.grad_sample.sink import SINK_ATTR, GradientSink
+from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, batch_size_problem
 
 # The layers whose functional ops ExpandedWeights implements (F.linear, F.conv*, F.embedding,
 # F.group_norm, F.instance_norm, F.layer_norm). Its RNN support is partial, so RNNs are not listed.
@@ -118,11 +118,22 @@ class ExpandedWeightsGradSampleModule(GradSampleModuleBase):
             self._in_backward = True
             self._backward_calls = {}
             params = [p for p in self._module.parameters() if p.requires_grad]
-            earlier = _take_grad_samples(params)
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_ends(params, earlier))
+            earlier = self._earlier = _take_grad_samples(params)
+            token = self._backward_token = object()
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._backward_ends(params, earlier, token))
+        problem = batch_size_problem([s for s in (*self._backward_calls.values(), batch_size) if s])
+        if problem is not None:
+            # ExpandedWeights would add rows of one batch to rows of another inside this backward (a raw
+            # torch error at best): refuse before any layer's backward, with the earlier passes' rows kept
+            _restore_grad_samples(self._earlier)
+            self._backward_calls, self._in_backward, self._backward_token = {}, False, None
+            raise PerSampleError(problem)
         self._backward_calls[call] = batch_size
 
-    def _backward_ends(self, params, earlier) -> None:
+    def _backward_ends(self, params, earlier, token) -> None:
+        if token is not self._backward_token:  # (a pass refused above)
+            return
         calls, self._backward_calls, self._in_backward = self._backward_calls, {}, False
         rows = _take_grad_samples(params)
         _restore_grad_samples(earlier)
