@@ -21,5 +21,14 @@ class DistributedDPOptimizerFastGradientClipping(DistributedDPOptimizer):
     reads the model's sink whichever it is (see fxdp.optim.DPOptimizerFastGradientClipping)."""
 
 
-__all__ = ["DPDistributedDataParallel", "DistributedDPOptimizer", "DistributedDPOptimizerFastGradientClipping", "bucket_bytes_of", "check_poisson_group",
-           "global_batch_size", "split_data_parallel", "wrap_like"]
+class SimpleDistributedPerLayerOptimizer(DistributedDPOptimizer):
+    """Opacus's name for ``DistributedDPOptimizer(..., clipping="per_layer")``: ``max_grad_norm`` is a list with
+    one bound per trainable parameter."""
+
+    def __init__(self, optimizer, **kwargs):
+        super().__init__(optimizer, clipping="per_layer", **kwargs)
+
+
+__all__ = ["DPDistributedDataParallel", "DistributedDPOptimizer", "DistributedDPOptimizerFastGradientClipping",
+           "SimpleDistributedPerLayerOptimizer", "bucket_bytes_of", "check_poisson_group", "global_batch_size",
+           "split_data_parallel", "wrap_like"]
