@@ -238,7 +238,8 @@ def run_suite(folder: pathlib.Path, files: List[str], pytest_args: List[str], jo
 def _start_pytest(folder: pathlib.Path, paths: List[pathlib.Path], pytest_args: List[str],
                   report: pathlib.Path) -> Tuple[subprocess.Popen, pathlib.Path]:
     repo = pathlib.Path(__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors",
+               f"--junitxml={report}",
                "--rootdir", str(folder.parent), *map(str, paths), *pytest_args]
     env = {**os.environ, "PYTHONPATH": f"{repo}:{folder.parent}", "OMP_NUM_THREADS": "1"}
     run = subprocess.Popen(command, cwd=folder.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
