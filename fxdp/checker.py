@@ -493,11 +493,8 @@ def _packed_microbatch_grad_sample(x, module: nn.Module, batch_first: bool = Tru
                                    chunk_method=iter) -> Dict[str, torch.Tensor]:
     """Each sample's gradient, from the sample run alone (a batch of one), stacked batch first by name (Opacus's
     L1 loss: the batch-of-one projections above do not apply to a PackedSequence output)."""
-    model = clone_module(module)
-    if isinstance(x, PackedSequence):
-        x = _sequences(x)  # each a (T_i, ...) sequence, run alone as a batch of one
-    elif not batch_first and not isinstance(x, list):
-        x = x.transpose(0, 1)
+    model = _fresh_copy(module)
+    x = _sequences(x)  # each a (T_i, ...) sequence, run alone as a batch of one
     grads: Dict[str, List[torch.Tensor]] = {name: [] for name in _trainable(model)}
     torch.manual_seed(0)
     for sample in chunk_method(x):
@@ -562,7 +559,7 @@ def compute_grad_samples_microbatch_and_engine(x, module: nn.Module, batch_first
 
 def _packed_engine_grad_sample(x: PackedSequence, module: nn.Module, batch_first: bool, loss_reduction: str,
                                grad_sample_mode: str) -> Dict[str, torch.Tensor]:
-    model = clone_module(module)
+    model = _fresh_copy(module)
     wrapped = wrap_model(model, grad_sample_mode, batch_first=batch_first, loss_reduction=loss_reduction)
     torch.manual_seed(0)
     wrapped.zero_grad()
