@@ -122,7 +122,7 @@ class ExpandedWeightsGradSampleModule(GradSampleModuleBase):
             token = self._backward_token = object()
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: self._backward_ends(params, earlier, token))
-        problem = batch_size_problem([s for s in (*self._backward_calls.values(), batch_size) if s])
+        problem = batch_size_problem([*self._backward_calls.values(), batch_size])
         if problem is not None:
             # ExpandedWeights would add rows of one batch to rows of another inside this backward (a raw
             # torch error at best): refuse before any layer's backward, with the earlier passes' rows kept
