@@ -34,9 +34,9 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from torch.utils import _pytree as pytree
 
 from fxdp.compiler import compile_for_dp, wrap_model
-from fxdp.diagnostics.errors import EmptyBatchError
+from fxdp.diagnostics.errors import EmptyBatchError, SelfCheckError
 from fxdp.engines import GradSampleModuleBase, PerSampleModel, check_grad_sample_mode
-from fxdp.engines.selfcheck import SelfCheckError, cross_sample_dependence, preserved_state
+from fxdp.engines.selfcheck import cross_sample_dependence, preserved_state
 from fxdp.grad_sample.accumulate import zero_grad_sample
 from fxdp.grad_sample.generic import LOSS_REDUCTIONS
 

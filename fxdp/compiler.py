@@ -45,7 +45,7 @@ from fxdp.engines.base import user_hooks
 from fxdp.engines.hooks import fallback_self_check
 from fxdp.engines.whole_model import whole_model_op
 from fxdp.export_capture import FRONT_END, ExportShapeError, ExportShapeGuard, flat_inputs, symbolic_batch
-from fxdp.engines.wrappers import AlreadyCompiledError, unwrap_or_refuse  # noqa: F401  (re-exported)
+from fxdp.engines.wrappers import unwrap_or_refuse
 from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.moe import describe_moe_blocks
 from fxdp.grad_sample.bookkeeping import BookkeepingSink, describe_plans, plan_graph

@@ -304,5 +304,5 @@ def test_without_example_inputs_a_mixing_model_is_refused_on_the_first_batch():
 
     compiled = fxdp.compile_for_dp(Centre())
     for _ in range(2):  # and it stays refused
-        with pytest.raises(fxdp.BatchMixingError, match="mixes samples"):
+        with pytest.raises(fxdp.errors.BatchMixingError, match="mixes samples"):
             compiled(torch.randn(3, 4))

@@ -4,19 +4,22 @@ This package imports nothing else from fxdp, so every other module can use it.
 
 - :mod:`~fxdp.diagnostics.findings` — :class:`Finding`, :class:`PassReport`, :class:`PassResult`, rendering;
 - :mod:`~fxdp.diagnostics.report`   — :class:`CompileReport`, the engine names;
-- :mod:`~fxdp.diagnostics.errors`   — every error class, one hierarchy under :class:`FxdpError`;
+- :mod:`~fxdp.diagnostics.errors`   — every error class, one hierarchy under :class:`FxdpError` (public as
+  :mod:`fxdp.errors`);
 - :mod:`~fxdp.diagnostics.naming`   — :func:`op_name`, how findings name an op;
 - :mod:`~fxdp.diagnostics.source`   — :class:`SourceLocation`, the user's line behind a node or a traceback.
 """
 
 from fxdp.diagnostics.errors import (
     ROOT_NAME,
+    AlreadyCompiledError,
     AlreadyPrivateError,
     BatchDimAnalysisError,
     BatchMixingError,
     FxdpError,
     GradientCheckpointingError,
     IllegalModuleConfigurationError,
+    LayerBatchError,
     MissingBatchRuleError,
     ModelChangedError,
     ModuleFixWarning,
@@ -26,12 +29,17 @@ from fxdp.diagnostics.errors import (
     PerSampleError,
     StepRefusedError,
     PrivacySettingError,
+    SampleMixingError,
+    SelfCheckError,
     UnsupportedInputError,
     ExportModeError,
     ExportShapeError,
     ShouldReplaceModuleError,
+    TrainabilityChangedError,
     UnsupportedError,
     UnsupportedModuleError,
+    UnsupportedOutputError,
+    UnverifiedModelError,
     error_from_finding,
     expect_module,
 )
@@ -47,6 +55,7 @@ from fxdp.diagnostics.source import (
 )
 
 __all__ = [
+    "AlreadyCompiledError",
     "AlreadyPrivateError",
     "BatchDimAnalysisError",
     "BatchMixingError",
@@ -57,6 +66,7 @@ __all__ = [
     "GradientCheckpointingError",
     "IllegalModuleConfigurationError",
     "Kind",
+    "LayerBatchError",
     "MissingBatchRuleError",
     "ModelChangedError",
     "ModuleFixWarning",
@@ -68,6 +78,8 @@ __all__ = [
     "PerSampleError",
     "StepRefusedError",
     "PrivacySettingError",
+    "SampleMixingError",
+    "SelfCheckError",
     "UnsupportedInputError",
     "ExportModeError",
     "ExportShapeError",
@@ -75,8 +87,11 @@ __all__ = [
     "Severity",
     "ShouldReplaceModuleError",
     "SourceLocation",
+    "TrainabilityChangedError",
     "UnsupportedError",
     "UnsupportedModuleError",
+    "UnsupportedOutputError",
+    "UnverifiedModelError",
     "error_from_finding",
     "expect_module",
     "location_from_stack_trace",

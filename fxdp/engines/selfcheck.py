@@ -10,9 +10,10 @@ more, before that batch's forward:
 - :func:`compare_with_batches_of_one` (run by the engine): the engine's per-sample gradients on a few
   samples against the gradients of each sample run alone.
 
-What the tests find is raised as an fxdp error (:class:`SampleMixingError`, :class:`SelfCheckError`);
-when a test cannot run (no input to perturb, outputs without the batch, a random model), the model
-is *unverified*: ``strict`` refuses it (:class:`UnverifiedModelError`), otherwise a warning says so.
+What the tests find is raised as an fxdp error (:class:`~fxdp.errors.SampleMixingError`,
+:class:`~fxdp.errors.SelfCheckError`); when a test cannot run (no input to perturb, outputs without the
+batch, a random model), the model is *unverified*: ``strict`` refuses it
+(:class:`~fxdp.errors.UnverifiedModelError`), otherwise a warning says so.
 """
 
 from __future__ import annotations
@@ -26,29 +27,9 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
-from fxdp.diagnostics import BatchMixingError, Finding, FxdpError, Kind, NotPrivateError, Severity
+from fxdp.diagnostics import Finding, Kind, Severity
 
 PASS_NAME = "self-check"
-
-
-class SelfCheckError(NotPrivateError):
-    """An engine's check of the model on a real batch found per-sample gradients it cannot trust."""
-
-
-class SampleMixingError(SelfCheckError, BatchMixingError):
-    """A sample's output changed when only another sample's input changed."""
-
-
-class UnverifiedModelError(SelfCheckError):
-    """``strict=True`` and the engine could not verify the model (see the message for why)."""
-
-
-class LayerBatchError(SelfCheckError):
-    """A hooked layer saw its input or output with the batch somewhere the engine does not assume."""
-
-
-class UnsupportedOutputError(FxdpError, RuntimeError):
-    """The loss depends on an output of a hooked layer whose gradient the per-sample rules never see."""
 
 
 def finding(node: str, op: str, kind: Kind, message: str, fix: str) -> Finding:
