@@ -33,7 +33,8 @@ from fxdp.passes.batch_dim import (
     find_batch_dim_violations,
     propagate_batch_dim,
 )
-from fxdp.passes.batch_rules import find_batch_rule, keeps_layout, layout_through, op_name, parse_einsum, register_batch_rule, reshape_map
+from fxdp.diagnostics import op_name
+from fxdp.passes.batch_rules import find_batch_rule, keeps_layout, layout_through, parse_einsum, register_batch_rule, reshape_map
 from fxdp.tracing import trace
 
 

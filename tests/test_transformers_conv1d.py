@@ -84,7 +84,7 @@ def test_the_conv1d_rule_against_batches_of_one(shape):
 
 def test_a_rule_registered_by_class_path_waits_for_its_module():
     name = "fxdp_test_optional_library"
-    register_grad_sampler_by_path(name, "Layer")(lambda module, activations, backprops: {})
+    register_grad_sampler_by_path(f"{name}.Layer")(lambda module, activations, backprops: {})
     layer_type = type("Layer", (nn.Linear,), {"forward": lambda self, x: x})  # another rule could not serve it
     assert find_grad_sampler(layer_type) is None
     sys.modules[name] = type(sys)(name)
@@ -93,8 +93,7 @@ def test_a_rule_registered_by_class_path_waits_for_its_module():
         assert rule_name(layer_type) == "Layer"
     finally:
         del sys.modules[name]
-        from fxdp.grad_sample import registry
-        registry._BY_PATH.pop((name, "Layer"))
+        GRAD_SAMPLERS.by_path.pop(f"{name}.Layer")
 
 
 def test_fxdp_imports_without_transformers():

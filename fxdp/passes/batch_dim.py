@@ -43,7 +43,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.nn.utils.rnn import PackedSequence
 
 from fxdp import meta
-from fxdp.diagnostics import BatchDimAnalysisError, Finding, Kind, MissingBatchRuleError, PassReport, PassResult, Severity
+from fxdp.diagnostics import (BatchDimAnalysisError, Finding, Kind, MissingBatchRuleError, PassReport, PassResult, Severity,
+                              op_name)
 from fxdp.grad_sample.moe import fake_output
 from fxdp.grad_sample.transformer import stack_fake_output
 from fxdp.layout import BROADCAST, PACKED, UNBATCHED_LAYOUT, UNKNOWN, UNKNOWN_LAYOUT, BatchLayout
@@ -67,7 +68,6 @@ from fxdp.passes.batch_rules import (
     is_inplace,
     keeps_sample_index,
     mirror,
-    op_name,
     per_sample,
     reads_facts,
     record_facts,

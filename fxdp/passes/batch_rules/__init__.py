@@ -54,7 +54,6 @@ from fxdp.passes.batch_rules.core import (
     keeps_layout,
     mirror,
     mixes_from,
-    op_name,
     per_sample,
     rearranging,
     register_batch_rule,
@@ -88,7 +87,7 @@ from fxdp.passes.batch_rules.views import (
 )
 
 __all__ = [
-    "BatchRule", "Facts", "OpCall", "Verdict", "find_batch_rule", "register_batch_rule", "op_name",
+    "BatchRule", "Facts", "OpCall", "Verdict", "find_batch_rule", "register_batch_rule",
     "snapshot_batch_rules", "restore_batch_rules",
     "keeps_layout", "mirror", "mixes_from", "per_sample", "rearranging", "tensor_pairs",
     "elementwise", "reduction", "along", "along_dims", "view", "contraction", "parse_einsum", "index_layout",

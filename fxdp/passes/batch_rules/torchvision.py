@@ -17,9 +17,10 @@ torchvision, so they are registered by their dotted names (:func:`register_batch
 
 from __future__ import annotations
 
+from fxdp.diagnostics.naming import name_op
 from fxdp.layout import BATCHED, UNBATCHED_LAYOUT, UNKNOWN_LAYOUT
 from fxdp.passes.batch_rules.core import (
-    OpCall, Verdict, _FIX_LAYER, _NAMES, keeps_layout, mirror, per_sample, register_batch_rule,
+    OpCall, Verdict, _FIX_LAYER, keeps_layout, mirror, per_sample, register_batch_rule,
 )
 
 _STOCHASTIC_DEPTH = "torchvision.ops.stochastic_depth.stochastic_depth"
@@ -27,12 +28,9 @@ _WINDOW_ATTENTION = "torchvision.models.swin_transformer.shifted_window_attentio
 _PATCH_MERGING_PAD = "torchvision.models.swin_transformer._patch_merging_pad"
 _RELATIVE_POSITION_BIAS = "torchvision.models.swin_transformer._get_relative_position_bias"
 
-_NAMES.update({
-    _STOCHASTIC_DEPTH: "torchvision.ops.stochastic_depth",
-    _WINDOW_ATTENTION: "torchvision.models.swin_transformer.shifted_window_attention",
-    _PATCH_MERGING_PAD: "torchvision.models.swin_transformer._patch_merging_pad",
-    _RELATIVE_POSITION_BIAS: "torchvision.models.swin_transformer._get_relative_position_bias",
-})
+name_op(_STOCHASTIC_DEPTH, "torchvision.ops.stochastic_depth")
+for _path in (_WINDOW_ATTENTION, _PATCH_MERGING_PAD, _RELATIVE_POSITION_BIAS):
+    name_op(_path, _path)
 
 
 def _stochastic_depth(call: OpCall) -> Verdict:
