@@ -3,7 +3,7 @@
 This package imports nothing else from fxdp, so every other module can use it.
 
 - :mod:`~fxdp.diagnostics.findings` — :class:`Finding`, :class:`PassReport`, :class:`PassResult`, rendering;
-- :mod:`~fxdp.diagnostics.report`   — :class:`CompileReport`, the engine names;
+- :mod:`~fxdp.diagnostics.report`   — :class:`CompileReport`, the per-sample engines' names;
 - :mod:`~fxdp.diagnostics.errors`   — every error class, one hierarchy under :class:`FxdpError` (public as
   :mod:`fxdp.errors`);
 - :mod:`~fxdp.diagnostics.naming`   — :func:`op_name`, how findings name an op;
@@ -45,7 +45,7 @@ from fxdp.diagnostics.errors import (
 )
 from fxdp.diagnostics.findings import Finding, Kind, PassReport, PassResult, Severity, render_findings
 from fxdp.diagnostics.naming import op_name
-from fxdp.diagnostics.report import ENGINES, CompileReport
+from fxdp.diagnostics.report import ENGINES, GRAD_SAMPLE_MODES, WHOLE_MODEL, CompileReport
 from fxdp.diagnostics.source import (
     SourceLocation,
     location_from_stack_trace,
@@ -63,6 +63,7 @@ __all__ = [
     "ENGINES",
     "Finding",
     "FxdpError",
+    "GRAD_SAMPLE_MODES",
     "GradientCheckpointingError",
     "IllegalModuleConfigurationError",
     "Kind",
@@ -92,6 +93,7 @@ __all__ = [
     "UnsupportedModuleError",
     "UnsupportedOutputError",
     "UnverifiedModelError",
+    "WHOLE_MODEL",
     "error_from_finding",
     "expect_module",
     "location_from_stack_trace",

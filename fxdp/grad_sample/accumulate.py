@@ -23,10 +23,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional
 import torch
 from torch import nn
 
-from fxdp.grad_sample.generic import (  # noqa: F401  (LOSS_REDUCTIONS, check_loss_reduction: re-exported)
-    LOSS_REDUCTIONS,
+from fxdp.grad_sample.generic import (
     AutocastState,
-    check_loss_reduction,
     generic_grad_sampler,
     summed_loss_backprops,
     under_autocast,

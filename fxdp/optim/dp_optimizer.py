@@ -50,12 +50,11 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from fxdp.grad_sample.sink import GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError
+from fxdp.grad_sample.sink import LOSS_REDUCTIONS, GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError
 from fxdp.optim.extension_points import OpacusExtensionPoints
 from fxdp.optim.noise import add_gaussian_noise_
 
 CLIPPING_MODES = ("flat", "per_layer")
-LOSS_REDUCTIONS = ("mean", "sum")
 _EPS = 1e-6  # in the clip factor C / (norm + eps): a zero gradient gets factor 1, never a division by 0
 # Opacus's DPOptimizer extension points. The default step forms the clipped, noised gradient in one pass
 # (_write_private_grads); a subclass overriding one of them steps through them instead (_step_through_overrides).

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxdp import meta, runtime
-from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity, op_name
+from fxdp.diagnostics import WHOLE_MODEL, Finding, Kind, PassReport, PassResult, Severity, op_name
 from fxdp.grad_sample.recurrent import recurrent_rule_applies
 from fxdp.grad_sample.registry import rule_name
 from fxdp.grad_sample.transformer import transformer_rule_applies
@@ -36,7 +36,7 @@ from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED, UNKNOWN, BatchLay
 from fxdp.tracing import source_location
 
 PASS_NAME = "per_sample"
-_WHOLE_MODEL = "fxdp runs the whole model as one op (engine fx+whole-model) instead"
+_WHOLE_MODEL = f"fxdp runs the whole model as one op (per-sample engine {WHOLE_MODEL}) instead"
 
 
 def _inputs_reach(graph: torch.fx.Graph) -> Set[torch.fx.Node]:
