@@ -459,17 +459,17 @@ class GradSampleModule(GradSampleModuleBase):
                 loss = loss / n
             loss.backward()
             rows = {nm: p.grad_sample[:k] for nm, p in named if getattr(p, "grad_sample", None) is not None}
-            alone = []
+
+            def loss_alone(i: int) -> torch.Tensor:
+                one_args, one_kwargs = (bags.sample(sub_args, sub_kwargs, i, dim) if bags is not None else
+                                        selfcheck.map_batched(sub_args, sub_kwargs, n, dim,
+                                                              lambda t: t.narrow(dim, i, 1)))
+                one = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*one_args, **one_kwargs)))[:1]
+                return sum((t * r.narrow(dim, i, 1)).sum() for t, r in zip(one, projections))
+
             with self._recompute():
-                for i in range(k):
-                    one_args, one_kwargs = (bags.sample(sub_args, sub_kwargs, i, dim) if bags is not None else
-                                            selfcheck.map_batched(sub_args, sub_kwargs, n, dim,
-                                                                  lambda t: t.narrow(dim, i, 1)))
-                    one = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*one_args, **one_kwargs)))[:1]
-                    loss_i = sum((t * r.narrow(dim, i, 1)).sum() for t, r in zip(one, projections))
-                    grads = torch.autograd.grad(loss_i, [p for _, p in named], allow_unused=True)
-                    alone.append({nm: g for (nm, _), g in zip(named, grads)})
-            missing = [nm for nm, _ in named if nm not in rows and any(a[nm] is not None for a in alone)]
+                alone = selfcheck.batch_of_one_gradients(loss_alone, named, k)
+            missing = [nm for nm, _ in named if nm not in rows and alone[nm] is not None]
             if missing:
                 return (f"parameter(s) {missing[:5]} get gradients but no per-sample gradients: they are used "
                         "where no hook sees them")
