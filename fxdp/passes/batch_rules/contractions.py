@@ -15,7 +15,7 @@ import torch
 from fxdp.layout import UNBATCHED_LAYOUT, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
     _FIX_CONTRACT, _FIX_PAIR, BatchRule, OpCall, Verdict, _at, _dims, _fn, _keys, _modules, _norm_dim, _ordinal,
-    mirror, per_sample, register_batch_rule, register_batch_rule_by_path,
+    mirror, carries_batch, register_batch_rule, register_batch_rule_by_path,
 )
 
 
@@ -39,7 +39,7 @@ def contraction(labeller: Labeller) -> BatchRule:
         operands, out_labels = spec
         batch = None
         for k, (t, lay, labels) in enumerate(operands):
-            if not per_sample(lay):
+            if not carries_batch(lay):
                 continue
             label = labels[lay.dim]
             if label not in out_labels:

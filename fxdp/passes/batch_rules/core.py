@@ -239,7 +239,7 @@ def _family(base: type) -> list:
 # --------------------------------------------------------------------------------------------
 
 
-def per_sample(layout) -> bool:
+def carries_batch(layout) -> bool:
     """True for a layout that carries per-sample data (batched or merged)."""
     return isinstance(layout, BatchLayout) and layout.is_batched
 
@@ -325,7 +325,7 @@ def keeps_layout(call: OpCall) -> Verdict:
 def _moved(call: OpCall, before: BatchLayout, after: BatchLayout, in_shape, out_shape, fix: str = "") -> Verdict:
     """A verdict for a layout change: a finding only when the batch changed place and is not home."""
     layout = mirror(call.out, after)
-    if not (per_sample(before) and per_sample(after)) or after == before or after == call.home:
+    if not (carries_batch(before) and carries_batch(after)) or after == before or after == call.home:
         return Verdict(layout)
     shapes = f"(shape {tuple(in_shape)} -> {tuple(out_shape)})"
     if before.kind == BATCHED and after.kind == BATCHED:
@@ -388,8 +388,8 @@ def mixes_from(first_mixed: Callable[[OpCall, torch.Tensor], int], what: str, fi
     def rule(call: OpCall) -> Verdict:
         x, lay = call.args[0], call.arg_layouts[0]
         k = first_mixed(call, x)
-        others = [lay2 for _, lay2 in call.operands()[1:] if per_sample(lay2)]
-        if per_sample(lay) and lay.dim >= k:
+        others = [lay2 for _, lay2 in call.operands()[1:] if carries_batch(lay2)]
+        if carries_batch(lay) and lay.dim >= k:
             return Verdict(mirror(call.out, lay), fix=fix,
                            mixes=f"{what} (dims {k} to {x.dim() - 1}), and the batch sits in {_where(lay)}: "
                                  "samples are combined with each other")
@@ -397,7 +397,7 @@ def mixes_from(first_mixed: Callable[[OpCall, torch.Tensor], int], what: str, fi
             return Verdict(mirror(call.out, UNKNOWN_LAYOUT))  # per-sample weights: no rule for them
         if isinstance(lay, BatchLayout) and lay.kind == BROADCAST and lay.dim < k:
             return Verdict(mirror(call.out, lay))
-        return Verdict(mirror(call.out, lay if per_sample(lay) else UNBATCHED_LAYOUT))
+        return Verdict(mirror(call.out, lay if carries_batch(lay) else UNBATCHED_LAYOUT))
 
     return rule
 
