@@ -78,7 +78,7 @@ def test_a_model_torch_fx_cannot_trace_is_captured_by_torch_export():
     assert rules["inp"] == "Linear" and rules["out"] == "Linear"
     assert "aten.mul.Tensor" in rules and rules["aten.mul.Tensor"] == "generic"  # `* self.scale`
     # the per_sample changes point at the user's lines
-    mul = next(c for c in report.changes if c.op == "per_sample_function")
+    mul = next(c for c in report.changes if c.op == "dp_aware_function")
     assert mul.location.line == _line_of(LoopOverTime.forward, "torch.tanh")
     _check_against_batches_of_one(model, compiled, _x())
 

@@ -121,7 +121,7 @@ def test_gpt2_projections_are_folded_into_conv1d_calls_with_their_rule(mask):
     assert len(names) == 4 and all(rules[name] == "Conv1D" for name in names), rules
     generic = [f"{site.target}: {site.description}" for site in compiled.fxdp_batch.sites if site.rule == "generic"]
     assert generic and not [t for t in generic if any(p in t for p in PROJECTIONS)], generic  # (wpe stays generic)
-    assert ("fxdp_runtime_ops_per_sample_call(transformer_h_0_attn_c_attn_1, fxdp_site_transformer_h_0_attn_c_attn,"
+    assert ("fxdp_runtime_ops_dp_aware_layer(transformer_h_0_attn_c_attn_1, fxdp_site_transformer_h_0_attn_c_attn,"
             in compiled.code)
     assert 'transformer_h_0_attn_c_attn_1 = getattr(self.transformer.h, "0").attn.c_attn' in compiled.code
     assert not [n for n in compiled.graph.nodes if n.target is torch.ops.aten.addmm.default]
