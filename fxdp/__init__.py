@@ -8,8 +8,9 @@ The pipeline, in the order it runs::
     fxdp.passes.batch_dim where the batch sits at every node; ops that move it or mix samples
     fxdp.passes.per_sample DP-aware ops (fxdp.runtime) that record per-sample gradients
 
-then an engine (fxdp.engines) chosen by fxdp.compiler: the compiled graph ("fx"), the whole model as
-one DP-aware op ("fx+whole-model"), or one that does not compile ("hooks", "ew", "functorch", "no_op").
+then a per-sample engine (fxdp.engines) chosen by fxdp.compiler: the compiled graph ("fx"), the whole
+model as one DP-aware op ("fx+whole-model"), or one that does not compile ("hooks", "ew", "functorch",
+"no_op"). docs/pipeline.md ("Words") lists what each word means.
 
 Training privately: fxdp.PrivacyEngine (fxdp.privacy_engine) combines the compiled model, the DP optimizer
 (fxdp.optim), Poisson sampling (fxdp.data) and the accountant (fxdp.accounting); fxdp.audit measures an

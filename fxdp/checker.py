@@ -534,7 +534,7 @@ def compute_grad_samples_microbatch_and_engine(x, module: nn.Module, batch_first
     ``chunk_method(x)`` yields the samples: a tensor without its batch dimension (``iter`` over a tensor,
     the default; with ``batch_first=False`` over ``x`` with dims 0 and 1 swapped), or a tuple of inputs
     already batched as one (for inputs such as an EmbeddingBag's indices and offsets). Raises
-    :class:`~fxdp.diagnostics.errors.EmptyBatchError` for an empty batch, ``ValueError`` when the two
+    :class:`~fxdp.errors.EmptyBatchError` for an empty batch, ``ValueError`` when the two
     disagree on which parameters have per-sample gradients."""
     if is_batch_empty(x):
         raise EmptyBatchError("fxdp: x is an empty batch; there is no sample to run alone and compare with")

@@ -171,7 +171,7 @@ def compile_for_dp(
 
     Returns a ``torch.fx.GraphModule`` sharing the model's parameters, or — when the model cannot be
     traced — the hooks engine around it; ``fxdp.report(result)`` says which and why. Raises
-    :class:`fxdp.diagnostics.NotPrivateError` for a model DP-SGD cannot train (BatchNorm in training,
+    :class:`fxdp.errors.NotPrivateError` for a model DP-SGD cannot train (BatchNorm in training,
     ops that mix samples), with a table of the findings.
 
     ``batch_inputs``: names (or positions) of the forward() inputs that hold one row per sample at

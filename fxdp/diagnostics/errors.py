@@ -118,7 +118,7 @@ class AlreadyCompiledError(FxdpError, ValueError):
 
 class AlreadyPrivateError(FxdpError, ValueError):
     """A model whose parameters another live ``PrivacyEngine`` already made private was given to
-    ``make_private`` again: each engine's accountant would count only its own steps."""
+    ``make_private`` again: each PrivacyEngine's accountant would count only its own steps."""
 
 
 class NotPrivateError(FxdpError, ValueError):

@@ -1,4 +1,4 @@
-"""The engines: what computes per-sample gradients for a model, one file each.
+"""The per-sample engines: what computes per-sample gradients for a model, one file each.
 
 - ``fx`` — the compiled graph (:func:`fxdp.compile_for_dp`): a DP-aware op per parametrised call
   (:mod:`fxdp.runtime`);

@@ -86,7 +86,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         secure_mode: draw noise from the OS's cryptographic source, guarded against the floating-point
             attack (see :mod:`fxdp.optim.noise`); no ``generator`` then.
         generator: a ``torch.Generator`` for reproducible noise (its state is saved by ``state_dict``).
-        param_names: ``{parameter: name}`` used in error messages (the privacy engine passes the model's
+        param_names: ``{parameter: name}`` used in error messages (the PrivacyEngine passes the model's
             ``named_parameters``).
     """
 
@@ -286,7 +286,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         self.original_optimizer.add_param_group(param_group)
 
     def attach_step_hook(self, fn: Callable[["DPOptimizer"], None]) -> None:
-        """Call ``fn(optimizer)`` after every logical step (the privacy engine's accountant uses it)."""
+        """Call ``fn(optimizer)`` after every logical step (the PrivacyEngine's accountant uses it)."""
         self._step_hooks.append(fn)
 
     def signal_skip_step(self, do_skip: bool = True) -> None:
@@ -478,7 +478,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
                 raise StepRefusedError(
                     f"fxdp: parameter '{self._name(p)}' is in the optimizer, but the model no longer uses it ({why}), "
                     "so DP-SGD would move it by noise alone. Call make_private again with the changed model and an "
-                    "optimizer over its parameters (the privacy engine's accountant keeps the privacy spent so far), "
+                    "optimizer over its parameters (the PrivacyEngine's accountant keeps the privacy spent so far), "
                     "or freeze the old parameter (requires_grad_(False)) and add the new ones with "
                     "optimizer.add_param_group")
             if self.clipping == "per_layer":
