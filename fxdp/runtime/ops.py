@@ -103,7 +103,8 @@ def _output_tensors(out) -> List[torch.Tensor]:
 
 def _flatten(args: tuple, kwargs: dict) -> Tuple[List[Any], Callable[[List[Any]], Tuple[tuple, dict]]]:
     """A call's leaves, and a function that rebuilds ``(args, kwargs)`` from leaves in their places. The
-    common call, a layer on positional tensors (``fc(x)``), does without pytree (about 15 us a call)."""
+    common call, a layer on positional tensors (``fc(x)``), does without pytree, whose flattening costs
+    about as much as a small layer's forward."""
     if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
         return list(args), lambda leaves: (tuple(leaves), {})
     leaves, spec = pytree.tree_flatten((args, kwargs))
