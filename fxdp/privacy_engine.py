@@ -351,10 +351,10 @@ class PrivacyEngine:
                 at = f" (make_private called at {where.relative})" if where is not None else ""
                 raise AlreadyPrivateError(
                     f"fxdp: parameter '{name}' of this {type(module).__name__} was already made private by another "
-                    f"PrivacyEngine{at}, whose accountant has recorded {len(first.accountant)} steps. Two PrivacyEngines "
-                    "would each count only their own steps, so neither would report the privacy spent. Keep "
-                    "training with the first PrivacyEngine's model and optimizer, or give this one a fresh copy of the "
-                    "model (copy.deepcopy of the original, before make_private)")
+                    f"PrivacyEngine{at}, whose accountant has recorded {len(first.accountant)} steps. Two "
+                    "PrivacyEngines would each count only their own steps, so neither would report the privacy "
+                    "spent. Keep training with the first PrivacyEngine's model and optimizer, or give this one a "
+                    "fresh copy of the model (copy.deepcopy of the original, before make_private)")
 
     def _claim(self, module: nn.Module) -> None:
         where, me = location_of_caller(), weakref.ref(self)

@@ -43,8 +43,9 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.nn.utils.rnn import PackedSequence
 
 from fxdp import meta
-from fxdp.diagnostics import (BatchDimAnalysisError, Finding, Kind, MissingBatchRuleError, PassReport, PassResult, Severity,
-                              op_name)
+from fxdp.diagnostics import (
+    BatchDimAnalysisError, Finding, Kind, MissingBatchRuleError, PassReport, PassResult, Severity, op_name,
+)
 from fxdp.grad_sample.moe import fake_output
 from fxdp.grad_sample.transformer import stack_fake_output
 from fxdp.layout import BROADCAST, PACKED, UNBATCHED_LAYOUT, UNKNOWN, UNKNOWN_LAYOUT, BatchLayout

@@ -18,7 +18,8 @@ from torch import nn
 from fxdp.layout import UNBATCHED_LAYOUT, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
     _FIX_ALONG, _FIX_BATCHNORM, _FIX_CAT, _FIX_LAYER, _FIX_LOSS, OpCall, Verdict, _at, _first_tensor, _fn,
-    _family, _keys, _modules, _where, keeps_layout, mirror, mixes_from, carries_batch, register_batch_rule, tensor_pairs,
+    _family, _keys, _modules, _where, carries_batch, keeps_layout, mirror, mixes_from, register_batch_rule,
+    tensor_pairs,
 )
 
 
