@@ -37,8 +37,18 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
-from fxdp.diagnostics import (Finding, Kind, LayerBatchError, PassReport, SampleMixingError, SelfCheckError, Severity,
-                              UnsupportedInputError, UnsupportedOutputError, UnverifiedModelError)
+from fxdp.diagnostics import (
+    Finding,
+    Kind,
+    LayerBatchError,
+    PassReport,
+    SampleMixingError,
+    SelfCheckError,
+    Severity,
+    UnsupportedInputError,
+    UnsupportedOutputError,
+    UnverifiedModelError,
+)
 from fxdp.engines import selfcheck
 from fxdp.engines.base import (
     GradSampleModuleBase,
