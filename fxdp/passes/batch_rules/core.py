@@ -11,7 +11,9 @@ layers the graph calls whole) live in a :class:`fxdp.registry.TypeRegistry`, so 
 MRO and a subclass of ``nn.Linear`` uses the Linear rule unless it overrides ``forward``; every other
 op (torch and ``operator`` functions, ``getattr``, Tensor method names as strings) is a key of a plain
 dict. A function of a library fxdp does not import (torchvision) is registered by its dotted name,
-``"torchvision.ops.stochastic_depth.stochastic_depth"``; method names never contain a dot.
+``"torchvision.ops.stochastic_depth.stochastic_depth"``; method names never contain a dot. A layer class of
+such a library is registered by its dotted path with :func:`register_batch_rule_by_path`
+(:meth:`fxdp.registry.TypeRegistry.register_by_path`, as for per-sample rules).
 """
 
 from __future__ import annotations
