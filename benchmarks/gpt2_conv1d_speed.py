@@ -58,16 +58,16 @@ def plain_step(args, ids):
 
 def dp_step(args, ids, with_rule: bool):
     model = gpt2(args)
-    saved = registry.GRAD_SAMPLERS.snapshot(), dict(registry._BY_PATH)
+    saved = registry.GRAD_SAMPLERS.snapshot(), dict(registry.GRAD_SAMPLERS.by_path)
     if not with_rule:  # as before Conv1D had a rule: the generic rule on the projections' addmm
-        registry._BY_PATH.clear()
+        registry.GRAD_SAMPLERS.by_path.clear()
         registry.GRAD_SAMPLERS.entries.pop(Conv1D, None)
     try:
         sink = BookkeepingSink()
         dp = fxdp.compile_for_dp(model, example_inputs={"input_ids": ids}, sink=sink)
     finally:
         registry.GRAD_SAMPLERS.restore(saved[0])
-        registry._BY_PATH.update(saved[1])
+        registry.GRAD_SAMPLERS.by_path.update(saved[1])
     rules = {site.rule for site in dp.fxdp_batch.sites if "c_attn" in site.target or "addmm" in site.target}
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), noise_multiplier=1.0, max_grad_norm=1.0,
                       expected_batch_size=ids.shape[0], sink=sink)

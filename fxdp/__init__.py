@@ -8,43 +8,21 @@ The pipeline, in the order it runs::
     fxdp.passes.batch_dim where the batch sits at every node; ops that move it or mix samples
     fxdp.passes.per_sample DP-aware ops (fxdp.runtime) that record per-sample gradients
 
-then an engine (fxdp.engines) chosen by fxdp.compiler: the compiled graph ("fx"), the whole model as
-one DP-aware op ("fx+whole-model"), or one that does not compile ("hooks", "ew", "functorch", "no_op").
+then a per-sample engine (fxdp.engines) chosen by fxdp.compiler: the compiled graph ("fx"), the whole
+model as one DP-aware op ("fx+whole-model"), or one that does not compile ("hooks", "ew", "functorch",
+"no_op"). docs/pipeline.md ("Words") lists what each word means.
 
 Training privately: fxdp.PrivacyEngine (fxdp.privacy_engine) combines the compiled model, the DP optimizer
 (fxdp.optim), Poisson sampling (fxdp.data) and the accountant (fxdp.accounting); fxdp.audit measures an
 empirical lower bound on epsilon from one training run; fxdp.distributed trains across processes.
+Every error fxdp raises on purpose is in fxdp.errors.
 """
 
-from fxdp import grad_sample, validators  # grad_sample registers the built-in per-sample rules
+from fxdp import errors, grad_sample, validators  # grad_sample registers the built-in per-sample rules
 from fxdp.checker import check_per_sample_gradients_are_correct, per_sample_gradient_diagnostics
 from fxdp.compiler import compile_for_dp, inspect, report
-from fxdp.diagnostics import (
-    BatchDimAnalysisError,
-    BatchMixingError,
-    CompileReport,
-    Finding,
-    FxdpError,
-    IllegalModuleConfigurationError,
-    Kind,
-    MissingBatchRuleError,
-    NotPrivateError,
-    NotYetSupportedModuleError,
-    PassError,
-    PerSampleError,
-    PrivacySettingError,
-    UnsupportedInputError,
-    ExportModeError,
-    ExportShapeError,
-    Severity,
-    ShouldReplaceModuleError,
-    UnsupportedError,
-    UnsupportedModuleError,
-)
+from fxdp.diagnostics import CompileReport, Finding, Kind, Severity
 from fxdp.engines import GradSampleModule
-from fxdp.engines.selfcheck import LayerBatchError, SampleMixingError, SelfCheckError, UnverifiedModelError
-from fxdp.engines.wrappers import AlreadyCompiledError
-from fxdp.runtime.guards import TrainabilityChangedError
 from fxdp.grad_sample.accumulate import zero_grad_sample
 from fxdp.grad_sample.moe import register_moe_block
 from fxdp.grad_sample.registry import register_grad_sampler
@@ -57,43 +35,23 @@ from fxdp import accounting, audit  # noqa: E402  (fxdp.accounting.RDPAccountant
 
 __version__ = "0.1.0"
 
+# The errors are fxdp.errors.X (``except fxdp.errors.NotPrivateError``), not names of this module.
 __all__ = [
-    "AlreadyCompiledError",
-    "LayerBatchError",
-    "SampleMixingError",
-    "SelfCheckError",
-    "TrainabilityChangedError",
-    "UnverifiedModelError",
     "BatchMemoryManager",
+    "CompileReport",
     "DPDataLoader",
     "DPOptimizer",
+    "Finding",
+    "GradSampleModule",
+    "Kind",
     "PrivacyEngine",
     "PrivacyEngineAdaptiveClipping",
+    "Severity",
     "accounting",
     "audit",
-    "BatchDimAnalysisError",
-    "BatchMixingError",
-    "CompileReport",
-    "Finding",
-    "FxdpError",
-    "GradSampleModule",
-    "IllegalModuleConfigurationError",
-    "Kind",
-    "MissingBatchRuleError",
-    "NotPrivateError",
-    "NotYetSupportedModuleError",
-    "PassError",
-    "PerSampleError",
-    "PrivacySettingError",
-    "UnsupportedInputError",
-    "ExportModeError",
-    "ExportShapeError",
-    "Severity",
-    "ShouldReplaceModuleError",
-    "UnsupportedError",
-    "UnsupportedModuleError",
     "check_per_sample_gradients_are_correct",
     "compile_for_dp",
+    "errors",
     "find_batch_dim_violations",
     "grad_sample",
     "inspect",

@@ -34,11 +34,11 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from torch.utils import _pytree as pytree
 
 from fxdp.compiler import compile_for_dp, wrap_model
-from fxdp.diagnostics.errors import EmptyBatchError
+from fxdp.diagnostics.errors import EmptyBatchError, SelfCheckError
 from fxdp.engines import GradSampleModuleBase, PerSampleModel, check_grad_sample_mode
-from fxdp.engines.selfcheck import SelfCheckError, cross_sample_dependence, preserved_state
+from fxdp.engines.selfcheck import batch_of_one_gradients, cross_sample_dependence, preserved_state
 from fxdp.grad_sample.accumulate import zero_grad_sample
-from fxdp.grad_sample.generic import LOSS_REDUCTIONS
+from fxdp.grad_sample.sink import LOSS_REDUCTIONS
 
 Inputs = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -232,22 +232,24 @@ def _batch_of_one_gradients(reference: nn.Module, samples, n: int, batch_dim: in
     """The definition: ({name: (n, *p.shape)}, projections), row i the gradient of sample i run alone through
     ``reference`` (each of ``samples`` is the input tuple of one sample, batch of one); the loss is the
     projection of the output by fixed random tensors drawn from the first sample's output."""
-    projections = None
-    expected: Dict[str, torch.Tensor] = {}
-    for i, one in enumerate(samples):
-        out = reference(*one)
-        if projections is None:
-            projections = _projections(out, batch_dim)
-        _projected_loss(out, projections, batch_dim, "sum").backward()
-        for name, p in _model_of(reference).named_parameters():
-            if name not in names:
-                continue
-            if name not in expected:
-                expected[name] = torch.zeros((n, *p.shape), dtype=p.dtype, device=p.device)
-            if p.grad is not None:  # None: the sample does not reach this parameter
-                expected[name][i] = p.grad.detach()
+    samples = list(samples)
+    projections: List[torch.Tensor] = []
+
+    def loss_alone(i: int) -> torch.Tensor:
         reference.zero_grad(set_to_none=True)
-    return expected, projections
+        out = reference(*samples[i])
+        if not projections:
+            projections.extend(_projections(out, batch_dim))
+        return _projected_loss(out, projections, batch_dim, "sum")
+
+    named = [(name, p) for name, p in _model_of(reference).named_parameters() if name in names]
+    return _zero_filled(batch_of_one_gradients(loss_alone, named, n), named, n), projections or None
+
+
+def _zero_filled(alone: Dict[str, Optional[torch.Tensor]], named, n: int) -> Dict[str, torch.Tensor]:
+    """Batch-of-one gradients with zero rows for a parameter no sample reaches."""
+    return {name: torch.zeros((n, *p.shape), dtype=p.dtype, device=p.device) if alone[name] is None
+            else alone[name] for name, p in named}
 
 
 def _engine_gradients(wrapped: nn.Module, model: nn.Module, inputs, projections, batch_dim: int, reduction: str):
@@ -494,16 +496,17 @@ def _packed_microbatch_grad_sample(x, module: nn.Module, batch_first: bool = Tru
     """Each sample's gradient, from the sample run alone (a batch of one), stacked batch first by name (Opacus's
     L1 loss: the batch-of-one projections above do not apply to a PackedSequence output)."""
     model = _fresh_copy(module)
-    x = _sequences(x)  # each a (T_i, ...) sequence, run alone as a batch of one
-    grads: Dict[str, List[torch.Tensor]] = {name: [] for name in _trainable(model)}
-    torch.manual_seed(0)
-    for sample in chunk_method(x):
+    samples = list(chunk_method(_sequences(x)))  # each a (T_i, ...) sequence, run alone as a batch of one
+
+    def loss_alone(i: int) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
-        inputs = sample if type(sample) is tuple else (sample.unsqueeze(0 if batch_first else 1),)
-        _l1_loss(model(*inputs), loss_reduction).backward()
-        for name, p in _trainable(model).items():
-            grads[name].append(p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-    return {name: torch.stack(g) for name, g in grads.items()}
+        one = samples[i]
+        inputs = one if type(one) is tuple else (one.unsqueeze(0 if batch_first else 1),)
+        return _l1_loss(model(*inputs), loss_reduction)
+
+    named = list(_trainable(model).items())
+    torch.manual_seed(0)
+    return _zero_filled(batch_of_one_gradients(loss_alone, named, len(samples)), named, len(samples))
 
 
 def compute_engine_grad_sample(x, module: nn.Module, batch_first: bool = True, loss_reduction: str = "mean",
@@ -531,7 +534,7 @@ def compute_grad_samples_microbatch_and_engine(x, module: nn.Module, batch_first
     ``chunk_method(x)`` yields the samples: a tensor without its batch dimension (``iter`` over a tensor,
     the default; with ``batch_first=False`` over ``x`` with dims 0 and 1 swapped), or a tuple of inputs
     already batched as one (for inputs such as an EmbeddingBag's indices and offsets). Raises
-    :class:`~fxdp.diagnostics.errors.EmptyBatchError` for an empty batch, ``ValueError`` when the two
+    :class:`~fxdp.errors.EmptyBatchError` for an empty batch, ``ValueError`` when the two
     disagree on which parameters have per-sample gradients."""
     if is_batch_empty(x):
         raise EmptyBatchError("fxdp: x is an empty batch; there is no sample to run alone and compare with")

@@ -32,20 +32,14 @@ from fxdp.diagnostics import (
     PassResult,
     Severity,
     UnsupportedInputError,
+    WHOLE_MODEL,
 )
-from fxdp.engines import (
-    ExpandedWeightsGradSampleModule,
-    FunctorchGradSampleModule,
-    GradSampleHooks,
-    GradSampleModule,
-    NoOpGradSampleModule,
-    check_grad_sample_mode,
-)
+from fxdp.engines import WRAPPERS, GradSampleHooks, GradSampleModule, check_grad_sample_mode
 from fxdp.engines.base import user_hooks
 from fxdp.engines.hooks import fallback_self_check
 from fxdp.engines.whole_model import whole_model_op
 from fxdp.export_capture import FRONT_END, ExportShapeError, ExportShapeGuard, flat_inputs, symbolic_batch
-from fxdp.engines.wrappers import AlreadyCompiledError, unwrap_or_refuse  # noqa: F401  (re-exported)
+from fxdp.engines.wrappers import unwrap_or_refuse
 from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.moe import describe_moe_blocks
 from fxdp.grad_sample.bookkeeping import BookkeepingSink, describe_plans, plan_graph
@@ -177,7 +171,7 @@ def compile_for_dp(
 
     Returns a ``torch.fx.GraphModule`` sharing the model's parameters, or — when the model cannot be
     traced — the hooks engine around it; ``fxdp.report(result)`` says which and why. Raises
-    :class:`fxdp.diagnostics.NotPrivateError` for a model DP-SGD cannot train (BatchNorm in training,
+    :class:`fxdp.errors.NotPrivateError` for a model DP-SGD cannot train (BatchNorm in training,
     ops that mix samples), with a table of the findings.
 
     ``batch_inputs``: names (or positions) of the forward() inputs that hold one row per sample at
@@ -225,7 +219,7 @@ def compile_for_dp(
             wrapped = whole_model_op(model, gm, loss_reduction=loss_reduction, batch_dim=batch_dim,
                                      sink=sink if sink is not None else GradSampleSink())
             reason = f"{where}; the whole model runs as one op (with its hooks) under the generic per-sample rule"
-            engine = "fx+whole-model"
+            engine = WHOLE_MODEL
         setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, engine, reason,
                                                     notes=_bookkeeping_notes(sink, engine)))
         return wrapped
@@ -251,8 +245,8 @@ def compile_for_dp(
         wrapped = whole_model_op(model, gm, loss_reduction=loss_reduction, batch_dim=batch_dim, sink=sink)
         reason = (f"{len(unsupported)} parametrised op(s) the graph engine cannot handle (see per_sample findings); "
                   "the whole model runs as one op with the generic per-sample rule")
-        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, "fx+whole-model", reason,
-                                                    notes=_bookkeeping_notes(sink, "fx+whole-model")))
+        setattr(wrapped, _REPORT_ATTR, _make_report(model, traced, reports, WHOLE_MODEL, reason,
+                                                    notes=_bookkeeping_notes(sink, WHOLE_MODEL)))
         return wrapped
 
     notes = ([_NO_INPUTS_NOTE] if example_inputs is None else []) + private_parameters_note(model) + \
@@ -288,7 +282,7 @@ def _bookkeeping_notes(sink: Optional[GradientSink], engine: str, gm: Optional[t
     """With a book-keeping sink, the report says how each layer's norms are computed, or why not."""
     if not isinstance(sink, BookkeepingSink):
         return []
-    if engine == "fx+whole-model":
+    if engine == WHOLE_MODEL:
         return ["book-keeping: the whole model runs as one op with the generic rule, so every per-sample "
                 "gradient is materialised"]
     plans = describe_plans([(name, plan) for name, plan in plan_graph(gm, sink.method) if not _frozen_layer(gm, name)]
@@ -646,21 +640,13 @@ def wrap_model(
     return _wrap(model, grad_sample_mode, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
 
 
-_WRAPPERS = {
-    "hooks": GradSampleModule,
-    "ew": ExpandedWeightsGradSampleModule,
-    "functorch": FunctorchGradSampleModule,
-    "no_op": NoOpGradSampleModule,
-}
-
-
 def _wrap(model: nn.Module, engine: str, *, batch_first: bool, loss_reduction: str, strict: bool = False,
           require_verified: bool = False, sink: Optional[GradientSink] = None) -> nn.Module:
     model = unwrap_or_refuse(model)
     if engine == "hooks":
         return GradSampleModule(model, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict,
                                 require_verified=require_verified, sink=sink)
-    return _WRAPPERS[engine](model, batch_first=batch_first, loss_reduction=loss_reduction, sink=sink)
+    return WRAPPERS[engine](model, batch_first=batch_first, loss_reduction=loss_reduction, sink=sink)
 
 
 def _user_hooks(model: nn.Module, front_end: Optional[str]) -> List[str]:

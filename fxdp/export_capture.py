@@ -9,7 +9,7 @@ those models. What changes for the passes:
   and layers; their batch rules are in :mod:`fxdp.passes.batch_rules.aten`;
 - the batch dimension of every input tensor is dynamic (``Dim.AUTO``), so the graph runs for other
   batch sizes; the sizes it builds in (sequence lengths, image sizes) are checked at every forward by an
-  :class:`ExportShapeGuard`, which raises :class:`~fxdp.diagnostics.ExportShapeError` (before a forward of
+  :class:`ExportShapeGuard`, which raises :class:`~fxdp.errors.ExportShapeError` (before a forward of
   inputs of other sizes, the compiler captures the model again for them, or puts in a graph it captured
   for them earlier: :func:`flat_inputs` gives the inputs the guard checks);
 - each node's ``stack_trace`` holds the Python frames that dispatched it: ``meta.SOURCE`` is the

@@ -64,7 +64,7 @@ SCHEDULER_KEYS = {"noise_scheduler": "noise_scheduler_state_dict",
 # each sample is in at most one batch of an epoch, so an epoch spends one Gaussian mechanism on it.
 FIXED_BATCH_ACCOUNTING = ("poisson", "per_epoch")
 
-# parameter -> (the PrivacyEngine that made it private, where make_private was called): one engine per model
+# parameter -> (the PrivacyEngine that made it private, where make_private was called): one PrivacyEngine per model
 _PRIVATE_BY: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
@@ -282,7 +282,7 @@ class PrivacyEngine:
 
     def get_epsilon(self, delta: float) -> float:
         """The ε spent so far at ``delta``, by the accountant (every logical step made private by this
-        engine, and those restored from a checkpoint).
+        PrivacyEngine, and those restored from a checkpoint).
 
         The accountant analyses Poisson sampling. For a model made private with
         ``poisson_sampling=False`` and the default ``fixed_batch_accounting="poisson"``, the figure is
@@ -342,7 +342,7 @@ class PrivacyEngine:
         return step_accountant
 
     def _check_not_private_elsewhere(self, module: nn.Module) -> None:
-        """Refuse a model whose parameters another live engine made private: each accountant would count
+        """Refuse a model whose parameters another live PrivacyEngine made private: each accountant would count
         only its own steps, so neither would report the privacy spent."""
         for name, p in module.named_parameters():
             engine_ref, where = _PRIVATE_BY.get(p, (lambda: None, None))
@@ -351,10 +351,10 @@ class PrivacyEngine:
                 at = f" (make_private called at {where.relative})" if where is not None else ""
                 raise AlreadyPrivateError(
                     f"fxdp: parameter '{name}' of this {type(module).__name__} was already made private by another "
-                    f"PrivacyEngine{at}, whose accountant has recorded {len(first.accountant)} steps. Two engines "
-                    "would each count only their own steps, so neither would report the privacy spent. Keep "
-                    "training with the first engine's model and optimizer, or give this engine a fresh copy of the "
-                    "model (copy.deepcopy of the original, before make_private)")
+                    f"PrivacyEngine{at}, whose accountant has recorded {len(first.accountant)} steps. Two "
+                    "PrivacyEngines would each count only their own steps, so neither would report the privacy "
+                    "spent. Keep training with the first PrivacyEngine's model and optimizer, or give this one a "
+                    "fresh copy of the model (copy.deepcopy of the original, before make_private)")
 
     def _claim(self, module: nn.Module) -> None:
         where, me = location_of_caller(), weakref.ref(self)
@@ -398,7 +398,7 @@ class PrivacyEngine:
         grad_clip_scheduler: Any = None,
         map_location: Any = None,
     ) -> Dict[str, Any]:
-        """Restore a :meth:`save_checkpoint` into ``module``, ``optimizer``, the schedulers and this engine's
+        """Restore a :meth:`save_checkpoint` into ``module``, ``optimizer``, the schedulers and this PrivacyEngine's
         accountant (whose history the checkpoint's replaces). Returns the entries of ``checkpoint_dict``."""
         checkpoint = torch.load(path, map_location=map_location, weights_only=True)
         missing = [k for k in (MODULE_KEY, ACCOUNTANT_KEY) if k not in checkpoint]

@@ -12,6 +12,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from fxdp.engines.selfcheck import batch_of_one_gradients
 from fxdp.grad_sample import compute_grad_samples
 
 
@@ -29,14 +30,10 @@ def loop_grad_samples(
     params: Sequence[torch.Tensor], sample_output: Callable[[int], torch.Tensor], n: int, R: torch.Tensor
 ) -> List[torch.Tensor]:
     """Per-sample gradients by brute force: ``sample_output(i)`` runs sample i as a batch of one."""
-    rows = []
-    for i in range(n):
-        loss = (sample_output(i) * R).sum()
-        rows.append(torch.autograd.grad(loss, params, allow_unused=True))
-    return [
-        torch.stack([row[k] if row[k] is not None else torch.zeros_like(params[k]) for row in rows])
-        for k in range(len(params))
-    ]
+    named = [(str(k), p) for k, p in enumerate(params)]
+    alone = batch_of_one_gradients(lambda i: (sample_output(i) * R).sum(), named, n)
+    return [torch.zeros((n, *p.shape), dtype=p.dtype, device=p.device) if alone[k] is None else alone[k]
+            for k, p in named]
 
 
 def loss_backprops(output: torch.Tensor, R: torch.Tensor, loss_reduction: str) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Sample i's loss is ``(out_i * R).sum()`` with a fixed random R; the batch loss is the sum or the mean
 of the samples' losses. ``p.grad_sample[i]`` must equal the gradient of sample i's loss when sample i
-is run alone, as a batch of one.
+is run alone, as a batch of one (fxdp's own definition, :func:`fxdp.engines.selfcheck.batch_of_one_gradients`,
+which the engines' self-check and fxdp.checker compare with too).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import copy
 import torch
 
 import fxdp
+from fxdp.engines.selfcheck import batch_of_one_gradients
 
 
 def _take(x, i, dim, n):
@@ -28,13 +30,10 @@ def expected_grad_samples(model, inputs, batch_dim=0, out_dim=None, seed=0):
     with torch.no_grad():
         sample_out = model(*(_take(x, 0, batch_dim, n) for x in inputs))
     R = torch.randn(sample_out.shape, generator=torch.Generator().manual_seed(seed), dtype=sample_out.dtype)
-    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
-    rows = []
-    for i in range(n):
-        loss = (model(*(_take(x, i, batch_dim, n) for x in inputs)) * R).sum()
-        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-        rows.append([torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())])
-    return {k: torch.stack([row[j] for row in rows]) for j, k in enumerate(params)}, R
+    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+    alone = batch_of_one_gradients(lambda i: (model(*(_take(x, i, batch_dim, n) for x in inputs)) * R).sum(), named, n)
+    return {k: torch.zeros((n, *p.shape), dtype=p.dtype, device=p.device) if alone[k] is None else alone[k]
+            for k, p in named}, R
 
 
 def batch_loss(out, R, reduction, out_dim=0):

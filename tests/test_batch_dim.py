@@ -33,7 +33,8 @@ from fxdp.passes.batch_dim import (
     find_batch_dim_violations,
     propagate_batch_dim,
 )
-from fxdp.passes.batch_rules import find_batch_rule, keeps_layout, layout_through, op_name, parse_einsum, register_batch_rule, reshape_map
+from fxdp.diagnostics import op_name
+from fxdp.passes.batch_rules import find_batch_rule, keeps_layout, layout_through, parse_einsum, register_batch_rule, reshape_map
 from fxdp.tracing import trace
 
 
@@ -99,7 +100,7 @@ def test_mixing_op_is_an_error_at_its_source_line_with_a_path_from_the_input(ent
     assert f.message and f.fix and f.op
     placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
     assert f.path and f.path[0] in placeholders and f.path[-1] == f.node
-    assert batch_rules.per_sample(node_named(gm, f.path[0]).meta[meta.BATCH_DIM])
+    assert batch_rules.carries_batch(node_named(gm, f.path[0]).meta[meta.BATCH_DIM])
     for a, b in zip(f.path, f.path[1:]):  # consecutive nodes are graph edges
         assert node_named(gm, b) in node_named(gm, a).users
     # nothing else in the model is unverified

@@ -208,9 +208,9 @@ def test_without_example_inputs_the_first_batch_is_analysed(case):
 def test_compiled_code_shows_the_dp_ops():
     compiled = fxdp.compile_for_dp(BareParameter(), example_inputs=torch.randn(2, 3, 4))
     code = compiled.code
-    assert "per_sample_function" in code and "batch_size" in code
+    assert "dp_aware_function" in code and "batch_size" in code
     compiled = fxdp.compile_for_dp(mnist_cnn(), example_inputs=torch.randn(2, 1, 20, 20))
-    assert compiled.code.count("per_sample_call(") == 4  # two convs, two linears
+    assert compiled.code.count("dp_aware_layer(") == 4  # two convs, two linears
 
 
 def test_untraceable_model_falls_back_to_hooks_and_stays_correct():
@@ -304,5 +304,5 @@ def test_without_example_inputs_a_mixing_model_is_refused_on_the_first_batch():
 
     compiled = fxdp.compile_for_dp(Centre())
     for _ in range(2):  # and it stays refused
-        with pytest.raises(fxdp.BatchMixingError, match="mixes samples"):
+        with pytest.raises(fxdp.errors.BatchMixingError, match="mixes samples"):
             compiled(torch.randn(3, 4))

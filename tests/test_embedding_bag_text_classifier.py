@@ -174,12 +174,12 @@ class ReordersTheFlatIds(TextClassifier):
 # reverses; the hooks engine's test of the model on its first batch fails (the graph engine hands a model whose
 # packed ids reach an op it cannot serve to the hooks engine, as the whole-model engine cannot split them)
 REFUSED = {
-    ("fx", ReadsTheFlatIdsElsewhere): (fxdp.BatchMixingError, "mixes samples, so it cannot be trained"),
-    ("fx", ReordersTheFlatIds): (fxdp.BatchMixingError, "The model mixes samples across the batch dimension"),
-    ("fx-without-example-inputs", ReadsTheFlatIdsElsewhere): (fxdp.NotPrivateError, "fxdp cannot follow the batch"),
-    ("fx-without-example-inputs", ReordersTheFlatIds): (fxdp.BatchMixingError, "The model mixes samples"),
-    ("hooks", ReadsTheFlatIdsElsewhere): (fxdp.BatchMixingError, "mixes samples, so it cannot be trained"),
-    ("hooks", ReordersTheFlatIds): (fxdp.BatchMixingError, "mixes samples, so it cannot be trained"),
+    ("fx", ReadsTheFlatIdsElsewhere): (fxdp.errors.BatchMixingError, "mixes samples, so it cannot be trained"),
+    ("fx", ReordersTheFlatIds): (fxdp.errors.BatchMixingError, "The model mixes samples across the batch dimension"),
+    ("fx-without-example-inputs", ReadsTheFlatIdsElsewhere): (fxdp.errors.NotPrivateError, "fxdp cannot follow the batch"),
+    ("fx-without-example-inputs", ReordersTheFlatIds): (fxdp.errors.BatchMixingError, "The model mixes samples"),
+    ("hooks", ReadsTheFlatIdsElsewhere): (fxdp.errors.BatchMixingError, "mixes samples, so it cannot be trained"),
+    ("hooks", ReordersTheFlatIds): (fxdp.errors.BatchMixingError, "mixes samples, so it cannot be trained"),
 }
 
 
@@ -210,7 +210,7 @@ def test_the_hooks_engine_refuses_a_bag_layer_given_other_flat_indices_than_the_
     torch.manual_seed(0)
     model = ReordersTheFlatIds()
     wrapped = fxdp.GradSampleModule(model, verify=False)
-    with pytest.raises(fxdp.NotPrivateError, match=re.escape("layer 'bag' (EmbeddingBag) takes flat indices")):
+    with pytest.raises(fxdp.errors.NotPrivateError, match=re.escape("layer 'bag' (EmbeddingBag) takes flat indices")):
         wrapped(*_bags([3, 1, 4, 2], seed=0))
     assert all(getattr(p, "grad_sample", None) is None for p in model.parameters())
 

@@ -1,5 +1,5 @@
-"""Errors raised while a model runs are fxdp errors (``fxdp.PerSampleError`` or another ``FxdpError``),
-so ``except fxdp.FxdpError`` catches them, and each names the layer, node or parameter at fault."""
+"""Errors raised while a model runs are fxdp errors (``fxdp.errors.PerSampleError`` or another ``FxdpError``),
+so ``except fxdp.errors.FxdpError`` catches them, and each names the layer, node or parameter at fault."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from fxdp.optim import DPOptimizer
 
 
 def test_per_sample_error_is_an_fxdp_error_and_a_runtime_error():
-    assert issubclass(fxdp.PerSampleError, fxdp.FxdpError)
-    assert issubclass(fxdp.PerSampleError, RuntimeError)  # code catching RuntimeError keeps working
-    assert fxdp.diagnostics.PerSampleError is fxdp.PerSampleError
-    assert "PerSampleError" in fxdp.__all__ and "PerSampleError" in fxdp.diagnostics.__all__
+    assert issubclass(fxdp.errors.PerSampleError, fxdp.errors.FxdpError)
+    assert issubclass(fxdp.errors.PerSampleError, RuntimeError)  # code catching RuntimeError keeps working
+    assert fxdp.diagnostics.PerSampleError is fxdp.errors.PerSampleError
+    assert "PerSampleError" in fxdp.errors.__all__ and "PerSampleError" in fxdp.diagnostics.__all__
 
 
 class WrongShapeScale(nn.Module):
@@ -39,9 +39,9 @@ def test_a_rule_returning_the_wrong_shape_names_the_layer(mode):
     model = nn.Sequential(nn.Linear(3, 4), WrongShapeScale())
     x = torch.randn(5, 3)
     dp = fxdp.compile_for_dp(model, example_inputs=x, grad_sample_mode=mode)
-    with pytest.raises(fxdp.FxdpError) as info:
+    with pytest.raises(fxdp.errors.FxdpError) as info:
         dp(x).sum().backward()
-    assert isinstance(info.value, fxdp.PerSampleError)
+    assert isinstance(info.value, fxdp.errors.PerSampleError)
     message = str(info.value)
     assert "a per-sample rule returned shape (5,) for a parameter of WrongShapeScale of shape (4,)" in message
     assert "Check the per-sample rule for WrongShapeScale." in message
@@ -59,7 +59,7 @@ class TwoOutputs(nn.Module):
 def test_a_hooked_layer_whose_second_output_reaches_the_loss_is_named():
     dp = fxdp.GradSampleModule(nn.Sequential(TwoOutputs()), loss_reduction="sum", verify=False)
     first, second = dp(torch.randn(3, 4))
-    with pytest.raises(fxdp.FxdpError) as info:
+    with pytest.raises(fxdp.errors.FxdpError) as info:
         (first.sum() + second.sum()).backward()
     assert "the loss depends on output #1 of module '0' (TwoOutputs)" in str(info.value)
 
@@ -77,9 +77,9 @@ class NoisyScale(nn.Module):
 
 def test_the_generic_rule_failing_on_a_random_op_names_the_module():
     dp = fxdp.GradSampleModule(nn.Sequential(NoisyScale()), loss_reduction="sum", verify=False)
-    with pytest.raises(fxdp.FxdpError) as info:
+    with pytest.raises(fxdp.errors.FxdpError) as info:
         dp(torch.randn(3, 4)).sum().backward()
-    assert isinstance(info.value, fxdp.PerSampleError)
+    assert isinstance(info.value, fxdp.errors.PerSampleError)
     message = str(info.value)
     assert message.startswith("fxdp: the generic per-sample rule (torch.func) failed on NoisyScale (")
     assert "random ops (dropout)" in message and "fxdp.register_grad_sampler" in message
@@ -96,9 +96,9 @@ def test_the_dp_optimizer_names_a_parameter_with_a_non_finite_per_sample_gradien
                       param_names={p: n for n, p in model.named_parameters()})
     opt.zero_grad()
     dp(x).sum().backward()
-    with pytest.raises(fxdp.FxdpError) as info:
+    with pytest.raises(fxdp.errors.FxdpError) as info:
         opt.step()
-    assert isinstance(info.value, fxdp.PerSampleError)
+    assert isinstance(info.value, fxdp.errors.PerSampleError)
     assert "the per-sample gradient of parameter '0.weight' is not finite" in str(info.value)
     assert "(first: sample 2)" in str(info.value)
 
@@ -112,7 +112,7 @@ def test_stepping_twice_without_zero_grad_is_an_fxdp_error():
     dp(torch.randn(4, 3)).sum().backward()
     opt.step()
     dp(torch.randn(4, 3)).sum().backward()
-    with pytest.raises(fxdp.PerSampleError, match=r"DPOptimizer.step\(\) was called again without optimizer.zero_grad"):
+    with pytest.raises(fxdp.errors.PerSampleError, match=r"DPOptimizer.step\(\) was called again without optimizer.zero_grad"):
         opt.step()
 
 
@@ -134,6 +134,6 @@ def test_the_hooks_engine_refuses_tensor_keyword_arguments_with_an_fxdp_error():
             return self.layer(x, shift=torch.zeros(3))
 
     wrapped = fxdp.GradSampleModule(Net())
-    with pytest.raises(fxdp.UnsupportedInputError, match="'layer'.*tensor keyword") as info:
+    with pytest.raises(fxdp.errors.UnsupportedInputError, match="'layer'.*tensor keyword") as info:
         wrapped(torch.randn(4, 3))
-    assert isinstance(info.value, TypeError) and isinstance(info.value, fxdp.FxdpError)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, fxdp.errors.FxdpError)

@@ -1,6 +1,6 @@
-"""One error hierarchy: ``except fxdp.NotPrivateError`` catches every "this model cannot be trained
+"""One error hierarchy: ``except fxdp.errors.NotPrivateError`` catches every "this model cannot be trained
 privately", whatever the engine and whether ``strict`` is on; everything fxdp raises on purpose is an
-``fxdp.FxdpError``."""
+``fxdp.errors.FxdpError``."""
 
 from __future__ import annotations
 
@@ -38,36 +38,38 @@ X = torch.randn(2, 3, 6, 6)
 @pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("mode", ["fx", "hooks", "functorch"])
 def test_batch_norm_is_a_not_private_error_whatever_the_engine_and_strict(mode, strict):
-    with pytest.raises(fxdp.NotPrivateError) as info:
+    with pytest.raises(fxdp.errors.NotPrivateError) as info:
         fxdp.compile_for_dp(WithBatchNorm(), X, strict=strict, grad_sample_mode=mode)
-    assert isinstance(info.value, fxdp.FxdpError)
+    assert isinstance(info.value, fxdp.errors.FxdpError)
     assert [(f.node, f.op) for f in info.value.findings if f.pass_name == "validate"] == [("bn", "nn.BatchNorm2d")]
     if strict:  # what strict validation raises, now inside the one hierarchy
-        assert isinstance(info.value, fxdp.UnsupportedModuleError)
+        assert isinstance(info.value, fxdp.errors.UnsupportedModuleError)
 
 
 def test_strict_module_validation_is_a_not_private_error():
-    with pytest.raises(fxdp.NotPrivateError) as info:
+    with pytest.raises(fxdp.errors.NotPrivateError) as info:
         ModuleValidator.validate(WithBatchNorm(), strict=True)
-    assert isinstance(info.value, fxdp.UnsupportedModuleError)
+    assert isinstance(info.value, fxdp.errors.UnsupportedModuleError)
     assert [f.node for f in info.value.findings] == ["bn"]
 
 
 def test_mixing_samples_is_a_not_private_error():
-    with pytest.raises(fxdp.NotPrivateError) as info:
+    with pytest.raises(fxdp.errors.NotPrivateError) as info:
         fxdp.compile_for_dp(Mixing(), torch.randn(3, 4))
-    assert type(info.value) is fxdp.BatchMixingError
+    assert type(info.value) is fxdp.errors.BatchMixingError
 
 
-def test_errors_are_exported_at_the_top_level():
+def test_errors_are_public_as_fxdp_errors_not_top_level_names():
     for name in ("FxdpError", "NotPrivateError", "BatchMixingError", "UnsupportedModuleError", "PassError",
                  "BatchDimAnalysisError", "MissingBatchRuleError"):
-        assert name in fxdp.__all__ and issubclass(getattr(fxdp, name), fxdp.FxdpError)
+        assert name in fxdp.errors.__all__ and issubclass(getattr(fxdp.errors, name), fxdp.errors.FxdpError)
+        assert name not in fxdp.__all__
+    from fxdp.errors import ModuleFixWarning, SelfCheckError  # noqa: F401  (both import forms work)
     from fxdp.passes.batch_dim import BatchDimAnalysisError
 
-    assert BatchDimAnalysisError is fxdp.BatchDimAnalysisError
+    assert BatchDimAnalysisError is fxdp.errors.BatchDimAnalysisError
 
 
 def test_analysis_errors_are_batch_dim_analysis_errors():
-    with pytest.raises(fxdp.BatchDimAnalysisError, match="contain no tensor"):
+    with pytest.raises(fxdp.errors.BatchDimAnalysisError, match="contain no tensor"):
         fxdp.compile_for_dp(nn.Linear(3, 2), example_inputs=(3,))

@@ -12,7 +12,7 @@ from torch import nn
 
 import fxdp
 from fxdp.diagnostics import Kind
-from fxdp import ExportShapeError
+from fxdp.errors import ExportShapeError
 from fxdp.grad_sample.bookkeeping import BookkeepingSink
 from fxdp.passes.batch_rules import keeps_layout, restore_batch_rules, snapshot_batch_rules
 
@@ -78,7 +78,7 @@ def test_a_model_torch_fx_cannot_trace_is_captured_by_torch_export():
     assert rules["inp"] == "Linear" and rules["out"] == "Linear"
     assert "aten.mul.Tensor" in rules and rules["aten.mul.Tensor"] == "generic"  # `* self.scale`
     # the per_sample changes point at the user's lines
-    mul = next(c for c in report.changes if c.op == "per_sample_function")
+    mul = next(c for c in report.changes if c.op == "dp_aware_function")
     assert mul.location.line == _line_of(LoopOverTime.forward, "torch.tanh")
     _check_against_batches_of_one(model, compiled, _x())
 
@@ -108,12 +108,12 @@ def test_other_batch_sizes_run_and_other_built_in_sizes_are_captured_again_once_
 
 
 def test_batchnorm_in_a_captured_graph_is_refused_as_in_traced_ones():
-    with pytest.raises(fxdp.NotPrivateError, match="BatchNorm1d"):
+    with pytest.raises(fxdp.errors.NotPrivateError, match="BatchNorm1d"):
         fxdp.compile_for_dp(LoopOverTime(post=nn.BatchNorm1d(8)).train(), example_inputs=_x())
 
 
 def test_mixing_in_a_captured_graph_is_refused_with_the_users_line():
-    with pytest.raises(fxdp.BatchMixingError) as info:
+    with pytest.raises(fxdp.errors.BatchMixingError) as info:
         fxdp.compile_for_dp(LoopOverTime(post=Centre()), example_inputs=_x())
     finding = next(f for f in info.value.findings if f.kind is Kind.MIXES_SAMPLES)
     assert finding.op == "aten.mean.dim" and finding.location.line == _line_of(Centre.forward, "h.mean(0)")
@@ -177,7 +177,7 @@ class CountsCalls(LoopOverTime):
 
 
 def test_buffer_writes_in_a_captured_graph_are_refused():
-    with pytest.raises(fxdp.NotPrivateError) as info:
+    with pytest.raises(fxdp.errors.NotPrivateError) as info:
         fxdp.compile_for_dp(CountsCalls(), example_inputs=_x())
     finding = next(f for f in info.value.findings if f.kind is Kind.CANNOT_BE_PRIVATE)
     assert finding.op == "aten.add_.Tensor" and "writes into buffer `calls` in place" in finding.message
@@ -266,7 +266,7 @@ def test_eval_of_a_graph_captured_with_dropout_on_is_refused_naming_the_dropout(
     assert fxdp.report(compiled).front_end == "torch.export"
     compiled(_x()).sum().backward()  # training: dropout on, as captured
     compiled.eval()
-    with pytest.raises(fxdp.ExportModeError, match=r"captured with torch.export in training mode.*p=0\.5.*test_export_capture"):
+    with pytest.raises(fxdp.errors.ExportModeError, match=r"captured with torch.export in training mode.*p=0\.5.*test_export_capture"):
         compiled(_x())
 
 
@@ -292,7 +292,7 @@ def test_a_capture_again_in_eval_mode_is_made_in_the_first_captures_mode():
     compiled = fxdp.compile_for_dp(attention, (_x(),))
     compiled.eval()
     modes = [m.training for m in attention.modules()]
-    with pytest.raises(fxdp.ExportModeError, match="captured with torch.export in training mode"):
+    with pytest.raises(fxdp.errors.ExportModeError, match="captured with torch.export in training mode"):
         compiled(_x(t=6))
     assert [m.training for m in attention.modules()] == modes == [True, False]  # the root is not the compiled's
     assert compiled.fxdp_input_shapes.shapes == [(None, 6, 4)]

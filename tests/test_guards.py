@@ -112,13 +112,13 @@ def test_a_shape_for_which_the_analysis_no_longer_holds_is_refused_before_backwa
     compiled = fxdp.compile_for_dp(model, example_inputs=torch.randn(4, 3), loss_reduction="sum")
     compiled(torch.randn(4, 3)).sum().backward()  # (batches of one cannot run this model to compare with)
     clear(model)
-    with pytest.raises(fxdp.NotPrivateError) as err:
+    with pytest.raises(fxdp.errors.NotPrivateError) as err:
         compiled(torch.randn(8, 3))  # each row of reshape(4, -1) now holds two samples
     message = str(err.value)
     assert "reshape" in message and f"test_guards.py:{line_of(HardCodedRows, '# <- rows')}" in message
     assert "(8, 3)" in message and "re-ran" in message
     assert model.fc.weight.grad_sample is None
-    with pytest.raises(fxdp.NotPrivateError):  # and it stays refused for that shape
+    with pytest.raises(fxdp.errors.NotPrivateError):  # and it stays refused for that shape
         compiled(torch.randn(8, 3))
     with torch.no_grad():  # evaluation records nothing: nothing to refuse
         torch.testing.assert_close(compiled(torch.randn(8, 3)).shape, torch.Size([4, 2]))
@@ -229,7 +229,7 @@ def test_two_forward_calls_before_one_backward_add_up_per_sample(sizes):
         want = sum(e[name] for e, _ in refs) if one_batch else torch.cat([e[name] for e, _ in refs])
         torch.testing.assert_close(p.grad_sample, want, atol=1e-5, rtol=1e-4)
     if not one_batch:
-        with pytest.raises(fxdp.PerSampleError, match=r"forward calls with batches of \[\d, \d\] samples"):
+        with pytest.raises(fxdp.errors.PerSampleError, match=r"forward calls with batches of \[\d, \d\] samples"):
             sink_of(compiled).squared_norms(list(model.parameters()))
 
 
@@ -296,7 +296,7 @@ def test_the_trainability_guard_still_refuses_when_the_graph_runs_without_the_ch
     model.w.requires_grad_(False)
     compiled = fxdp.compile_for_dp(model, example_inputs=torch.randn(4, 3), loss_reduction="sum")
     model.w.requires_grad_(True)
-    with pytest.raises(fxdp.runtime.TrainabilityChangedError,
+    with pytest.raises(fxdp.errors.TrainabilityChangedError,
                        match=rf"parameter 'w' was frozen.*node 't'.*test_guards.py:"
                              rf"{line_of(FunctionalWeight, '# <- w.t()')}.*Compile the model again"):
         compiled.forward(torch.randn(4, 3))

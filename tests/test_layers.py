@@ -240,7 +240,7 @@ def test_functorch_refuses_a_packed_input_whose_output_is_not_packed():
 def test_compiled_graph_refuses_a_first_batch_of_packed_sequences_with_what_to_do():
     model = Output(DPGRU(4, 5))
     compiled = fxdp.compile_for_dp(model)  # no example inputs: the first batch is analysed
-    with pytest.raises(fxdp.BatchDimAnalysisError, match="input 'x' is a PackedSequence, which the compiled graph "
+    with pytest.raises(fxdp.errors.BatchDimAnalysisError, match="input 'x' is a PackedSequence, which the compiled graph "
                                                          "does not take yet; use grad_sample_mode='hooks'"):
         compiled(_packed([3, 2], 4, False, True))
     assert all(getattr(p, "grad_sample", None) is None and p.grad is None for p in model.parameters())

@@ -133,3 +133,22 @@ def test_no_module_is_over_700_lines():
         if lines > MAX_LINES:
             too_long[relative] = lines
     assert not too_long, f"modules over {MAX_LINES} lines: {too_long}"
+
+
+def _subclasses(cls: type) -> Set[type]:
+    found = set(cls.__subclasses__())
+    for sub in list(found):
+        found |= _subclasses(sub)
+    return found
+
+
+def test_every_fxdp_error_is_defined_in_diagnostics_errors():
+    """One home for every error class (MODULES imported every fxdp module, so all of them are defined);
+    users read them as fxdp.errors."""
+    from fxdp.diagnostics.errors import FxdpError
+
+    elsewhere = {f"{c.__module__}.{c.__qualname__}" for c in _subclasses(FxdpError)
+                 if c.__module__.startswith("fxdp") and c.__module__ != "fxdp.diagnostics.errors"}
+    assert not elsewhere, f"FxdpError subclasses defined outside fxdp/diagnostics/errors.py: {sorted(elsewhere)}"
+    assert {c.__name__ for c in _subclasses(FxdpError) if c.__module__ == "fxdp.diagnostics.errors"} \
+        <= set(fxdp.errors.__all__)

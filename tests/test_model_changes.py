@@ -155,7 +155,7 @@ def test_per_layer_clipping_refuses_a_parameter_unfrozen_after_make_private_befo
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # compiled (hooked) again: said elsewhere
         loss_of(private(batch(1)[0]), batch(1)[1]).backward()
-    with pytest.raises(fxdp.PerSampleError, match="parameter 'w' has no per_layer bound: it was frozen when the "
+    with pytest.raises(fxdp.errors.PerSampleError, match="parameter 'w' has no per_layer bound: it was frozen when the "
                                                    "DPOptimizer was built and is trainable now"):
         optimizer.step()
     assert_nothing_moved(before, engine)
@@ -188,7 +188,7 @@ def test_a_layer_replaced_after_make_private_refuses_the_step_while_the_optimize
     with pytest.warns(UserWarning, match="layer 'head' of the .* was replaced"):
         loss_of(private(batch(1)[0]), batch(1)[1]).backward()
     assert model.head is new  # the model you passed and the one make_private returned are one model
-    with pytest.raises(fxdp.PerSampleError, match="parameter 'head.weight' is in the optimizer, but the model no "
+    with pytest.raises(fxdp.errors.PerSampleError, match="parameter 'head.weight' is in the optimizer, but the model no "
                                                    "longer uses it .*layer 'head' of .* was replaced.*noise alone"):
         optimizer.step()
     assert_nothing_moved(before, engine)
@@ -228,7 +228,7 @@ def test_a_parameter_replaced_inside_a_layer_after_make_private_is_refused_at_th
     optimizer.zero_grad()
     with pytest.warns(UserWarning, match="parameter 'fc.weight' of the .* was replaced"):
         loss_of(private(batch(1)[0]), batch(1)[1]).backward()
-    with pytest.raises(fxdp.PerSampleError, match="parameter 'fc.weight' is in the optimizer, but the model no "
+    with pytest.raises(fxdp.errors.PerSampleError, match="parameter 'fc.weight' is in the optimizer, but the model no "
                                                    "longer uses it"):
         optimizer.step()
     assert_nothing_moved(before, engine)
@@ -426,7 +426,7 @@ def test_engines_that_run_the_model_as_it_is_refuse_to_move_a_replaced_layer_by_
     before = snapshot(model, old)
     optimizer.zero_grad()
     loss_of(private(batch(2)[0]), batch(2)[1]).backward()
-    with pytest.raises(fxdp.PerSampleError, match=r"parameter '2.weight' is in the optimizer, but the model no longer "
+    with pytest.raises(fxdp.errors.PerSampleError, match=r"parameter '2.weight' is in the optimizer, but the model no longer "
                                                    r"uses it \(2 parameter\(s\) of Sequential were replaced"):
         optimizer.step()
     for p, value in before.values():

@@ -239,7 +239,7 @@ def test_router_logits_for_an_auxiliary_loss_are_refused_before_backward(mode, e
     if (mode, experts_implementation) == ("fx", "batched_mm"):  # captured, but the blocks' calls cannot be folded
         assert "the mixture-of-experts block(s) 'model.layers.0.mlp', 'model.layers.1.mlp' cannot be captured as " \
                "one call" in fxdp.report(compiled).fallback_reason
-    with pytest.raises(fxdp.PerSampleError) as info:
+    with pytest.raises(fxdp.errors.PerSampleError) as info:
         compiled(input_ids=x, labels=x)
     message = str(info.value)
     assert "mixture-of-experts block 'model.layers.0.mlp' (MixtralSparseMoeBlock) runs with output_router_logits=True" \
@@ -253,7 +253,7 @@ def test_router_logits_for_an_auxiliary_loss_are_refused_before_backward(mode, e
 def test_router_logits_asked_for_in_the_call_are_refused_too():
     model = mixtral("eager")
     compiled = fxdp.compile_for_dp(Logits(model), example_inputs=(tokens(),), grad_sample_mode="hooks")
-    with pytest.raises(fxdp.PerSampleError, match="runs with output_router_logits=True"):
+    with pytest.raises(fxdp.errors.PerSampleError, match="runs with output_router_logits=True"):
         compiled.module.model(input_ids=tokens(), output_router_logits=True)  # through the hooked layers
 
 
@@ -265,7 +265,7 @@ class CapacityMoE(TopKMoE):
 
 def test_capacity_limited_routing_is_refused_when_compiled():
     model = moe_net(CapacityMoE)
-    with pytest.raises(fxdp.BatchMixingError) as info:
+    with pytest.raises(fxdp.errors.BatchMixingError) as info:
         fxdp.compile_for_dp(model, example_inputs=(tokens(4),))
     (finding,) = info.value.findings
     assert (finding.pass_name, finding.node, finding.op) == ("validate", "moe", "CapacityMoE")
@@ -278,7 +278,7 @@ def test_capacity_limited_routing_is_refused_by_the_hooks_engine_before_backward
     model = moe_net(CapacityMoE)
     before = [p.detach().clone() for p in model.parameters()]
     wrapped = fxdp.GradSampleModule(model)
-    with pytest.raises(fxdp.PerSampleError, match=r"fxdp: the mixture-of-experts block 'moe' \(CapacityMoE\) has "
+    with pytest.raises(fxdp.errors.PerSampleError, match=r"fxdp: the mixture-of-experts block 'moe' \(CapacityMoE\) has "
                                                   r"expert_capacity=4: .* To train it: use top-k routing without a "
                                                   r"capacity limit\."):
         wrapped(tokens(4))
@@ -289,7 +289,7 @@ def test_capacity_limited_routing_is_refused_by_the_hooks_engine_before_backward
 def test_router_jitter_noise_in_training_is_refused():
     model = mixtral("eager", router_jitter_noise=0.1)
     compiled = fxdp.compile_for_dp(Logits(model), example_inputs=(tokens(),), grad_sample_mode="hooks")
-    with pytest.raises(fxdp.PerSampleError, match=r"'model.model.layers.0.mlp' \(MixtralSparseMoeBlock\) multiplies "
+    with pytest.raises(fxdp.errors.PerSampleError, match=r"'model.model.layers.0.mlp' \(MixtralSparseMoeBlock\) multiplies "
                                                   r"its input by random jitter noise .*router_jitter_noise=0"):
         compiled(tokens())
 
@@ -297,7 +297,7 @@ def test_router_jitter_noise_in_training_is_refused():
 def test_an_undeclared_moe_block_is_refused_with_what_to_do():
     torch.manual_seed(0)
     model = MoENet(TopKMoE).double()
-    with pytest.raises(fxdp.LayerBatchError) as info:
+    with pytest.raises(fxdp.errors.LayerBatchError) as info:
         fxdp.compile_for_dp(model, example_inputs=(tokens(4),))(tokens(4))
     assert "layer 'moe.router' (Linear) does not see the batch" in str(info.value)
     (finding,) = info.value.findings
@@ -328,7 +328,7 @@ def test_a_declared_block_whose_output_is_not_shaped_like_its_input_is_refused_i
     model = PooledNet(PooledMoE).double()
     x = tokens(4)
     compiled = fxdp.compile_for_dp(model, example_inputs=(x,))
-    with pytest.raises(fxdp.PerSampleError, match=r"the mixture-of-experts block PooledMoE returned a tensor of shape "
+    with pytest.raises(fxdp.errors.PerSampleError, match=r"the mixture-of-experts block PooledMoE returned a tensor of shape "
                                                   r"\(4, 8\) for an input of shape \(4, 6, 8\)"):
         compiled(x).sum().backward()
     assert getattr(model.moe.router.weight, "grad_sample", None) is None

@@ -86,7 +86,7 @@ def test_without_poisson_sampling_the_loader_is_kept():
 @pytest.mark.parametrize("mode", ENGINES)
 def test_a_model_dp_cannot_train_is_refused(mode):
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
-    with pytest.raises(fxdp.NotPrivateError, match="BatchNorm"):
+    with pytest.raises(fxdp.errors.NotPrivateError, match="BatchNorm"):
         private(PrivacyEngine(), mode, model=model)
 
 

@@ -14,7 +14,7 @@ from fxdp.passes.batch_rules import (
     OpCall,
     Verdict,
     find_batch_rule,
-    per_sample,
+    carries_batch,
     restore_batch_rules,
     snapshot_batch_rules,
 )
@@ -173,7 +173,7 @@ def test_a_rule_registered_through_fxdp_is_used_by_find_batch_dim_violations(res
     def mix_rows_rule(call: OpCall) -> Verdict:
         calls.append(call.arg(1, "dim"))
         layout = call.arg_layouts[0]
-        if per_sample(layout) and layout.dim == call.arg(1, "dim") % call.args[0].dim():
+        if carries_batch(layout) and layout.dim == call.arg(1, "dim") % call.args[0].dim():
             return Verdict(layout, mixes="normalises across samples", fix="use dim=-1")
         return Verdict(layout)
 

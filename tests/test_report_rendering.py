@@ -73,6 +73,6 @@ def test_a_report_keeps_long_locations_on_one_line(long_path_module):
 
 def test_an_error_keeps_long_locations_on_one_line(long_path_module):
     module, path = long_path_module
-    with pytest.raises(fxdp.NotPrivateError) as info:
+    with pytest.raises(fxdp.errors.NotPrivateError) as info:
         fxdp.compile_for_dp(module.MixingModel(), example_inputs=torch.randn(3, 4))
     _assert_locations_whole(str(info.value), info.value.findings, path)

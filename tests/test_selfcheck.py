@@ -19,10 +19,9 @@ from torch import nn
 
 import fxdp
 from fxdp.checker import per_sample_gradient_diagnostics
-from fxdp.compiler import AlreadyCompiledError
 from fxdp.engines import GradSampleModule
 from fxdp.engines.base import engine_hooks
-from fxdp.engines.selfcheck import LayerBatchError, SampleMixingError, UnverifiedModelError
+from fxdp.errors import AlreadyCompiledError, LayerBatchError, SampleMixingError, UnverifiedModelError
 from per_sample_reference import assert_grad_samples_match, batch_loss, expected_grad_samples
 
 
@@ -168,7 +167,7 @@ def test_an_untraceable_model_that_mixes_samples_is_refused(strict):
     assert fxdp.report(compiled).engine == "hooks"
     with pytest.raises(SampleMixingError) as info:
         compiled(x_of(5, 4))
-    assert isinstance(info.value, fxdp.NotPrivateError)
+    assert isinstance(info.value, fxdp.errors.NotPrivateError)
     assert "CentersUntraceably mixes samples" in str(info.value)
     assert info.value.findings[0].message.startswith("the output of sample(s) [1, 2, 3, 4] (output #0) changed")
 
@@ -187,7 +186,7 @@ def test_a_moved_batch_that_fits_the_shape_checks_is_caught_against_batches_of_o
     # T == N: every layer sees N rows at dim 0, but they are time steps; the comparison with batches of one sees it
     torch.manual_seed(0)
     compiled = fxdp.compile_for_dp(TransposesUntraceably().double())
-    with pytest.raises(fxdp.NotPrivateError):
+    with pytest.raises(fxdp.errors.NotPrivateError):
         compiled(x_of(3, 3, 4))
 
 

@@ -78,7 +78,7 @@ def test_a_failing_pass_is_named_and_keeps_its_cause(monkeypatch):
         raise KeyError("boom")
 
     monkeypatch.setattr(compiler, "remove_inplace_ops", broken)
-    with pytest.raises(fxdp.PassError, match="fxdp pass 'inplace' failed: KeyError") as info:
+    with pytest.raises(fxdp.errors.PassError, match="fxdp pass 'inplace' failed: KeyError") as info:
         fxdp.compile_for_dp(Residual(), torch.randn(3, 4))
     assert isinstance(info.value.__cause__, KeyError)
 
@@ -93,7 +93,7 @@ class Centre(nn.Module):
 
 
 def test_compile_refuses_a_model_that_mixes_samples_with_the_findings_table():
-    with pytest.raises(fxdp.BatchMixingError, match="mixes samples across the batch dimension") as info:
+    with pytest.raises(fxdp.errors.BatchMixingError, match="mixes samples across the batch dimension") as info:
         fxdp.compile_for_dp(Centre(), torch.randn(3, 4))
     assert any(f.line == _line_of(Centre.forward, "x - x.mean(0)") for f in
                (finding.location for finding in info.value.findings))
@@ -110,7 +110,7 @@ class WithBatchNorm(nn.Module):
 
 
 def test_compile_refuses_batch_norm_naming_the_module_and_line():
-    with pytest.raises(fxdp.NotPrivateError, match="ModuleValidator.fix") as info:
+    with pytest.raises(fxdp.errors.NotPrivateError, match="ModuleValidator.fix") as info:
         fxdp.compile_for_dp(WithBatchNorm(), torch.randn(2, 3, 6, 6))
     bn = [f for f in info.value.findings if f.pass_name == "validate"]
     assert [(f.node, f.op) for f in bn] == [("bn", "nn.BatchNorm2d")]

@@ -121,7 +121,7 @@ def test_two_forwards_with_a_backward_each_are_refused(mode):
     before = snapshot(model, opt)
     dp(x).sum().backward()
     dp(x).pow(2).sum().backward()
-    with pytest.raises(fxdp.PerSampleError, match="reached none of the forward calls"):
+    with pytest.raises(fxdp.errors.PerSampleError, match="reached none of the forward calls"):
         opt.step()
     assert_unchanged(model, opt, before)
 
@@ -190,7 +190,7 @@ def test_two_poisson_batches_backward_then_one_step_is_refused(mode, materialise
     opt.zero_grad()
     loss_of(dp, next(batches)).backward()
     loss_of(dp, next(batches)).backward()
-    with pytest.raises(fxdp.PerSampleError, match="the data loader handed out 2 batches since the last optimizer step"):
+    with pytest.raises(fxdp.errors.PerSampleError, match="the data loader handed out 2 batches since the last optimizer step"):
         opt.step()
     assert_unchanged(model, opt, before, engine)
     for batch in batches:  # the rest of the pass, as it should be run
@@ -210,7 +210,7 @@ def test_two_batches_backward_then_one_step_is_refused_without_a_dp_loader(mode,
     opt.zero_grad()
     loss_of(dp, (x[:4], y[:4])).backward()
     loss_of(dp, (x[4:], y[4:])).backward()
-    with pytest.raises(fxdp.PerSampleError, match="it was another batch"):
+    with pytest.raises(fxdp.errors.PerSampleError, match="it was another batch"):
         opt.step()
     assert_unchanged(model, opt, before, engine)
 
@@ -225,7 +225,7 @@ def test_one_backward_over_two_poisson_batches_is_refused():
     b1, b2 = next(batches), next(batches)
     n = min(len(b1[0]), len(b2[0]))  # (of two sizes, the sink would refuse them itself)
     (loss_of(dp, (b1[0][:n], b1[1][:n])) + loss_of(dp, (b2[0][:n], b2[1][:n]))).backward()
-    with pytest.raises(fxdp.PerSampleError, match="handed out 2 batches"):
+    with pytest.raises(fxdp.errors.PerSampleError, match="handed out 2 batches"):
         opt.step()
     assert_unchanged(model, opt, before, engine)
 
@@ -241,7 +241,7 @@ def test_skip_steps_across_two_poisson_batches_are_refused():
     before = snapshot(model, opt, engine)
     opt.zero_grad()
     loss_of(dp, next(batches)).backward()
-    with pytest.raises(fxdp.PerSampleError, match="handed out 2 batches"):
+    with pytest.raises(fxdp.errors.PerSampleError, match="handed out 2 batches"):
         opt.step()
     assert_unchanged(model, opt, before, engine)
 
@@ -286,7 +286,7 @@ def test_a_part_of_a_logical_batch_left_by_break_counts_against_the_next():
     batch = next(iter(loader))  # a new pass
     opt.zero_grad()
     loss_of(dp, batch).backward()
-    with pytest.raises(fxdp.PerSampleError, match="handed out 2 batches"):
+    with pytest.raises(fxdp.errors.PerSampleError, match="handed out 2 batches"):
         opt.step()
     assert_unchanged(model, opt, before, engine)
 
@@ -303,7 +303,7 @@ def test_calling_the_original_model_is_refused(mode, materialise):
     before = snapshot(model, opt, engine)
     opt.zero_grad()
     loss_of(model, batch).backward()
-    with pytest.raises(fxdp.PerSampleError, match="most likely the original model instead of the one make_private"):
+    with pytest.raises(fxdp.errors.PerSampleError, match="most likely the original model instead of the one make_private"):
         opt.step()
     assert_unchanged(model, opt, before, engine)
 
@@ -314,11 +314,11 @@ def test_a_step_without_backward_is_refused(mode, materialise):
     next(iter(loader))
     before = snapshot(model, opt, engine)
     opt.zero_grad()
-    with pytest.raises(fxdp.PerSampleError, match="found no per-sample gradient since the last step"):
+    with pytest.raises(fxdp.errors.PerSampleError, match="found no per-sample gradient since the last step"):
         opt.step()
     assert_unchanged(model, opt, before, engine)
     opt.zero_grad()  # and again: nothing was recorded, nothing moved
-    with pytest.raises(fxdp.PerSampleError, match="no per-sample gradient"):
+    with pytest.raises(fxdp.errors.PerSampleError, match="no per-sample gradient"):
         opt.step()
 
 
@@ -385,7 +385,7 @@ def test_a_bad_setting_is_refused_when_set_and_nothing_moves(name, value):
     loss_of(dp, batch).backward()
     before = snapshot(model, opt, engine)
     old = getattr(opt, name)
-    with pytest.raises(fxdp.PrivacySettingError, match=name):
+    with pytest.raises(fxdp.errors.PrivacySettingError, match=name):
         setattr(opt, name, value)
     assert getattr(opt, name) == old
     opt.step()  # the batch still steps, with the settings it had, and is counted once
@@ -408,7 +408,7 @@ def test_a_setting_changed_behind_its_setter_is_refused_before_the_step(change):
         opt.clipping = "per_layer"
     else:
         opt.__dict__["_noise_multiplier"] = math.nan
-    with pytest.raises(fxdp.PrivacySettingError):
+    with pytest.raises(fxdp.errors.PrivacySettingError):
         opt.step()
     assert_unchanged(model, opt, before, engine)
 
@@ -452,7 +452,7 @@ def test_training_on_the_loader_given_to_make_private_instead_of_the_returned_on
     for batch in train_loader:
         opt.zero_grad()
         loss_of(dp, batch).backward()
-        with pytest.raises(fxdp.PerSampleError, match="without a batch from the data loader make_private returned"):
+        with pytest.raises(fxdp.errors.PerSampleError, match="without a batch from the data loader make_private returned"):
             opt.step()
         assert_unchanged(model, opt, before, engine)
 
@@ -468,7 +468,7 @@ def test_one_batch_used_for_two_steps_is_refused():
     before = snapshot(model, opt, engine)
     opt.zero_grad()
     loss_of(dp, batch).backward()
-    with pytest.raises(fxdp.PerSampleError, match="a batch already used for a step"):
+    with pytest.raises(fxdp.errors.PerSampleError, match="a batch already used for a step"):
         opt.step()
     assert_unchanged(model, opt, before, engine)
     assert engine.accountant.history == [(1.0, pytest.approx(0.25), 1)]

@@ -182,7 +182,7 @@ def _apply(op, model, dp, opt, oracle, outputs, original_is_private) -> bool:
             if name == "max_grad_norm":
                 oracle.max_grad_norm = value
         else:
-            with pytest.raises(fxdp.PrivacySettingError):
+            with pytest.raises(fxdp.errors.PrivacySettingError):
                 setattr(opt, name, value)
             return True
     elif kind == "step":
@@ -200,7 +200,7 @@ def _backward(op, model, dp, opt, oracle, outputs) -> bool:
     total = sum(LOSSES[loss](outputs[c]) for c in which)
     # no row is a sample's: refused in backward (ExpandedWeights would add one batch's rows to another's)
     if len(sizes) > 1 and (isinstance(opt.sink, BookkeepingSink) or isinstance(dp, ExpandedWeightsGradSampleModule)):
-        with pytest.raises(fxdp.PerSampleError, match="batches of"):
+        with pytest.raises(fxdp.errors.PerSampleError, match="batches of"):
             total.backward(retain_graph=True)
         return True
     total.backward(retain_graph=True)
@@ -238,7 +238,7 @@ def _step(model, opt, oracle, outputs) -> bool:
         else:
             expected = flat(model) - (clipped if oracle.summed is None else clipped + oracle.summed)
     if reason is not None:
-        with pytest.raises(fxdp.FxdpError, match=reason):
+        with pytest.raises(fxdp.errors.FxdpError, match=reason):
             opt.step()
         return True
     opt.step()

@@ -84,7 +84,7 @@ def test_the_conv1d_rule_against_batches_of_one(shape):
 
 def test_a_rule_registered_by_class_path_waits_for_its_module():
     name = "fxdp_test_optional_library"
-    register_grad_sampler_by_path(name, "Layer")(lambda module, activations, backprops: {})
+    register_grad_sampler_by_path(f"{name}.Layer")(lambda module, activations, backprops: {})
     layer_type = type("Layer", (nn.Linear,), {"forward": lambda self, x: x})  # another rule could not serve it
     assert find_grad_sampler(layer_type) is None
     sys.modules[name] = type(sys)(name)
@@ -93,8 +93,7 @@ def test_a_rule_registered_by_class_path_waits_for_its_module():
         assert rule_name(layer_type) == "Layer"
     finally:
         del sys.modules[name]
-        from fxdp.grad_sample import registry
-        registry._BY_PATH.pop((name, "Layer"))
+        GRAD_SAMPLERS.by_path.pop(f"{name}.Layer")
 
 
 def test_fxdp_imports_without_transformers():
@@ -122,7 +121,7 @@ def test_gpt2_projections_are_folded_into_conv1d_calls_with_their_rule(mask):
     assert len(names) == 4 and all(rules[name] == "Conv1D" for name in names), rules
     generic = [f"{site.target}: {site.description}" for site in compiled.fxdp_batch.sites if site.rule == "generic"]
     assert generic and not [t for t in generic if any(p in t for p in PROJECTIONS)], generic  # (wpe stays generic)
-    assert ("fxdp_runtime_ops_per_sample_call(transformer_h_0_attn_c_attn_1, fxdp_site_transformer_h_0_attn_c_attn,"
+    assert ("fxdp_runtime_ops_dp_aware_layer(transformer_h_0_attn_c_attn_1, fxdp_site_transformer_h_0_attn_c_attn,"
             in compiled.code)
     assert 'transformer_h_0_attn_c_attn_1 = getattr(self.transformer.h, "0").attn.c_attn' in compiled.code
     assert not [n for n in compiled.graph.nodes if n.target is torch.ops.aten.addmm.default]

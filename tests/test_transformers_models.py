@@ -189,7 +189,7 @@ def test_a_loss_computed_inside_the_model_is_refused():
     depends on the others' token counts; the loss belongs outside the model."""
     model = _build(_gpt2, "sdpa")
     ids = _token_ids()
-    with pytest.raises(fxdp.BatchMixingError) as info:
+    with pytest.raises(fxdp.errors.BatchMixingError) as info:
         fxdp.compile_for_dp(model, example_inputs={"input_ids": ids, "labels": ids})
     (finding,) = [f for f in info.value.findings if f.kind is Kind.MIXES_SAMPLES]
     assert finding.op == "aten.cross_entropy_loss.default"

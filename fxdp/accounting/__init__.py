@@ -1,7 +1,7 @@
 """Privacy accounting for DP-SGD: how much (ε, δ) the steps taken have spent, and how much noise a
 target ε needs.
 
-- :class:`PLDAccountant` (``"pld"``, the privacy engine's default): privacy-loss distributions through
+- :class:`PLDAccountant` (``"pld"``, the PrivacyEngine's default): privacy-loss distributions through
   Google's ``dp-accounting``; the tightest bound here. ``"prv"``, Opacus's default, names it too.
 - :class:`RDPAccountant` (``"rdp"``, pure ``math``): Rényi DP of the Poisson-subsampled Gaussian mechanism;
   a looser bound (about 10-15% more ε), fast.

@@ -104,7 +104,7 @@ def get_noise_multiplier(
 
     # Shrink the bracket until epsilon(high) lands in [floor, target]. Each split point interpolates
     # log(epsilon) linearly in log(sigma) towards the middle of that window (the curve is nearly a
-    # line there, so a few evaluations suffice: the PLD accountant takes seconds each), kept in the
+    # line there, so a few evaluations suffice: each is slow with the PLD accountant), kept in the
     # inner 80% of the bracket so that the bracket always shrinks, as in plain bisection.
     floor = (1 - epsilon_tolerance) * target_epsilon
     aim = math.log((floor + target_epsilon) / 2)

@@ -37,8 +37,8 @@ def import_dp_accounting() -> Any:
 class PLDAccountant(Accountant):
     """PLD accountant for DP-SGD with Poisson sampling (add/remove neighbouring), through ``dp-accounting``.
 
-    Tighter than :class:`~fxdp.accounting.rdp.RDPAccountant`, and slower: about a second per
-    :meth:`get_epsilon` for thousands of steps (the composed distribution is cached until the next step).
+    Tighter than :class:`~fxdp.accounting.rdp.RDPAccountant`, and slower: :meth:`get_epsilon` composes the
+    privacy-loss distributions of every step (the composed distribution is cached until the next step).
     """
 
     mechanism = "pld"

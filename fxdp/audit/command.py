@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
                          batch_size=args.batch_size, epochs=args.epochs, canaries=args.canaries,
                          canary=args.canary, delta=args.delta, confidence=args.confidence, seed=args.seed,
                          lr=args.lr, accountant=args.accountant)
-    except ValueError as exc:  # settings the engine, the accountant or the audit refuse
+    except ValueError as exc:  # settings the PrivacyEngine, the accountant or the audit refuse
         print(f"fxdp audit: error: {exc}", file=sys.stderr)
         return 2
     print(result)

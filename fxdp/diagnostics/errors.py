@@ -1,9 +1,13 @@
-"""Every error fxdp raises on purpose, in one hierarchy.
+"""Every error fxdp raises on purpose, in one hierarchy; users read them as :mod:`fxdp.errors`.
 
 ``FxdpError`` is the root. ``NotPrivateError`` is "this model cannot be trained privately as it is",
-whatever the engine and whether ``strict`` is on, so ``except fxdp.NotPrivateError`` catches all of them:
+whatever the engine and whether ``strict`` is on, so ``except fxdp.errors.NotPrivateError`` catches all of
+them:
 
 - :class:`BatchMixingError` — an op lets samples influence each other;
+- :class:`SelfCheckError` — a per-sample engine that cannot read the model's code checked it on a real batch
+  and found per-sample gradients it cannot trust (:class:`SampleMixingError`, :class:`LayerBatchError`), or,
+  under ``strict``, could not check it (:class:`UnverifiedModelError`);
 - :class:`UnsupportedError` and its validators' taxonomy, each mapping to one :class:`Kind` so that
   validation errors and the validate pass's findings speak the same language:
   :class:`UnsupportedModuleError` (the module cannot be made private, e.g. BatchNorm in training; also
@@ -15,9 +19,12 @@ The others say fxdp could not finish its own work: :class:`PassError` (a pass fa
 original exception is ``__cause__``) and :class:`BatchDimAnalysisError` (the batch-dimension analysis
 could not run; :class:`MissingBatchRuleError` under ``strict`` for an op without a batch rule).
 :class:`ExportShapeError` is raised when a model captured with torch.export gets inputs its graph has
-no room for (a sequence length other than the example's). :class:`PerSampleError` is raised while a model runs: a per-sample gradient could not be computed
-correctly for an op or a batch (the generic rule failed, a rule returned the wrong shape, the DP
-optimizer found gradients it cannot clip, ...).
+no room for (a sequence length other than the example's). :class:`PerSampleError` is raised while a model
+runs: a per-sample gradient could not be computed correctly for an op or a batch (the generic rule failed,
+a rule returned the wrong shape, the DP optimizer found gradients it cannot clip, ...).
+:class:`ModelChangedError` (and :class:`TrainabilityChangedError`) says a model changed after it was
+compiled in a way fxdp cannot follow; :class:`AlreadyCompiledError` and :class:`AlreadyPrivateError` refuse
+a model given twice.
 
 :class:`ModuleFixWarning` lists what ``ModuleValidator.fix`` replaced; :func:`expect_module` is the
 TypeError for an entry point given something that is not a module.
@@ -69,6 +76,12 @@ class ModelChangedError(FxdpError, RuntimeError):
     trainable) in a way fxdp cannot follow in place: compile it again (or call make_private again)."""
 
 
+class TrainabilityChangedError(ModelChangedError):
+    """A parameter frozen at compile time is trainable now, and the compiled graph records no
+    per-sample gradient for (some of) its uses (the compiled model is compiled again before a forward where
+    that happens; this guard is what remains should the graph's code run without it)."""
+
+
 class PrivacySettingError(FxdpError, ValueError):
     """A DP optimizer's setting (noise multiplier, clipping bound, expected batch size, ...) is not one a private
     step can run with; raised when it is set, and again before a step if it was changed behind the setter."""
@@ -99,9 +112,13 @@ class GradientCheckpointingError(FxdpError, ValueError):
     given to fxdp: its layers re-run their forward inside backward, which fxdp's engines do not follow."""
 
 
+class AlreadyCompiledError(FxdpError, ValueError):
+    """A model that fxdp already compiled or wrapped was given to it again."""
+
+
 class AlreadyPrivateError(FxdpError, ValueError):
     """A model whose parameters another live ``PrivacyEngine`` already made private was given to
-    ``make_private`` again: each engine's accountant would count only its own steps."""
+    ``make_private`` again: each PrivacyEngine's accountant would count only its own steps."""
 
 
 class NotPrivateError(FxdpError, ValueError):
@@ -114,6 +131,26 @@ class NotPrivateError(FxdpError, ValueError):
 
 class BatchMixingError(NotPrivateError):
     """The model lets samples influence each other; no DP guarantee survives that."""
+
+
+class SelfCheckError(NotPrivateError):
+    """A per-sample engine's check of the model on a real batch found per-sample gradients it cannot trust."""
+
+
+class SampleMixingError(SelfCheckError, BatchMixingError):
+    """A sample's output changed when only another sample's input changed."""
+
+
+class UnverifiedModelError(SelfCheckError):
+    """``strict=True`` and the per-sample engine could not verify the model (see the message for why)."""
+
+
+class LayerBatchError(SelfCheckError):
+    """A hooked layer saw its input or output with the batch somewhere the per-sample engine does not assume."""
+
+
+class UnsupportedOutputError(FxdpError, RuntimeError):
+    """The loss depends on an output of a hooked layer whose gradient the per-sample rules never see."""
 
 
 ROOT_NAME = "<model>"  # how the root module is named in errors and findings
@@ -285,3 +322,36 @@ def error_from_finding(finding: Finding) -> UnsupportedError:
     cls = _ERROR_FOR_KIND.get(finding.kind, UnsupportedModuleError)
     return cls(finding.message, module_name=finding.node, fix=finding.fix, location=finding.location,
                op=finding.op)
+
+
+__all__ = [
+    "AlreadyCompiledError",
+    "AlreadyPrivateError",
+    "BatchDimAnalysisError",
+    "BatchMixingError",
+    "EmptyBatchError",
+    "ExportModeError",
+    "ExportShapeError",
+    "FxdpError",
+    "GradientCheckpointingError",
+    "IllegalModuleConfigurationError",
+    "LayerBatchError",
+    "MissingBatchRuleError",
+    "ModelChangedError",
+    "ModuleFixWarning",
+    "NotPrivateError",
+    "NotYetSupportedModuleError",
+    "PassError",
+    "PerSampleError",
+    "PrivacySettingError",
+    "SampleMixingError",
+    "SelfCheckError",
+    "ShouldReplaceModuleError",
+    "StepRefusedError",
+    "TrainabilityChangedError",
+    "UnsupportedError",
+    "UnsupportedInputError",
+    "UnsupportedModuleError",
+    "UnsupportedOutputError",
+    "UnverifiedModelError",
+]

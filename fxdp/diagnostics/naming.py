@@ -3,15 +3,47 @@
 ``operator.iadd``, ``torch.relu_``, ``F.relu``, ``Tensor.add_``, ``torch.special.erf``, ``nn.BatchNorm2d``;
 a user's own function or layer by its bare name. For the functions the inplace pass emits, the name is
 also a valid expression in a compiled model's code (``torch.relu``, ``F.gelu``, ``operator.add``).
+
+The modules that register rules for ops may give an op its name first (:func:`name_op`): the batch rules
+name a function that is both ``torch.x`` and ``F.x`` as they registered it, and the functions of a library
+fxdp does not import by their public path (``torchvision.ops.stochastic_depth``).
 """
 
 from __future__ import annotations
 
 import operator
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# op (a function, or the dotted path of one) -> the name given by the module that registered it
+_GIVEN: Dict[Any, str] = {}
+
+
+def name_op(op, name: str) -> None:
+    """Findings call ``op`` (a function, or the dotted path ``module.qualname`` of a function of a library
+    fxdp does not import) ``name``; the first name given wins."""
+    try:
+        _GIVEN.setdefault(op, name)
+    except TypeError:  # an unhashable op keeps its derived name
+        pass
+
+
+def dotted_name(fn) -> str:
+    """``module.qualname`` of a function (how a function of a library fxdp does not import is keyed)."""
+    return f"{getattr(fn, '__module__', None) or ''}.{getattr(fn, '__qualname__', None) or ''}"
+
+
+def _given_name(op) -> Optional[str]:
+    try:
+        given = _GIVEN.get(op)
+    except TypeError:
+        return None
+    if given is None and callable(op) and _GIVEN:
+        given = _GIVEN.get(dotted_name(op))
+    return given
 
 
 def op_name(op) -> str:
@@ -26,6 +58,9 @@ def op_name(op) -> str:
         return op
     if isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return str(op)  # an ATen op of a graph torch.export captured: aten.view.default
+    given = _given_name(op)
+    if given is not None:
+        return given
     name = getattr(op, "__name__", None) or repr(op)
     if getattr(operator, name, None) is op:
         return f"operator.{name}"

@@ -1,5 +1,6 @@
-"""The compile report: what ``compile_for_dp`` / ``inspect`` learned about a model, and which engine
-computes its per-sample gradients, and why."""
+"""The compile report: what ``compile_for_dp`` / ``inspect`` learned about a model, and which per-sample
+engine computes its per-sample gradients, and why. The names of the per-sample engines are defined here,
+once."""
 
 from __future__ import annotations
 
@@ -11,13 +12,18 @@ from tabulate import tabulate
 from fxdp.diagnostics.findings import Finding, PassReport, Severity, render_findings
 from fxdp.diagnostics.source import SourceLocation
 
-#: The engines a report can name:
+#: The per-sample engines a user names with ``grad_sample_mode``:
 #: ``fx`` — the compiled graph, a DP-aware op per parametrised call;
-#: ``fx+whole-model`` — traced and analysed, but the whole model runs as one DP-aware op with the
-#: generic rule (an op the per_sample pass cannot handle);
-#: ``hooks``, ``ew``, ``functorch``, ``no_op`` — the engines that do not compile (``grad_sample_mode``,
-#: or ``hooks`` for a model torch.fx cannot trace).
-ENGINES = ("fx", "fx+whole-model", "hooks", "ew", "functorch", "no_op")
+#: ``hooks``, ``ew``, ``functorch``, ``no_op`` — the per-sample engines that do not compile (``hooks`` is
+#: also the fallback for a model torch.fx cannot trace).
+GRAD_SAMPLE_MODES = ("fx", "hooks", "ew", "functorch", "no_op")
+
+#: The per-sample engine the compiler may choose besides those: traced and analysed, but the whole model
+#: runs as one DP-aware op with the generic rule (an op the per_sample pass cannot handle).
+WHOLE_MODEL = "fx+whole-model"
+
+#: The per-sample engines a report can name.
+ENGINES = GRAD_SAMPLE_MODES + (WHOLE_MODEL,)
 
 
 @dataclass(frozen=True)

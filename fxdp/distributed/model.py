@@ -128,7 +128,7 @@ def bucket_bytes_of(ddp: DistributedDataParallel) -> int:
 
 
 def _is_fsdp(module: nn.Module) -> bool:
-    # a model wrapped in FSDP means torch.distributed.fsdp was imported: no need to import it (seconds)
+    # a model wrapped in FSDP means torch.distributed.fsdp was imported: no need to import it (a slow import)
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is None:
         return False

@@ -1,4 +1,4 @@
-"""The engines: what computes per-sample gradients for a model, one file each.
+"""The per-sample engines: what computes per-sample gradients for a model, one file each.
 
 - ``fx`` — the compiled graph (:func:`fxdp.compile_for_dp`): a DP-aware op per parametrised call
   (:mod:`fxdp.runtime`);
@@ -16,6 +16,7 @@ model gets is decided in one place, :mod:`fxdp.compiler` (``compile_for_dp``, ``
 engines never import the compiler.
 """
 
+from fxdp.diagnostics.report import GRAD_SAMPLE_MODES
 from fxdp.engines.base import GradSampleModuleBase
 from fxdp.engines.ew import ExpandedWeightsGradSampleModule
 from fxdp.engines.fast_gradient_clipping import (
@@ -29,16 +30,15 @@ from fxdp.engines.hooks import GradSampleHooks, GradSampleModule
 from fxdp.engines.no_op import NoOpGradSampleModule
 from fxdp.engines.whole_model import PerSampleModel
 
-#: The values of ``grad_sample_mode``.
-GRAD_SAMPLE_MODES = ("fx", "hooks", "ew", "functorch", "no_op")
+#: The wrapper class of each per-sample engine that does not compile (``"fx"`` is ``compile_for_dp``).
+WRAPPERS = {"hooks": GradSampleModule, "ew": ExpandedWeightsGradSampleModule,
+            "functorch": FunctorchGradSampleModule, "no_op": NoOpGradSampleModule}
 
 
 def get_gsm_class(grad_sample_mode: str) -> type:
     """The wrapper class of an engine, by Opacus's ``grad_sample_mode`` names (``"ghost"``: the hooks engine
     with a book-keeping sink; ``"fx"``, the compiled graph, has no class: use ``compile_for_dp``)."""
-    classes = {"hooks": GradSampleModule, "functorch": FunctorchGradSampleModule,
-               "ew": ExpandedWeightsGradSampleModule, "no_op": NoOpGradSampleModule,
-               "ghost": GradSampleModuleFastGradientClipping}
+    classes = {**WRAPPERS, "ghost": GradSampleModuleFastGradientClipping}
     if grad_sample_mode == "ghost_fsdp":
         raise ValueError("fxdp: grad_sample_mode='ghost_fsdp' (FSDP) is not supported yet; use DDP "
                          "(fxdp.distributed.DPDistributedDataParallel) with grad_sample_mode='fx' or 'ghost'")
@@ -70,5 +70,6 @@ __all__ = [
     "GradSampleModuleBase",
     "NoOpGradSampleModule",
     "PerSampleModel",
+    "WRAPPERS",
     "check_grad_sample_mode",
 ]

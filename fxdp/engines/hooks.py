@@ -37,7 +37,18 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
-from fxdp.diagnostics import Finding, Kind, PassReport, Severity, UnsupportedInputError
+from fxdp.diagnostics import (
+    Finding,
+    Kind,
+    LayerBatchError,
+    PassReport,
+    SampleMixingError,
+    SelfCheckError,
+    Severity,
+    UnsupportedInputError,
+    UnsupportedOutputError,
+    UnverifiedModelError,
+)
 from fxdp.engines import selfcheck
 from fxdp.engines.base import (
     GradSampleModuleBase,
@@ -281,7 +292,7 @@ class GradSampleModule(GradSampleModuleBase):
         if bags is None and self._batch_size is None:
             return  # outside a forward of this wrapper (the self-check's runs of single samples)
         if bags is None or call["input"] is not bags[0] or call.get("offsets") is not bags[1]:
-            raise selfcheck.LayerBatchError(
+            raise LayerBatchError(
                 [selfcheck.finding(
                     name, type(mod).__name__, Kind.MOVES_BATCH,
                     "the layer takes flat indices grouped by offsets, which are not the model's first two inputs",
@@ -290,7 +301,7 @@ class GradSampleModule(GradSampleModuleBase):
                 f"fxdp (hooks engine): layer '{name}' (EmbeddingBag) takes flat indices, and the hooks engine "
                 "cannot tell which entries belong to which sample, so its per-sample gradients would be wrong:")
         if out.dim() == 0 or out.shape[0] != self._batch_size:
-            raise selfcheck.LayerBatchError(
+            raise LayerBatchError(
                 [selfcheck.finding(name, type(mod).__name__, Kind.MOVES_BATCH,
                                    f"the output has shape {tuple(out.shape)}, not one row per bag ({self._batch_size})",
                                    "give the layer the model's flat indices and offsets as they are")],
@@ -304,7 +315,7 @@ class GradSampleModule(GradSampleModuleBase):
             return activations  # an RNN fed a PackedSequence: its rows are time steps, its rule unpacks them
 
         def refuse(what: str, shape) -> None:
-            raise selfcheck.LayerBatchError(
+            raise LayerBatchError(
                 [selfcheck.finding(
                     name, type(mod).__name__, Kind.MOVES_BATCH,
                     f"{what} has shape {tuple(shape)}, but the batch of {n} samples is assumed in dimension {dim}",
@@ -393,7 +404,7 @@ class GradSampleModule(GradSampleModuleBase):
                 with self._recompute():
                     found, unverified = selfcheck.cross_sample_dependence(run, args, kwargs, self.batch_dim, bags)
                 if found is not None:
-                    raise selfcheck.SampleMixingError(
+                    raise SampleMixingError(
                         [selfcheck.finding("<model>", name, Kind.MIXES_SAMPLES, found,
                                            "make each sample's computation read only its own data "
                                            "(no statistics over the batch, no batch norm in training)")],
@@ -404,10 +415,10 @@ class GradSampleModule(GradSampleModuleBase):
                 if unverified is None and not random:  # a random model draws other numbers for a batch of one
                     try:
                         mismatch = self._compare_with_batches_of_one(run, args, kwargs, n, bags)
-                    except selfcheck.UnsupportedOutputError as exc:  # raised again by the user's backward
+                    except UnsupportedOutputError as exc:  # raised again by the user's backward
                         mismatch, unverified = None, str(exc).split(", so")[0].replace("fxdp: ", "")
                     if mismatch is not None:
-                        raise selfcheck.SelfCheckError(
+                        raise SelfCheckError(
                             [selfcheck.finding("<model>", name, Kind.MOVES_BATCH, mismatch,
                                                "use grad_sample_mode='fx' on a model torch.fx can trace, or "
                                                "grad_sample_mode='functorch'")],
@@ -424,7 +435,7 @@ class GradSampleModule(GradSampleModuleBase):
         message = (f"fxdp (hooks engine) could not verify {name} on its first batch ({unverified}), so its "
                    "per-sample gradients are not known to be right")
         if self.require_verified:
-            raise selfcheck.UnverifiedModelError(
+            raise UnverifiedModelError(
                 [selfcheck.finding("<model>", name, Kind.UNVERIFIED, unverified,
                                    "pass strict=False to accept it, or make it traceable by torch.fx")],
                 f"strict=True: {message}:")
@@ -458,17 +469,17 @@ class GradSampleModule(GradSampleModuleBase):
                 loss = loss / n
             loss.backward()
             rows = {nm: p.grad_sample[:k] for nm, p in named if getattr(p, "grad_sample", None) is not None}
-            alone = []
+
+            def loss_alone(i: int) -> torch.Tensor:
+                one_args, one_kwargs = (bags.sample(sub_args, sub_kwargs, i, dim) if bags is not None else
+                                        selfcheck.map_batched(sub_args, sub_kwargs, n, dim,
+                                                              lambda t: t.narrow(dim, i, 1)))
+                one = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*one_args, **one_kwargs)))[:1]
+                return sum((t * r.narrow(dim, i, 1)).sum() for t, r in zip(one, projections))
+
             with self._recompute():
-                for i in range(k):
-                    one_args, one_kwargs = (bags.sample(sub_args, sub_kwargs, i, dim) if bags is not None else
-                                            selfcheck.map_batched(sub_args, sub_kwargs, n, dim,
-                                                                  lambda t: t.narrow(dim, i, 1)))
-                    one = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*one_args, **one_kwargs)))[:1]
-                    loss_i = sum((t * r.narrow(dim, i, 1)).sum() for t, r in zip(one, projections))
-                    grads = torch.autograd.grad(loss_i, [p for _, p in named], allow_unused=True)
-                    alone.append({nm: g for (nm, _), g in zip(named, grads)})
-            missing = [nm for nm, _ in named if nm not in rows and any(a[nm] is not None for a in alone)]
+                alone = selfcheck.batch_of_one_gradients(loss_alone, named, k)
+            missing = [nm for nm, _ in named if nm not in rows and alone[nm] is not None]
             if missing:
                 return (f"parameter(s) {missing[:5]} get gradients but no per-sample gradients: they are used "
                         "where no hook sees them")
@@ -486,7 +497,7 @@ class GradSampleModule(GradSampleModuleBase):
     @staticmethod
     def _unsupported_output_hook(name: str, module: nn.Module, index: int):
         def hook(grad: torch.Tensor) -> None:
-            raise selfcheck.UnsupportedOutputError(
+            raise UnsupportedOutputError(
                 f"fxdp: the loss depends on output #{index} of module '{name}' ({type(module).__name__}), "
                 "but per-sample rules only receive the gradient of its first output, so its "
                 "per-sample gradients would be wrong. Use grad_sample_mode='fx' or 'functorch', or "
@@ -514,7 +525,7 @@ def fallback_self_check(model: nn.Module, example_inputs, batch_dim: int, strict
                           "the hooks fallback could not be verified: no example inputs to test the model on",
                           "give example inputs (fxdp inspect --input SHAPE)")
         if strict:
-            raise selfcheck.UnverifiedModelError([finding], "strict=True: the hooks fallback cannot be verified:")
+            raise UnverifiedModelError([finding], "strict=True: the hooks fallback cannot be verified:")
         return PassReport(selfcheck.PASS_NAME, findings=(finding,))
     args, kwargs = ((), dict(example_inputs)) if isinstance(example_inputs, dict) else (
         ((example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)), {})
@@ -523,7 +534,7 @@ def fallback_self_check(model: nn.Module, example_inputs, batch_dim: int, strict
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # an unverified model is reported below
             engine(*args, **kwargs)
-    except selfcheck.SelfCheckError as exc:
+    except SelfCheckError as exc:
         if strict:
             raise
         return PassReport(selfcheck.PASS_NAME, findings=exc.findings)

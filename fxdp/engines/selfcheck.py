@@ -7,12 +7,14 @@ more, before that batch's forward:
 
 - :func:`cross_sample_dependence`: perturb one sample's input and check that every other sample's
   output is unchanged (same random seed for both runs, buffers restored afterwards);
-- :func:`compare_with_batches_of_one` (run by the engine): the engine's per-sample gradients on a few
-  samples against the gradients of each sample run alone.
+- the engine's per-sample gradients on a few samples against the gradients of each sample run alone
+  (:func:`batch_of_one_gradients`, the definition, which :mod:`fxdp.checker` compares with too;
+  :func:`compare_gradients`).
 
-What the tests find is raised as an fxdp error (:class:`SampleMixingError`, :class:`SelfCheckError`);
-when a test cannot run (no input to perturb, outputs without the batch, a random model), the model
-is *unverified*: ``strict`` refuses it (:class:`UnverifiedModelError`), otherwise a warning says so.
+What the tests find is raised as an fxdp error (:class:`~fxdp.errors.SampleMixingError`,
+:class:`~fxdp.errors.SelfCheckError`); when a test cannot run (no input to perturb, outputs without the
+batch, a random model), the model is *unverified*: ``strict`` refuses it
+(:class:`~fxdp.errors.UnverifiedModelError`), otherwise a warning says so.
 """
 
 from __future__ import annotations
@@ -26,29 +28,9 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
-from fxdp.diagnostics import BatchMixingError, Finding, FxdpError, Kind, NotPrivateError, Severity
+from fxdp.diagnostics import Finding, Kind, Severity
 
 PASS_NAME = "self-check"
-
-
-class SelfCheckError(NotPrivateError):
-    """An engine's check of the model on a real batch found per-sample gradients it cannot trust."""
-
-
-class SampleMixingError(SelfCheckError, BatchMixingError):
-    """A sample's output changed when only another sample's input changed."""
-
-
-class UnverifiedModelError(SelfCheckError):
-    """``strict=True`` and the engine could not verify the model (see the message for why)."""
-
-
-class LayerBatchError(SelfCheckError):
-    """A hooked layer saw its input or output with the batch somewhere the engine does not assume."""
-
-
-class UnsupportedOutputError(FxdpError, RuntimeError):
-    """The loss depends on an output of a hooked layer whose gradient the per-sample rules never see."""
 
 
 def finding(node: str, op: str, kind: Kind, message: str, fix: str) -> Finding:
@@ -270,13 +252,33 @@ def gradient_rtol(dtypes) -> float:
     return max(1e-3, 4 * eps)
 
 
-def compare_gradients(engine_rows: Dict[str, torch.Tensor], alone: List[Dict[str, Optional[torch.Tensor]]],
+def batch_of_one_gradients(loss_alone: Callable[[int], torch.Tensor], named: Sequence[Tuple[str, nn.Parameter]],
+                           k: int) -> Dict[str, Optional[torch.Tensor]]:
+    """The definition of per-sample gradients, which every check compares with: ``{name: (k, *p.shape)}``,
+    row ``i`` the gradient of ``loss_alone(i)``, sample ``i``'s loss computed with sample ``i`` run alone
+    (a batch of one). A row is zero where sample ``i`` does not reach the parameter; None for a parameter
+    no sample reaches."""
+    params = [p for _, p in named]
+    rows: List[Tuple[Optional[torch.Tensor], ...]] = []
+    for i in range(k):
+        loss = loss_alone(i)
+        rows.append(torch.autograd.grad(loss, params, allow_unused=True) if params else ())
+    found: Dict[str, Optional[torch.Tensor]] = {}
+    for j, (name, p) in enumerate(named):
+        grads = [row[j] for row in rows]
+        found[name] = None if all(g is None for g in grads) else torch.stack(
+            [torch.zeros_like(p) if g is None else g.detach() for g in grads])
+    return found
+
+
+def compare_gradients(engine_rows: Dict[str, torch.Tensor], alone: Dict[str, Optional[torch.Tensor]],
                       rtol: float = 1e-3) -> Optional[str]:
-    """Compare per-sample gradients (``{name: (k, *shape)}``) with those of each sample run alone."""
+    """Compare per-sample gradients (``{name: (k, *shape)}``) with those of each sample run alone
+    (:func:`batch_of_one_gradients`), row by row, at ``rtol`` of the row's largest entry."""
     for name, rows in engine_rows.items():
-        for i, grads in enumerate(alone):
-            expected = grads.get(name)
-            expected = torch.zeros_like(rows[i]) if expected is None else expected.to(rows.dtype)
+        for i in range(rows.shape[0]):
+            expected = alone.get(name)
+            expected = torch.zeros_like(rows[i]) if expected is None else expected[i].to(rows.dtype)
             scale = expected.abs().max().item() if expected.numel() else 0.0
             diff = (rows[i] - expected).abs().max().item() if expected.numel() else 0.0
             if not diff <= 1e-5 + rtol * scale:

@@ -22,7 +22,7 @@ from fxdp.grad_sample.model_methods import OpacusModelMethods
 from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
 from fxdp.layout import UNKNOWN, BatchLayout
 from fxdp.passes.per_sample import batch_source
-from fxdp.runtime.ops import PerSampleSite, per_sample_call
+from fxdp.runtime.ops import PerSampleSite, dp_aware_layer
 
 
 class PerSampleModel(OpacusModelMethods, nn.Module):
@@ -60,7 +60,7 @@ class PerSampleModel(OpacusModelMethods, nn.Module):
             recorded = self._input_layouts.get(arg_name, [])
             layouts += [recorded[i] if i < len(recorded) else "unbatched" for i in range(len(tensors))]
         self.fxdp_site.layouts = layouts
-        return per_sample_call(self.module, self.fxdp_site, n, *args, **kwargs)
+        return dp_aware_layer(self.module, self.fxdp_site, n, *args, **kwargs)
 
 
 def whole_model_op(model: nn.Module, gm: torch.fx.GraphModule, *, loss_reduction: str, batch_dim: int,

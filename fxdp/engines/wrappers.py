@@ -9,14 +9,10 @@ import torch
 import torch.fx
 from torch import nn
 
-from fxdp.diagnostics import FxdpError
+from fxdp.diagnostics import AlreadyCompiledError
 from fxdp.engines.base import GradSampleModuleBase, engine_hooks, remove_dead_engine_hooks
 from fxdp.engines.hooks import GradSampleModule
 from fxdp.engines.whole_model import PerSampleModel
-
-
-class AlreadyCompiledError(FxdpError, ValueError):
-    """A model that fxdp already compiled or wrapped was given to it again."""
 
 
 def unwrap_or_refuse(model: nn.Module) -> nn.Module:

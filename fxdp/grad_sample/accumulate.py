@@ -23,10 +23,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional
 import torch
 from torch import nn
 
-from fxdp.grad_sample.generic import (  # noqa: F401  (LOSS_REDUCTIONS, check_loss_reduction: re-exported)
-    LOSS_REDUCTIONS,
+from fxdp.grad_sample.generic import (
     AutocastState,
-    check_loss_reduction,
     generic_grad_sampler,
     summed_loss_backprops,
     under_autocast,
@@ -49,7 +47,7 @@ def trainable_parameters(module: nn.Module) -> Dict[str, nn.Parameter]:
     return out
 
 
-def per_sample_precision(t: Any) -> Any:
+def float32_if_half(t: Any) -> Any:
     """A floating tensor of half precision (bfloat16, float16) in float32; anything else as it is.
 
     Per-sample arithmetic (hand-written rules, norms, clipped sums) reads A and G through this: its results
@@ -99,7 +97,7 @@ def layer_capture(
     the generic rule's thunk, which re-runs each sample with the batch at ``batch_dim`` (the layer's own
     layout), under ``autocast`` (the autocast settings of the layer's forward, see
     :func:`~fxdp.grad_sample.generic.autocast_state`). A hand-written rule sees half-precision A and G in
-    float32 (:func:`per_sample_precision`)."""
+    float32 (:func:`float32_if_half`)."""
     params = tuple(trainable_parameters(module).values())
     if batch_size == 0:  # an empty batch (Poisson sampling): no rows; rules' reshape(n, -1) cannot take it
         return LayerCapture(0, lambda: {p: p.new_zeros((0, *p.shape)) for p in params}, params=params)
@@ -115,8 +113,8 @@ def layer_capture(
 
     rule = None if generic else find_grad_sampler(module)
     if rule is not None:
-        activations = [per_sample_precision(a) for a in activations]
-        backprops = per_sample_precision(backprops)
+        activations = [float32_if_half(a) for a in activations]
+        backprops = float32_if_half(backprops)
 
         def grad_samples() -> Dict[nn.Parameter, torch.Tensor]:
             with torch.enable_grad():  # backward hooks run with grad mode off: the CPU LSTM has no backward there

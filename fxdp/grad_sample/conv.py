@@ -3,9 +3,9 @@
 The weight gradient of a convolution is itself computed by the convolution backward kernel. Folding
 the batch into the groups — input ``(1, N*C, *S)``, output gradient ``(1, N*O, *S')``, weight
 ``(N*O, C/G, *K)``, ``groups = N*G`` — makes that one kernel call return every sample's weight
-gradient at once, with no ``unfold`` matrix of size ``N * C*prod(K) * prod(S')``. On CPU this was
-5-30x faster than unfold + einsum for N=32..64, 3..64 channels, 32x32 images, and about as fast as
-the ordinary (summed) weight gradient.
+gradient at once, with no ``unfold`` matrix of size ``N * C*prod(K) * prod(S')``, in about the time of
+the ordinary (summed) weight gradient (docs/per_sample.md, "Why some code paths look as they do", has the
+measurement against unfold + einsum).
 
 Padding: non-zero padding modes (reflect, replicate, circular) and asymmetric ``padding="same"``
 are applied to the activations with ``F.pad`` first; the convolution then runs with padding 0,

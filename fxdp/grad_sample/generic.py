@@ -30,10 +30,10 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxdp.diagnostics.errors import PerSampleError
+from fxdp.grad_sample.sink import LOSS_REDUCTIONS
 from fxdp.layout import PACKED, BatchLayout
 
 Position = Union[int, str]
-LOSS_REDUCTIONS = ("mean", "sum")
 
 
 AUTOCAST_DEVICES = ("cpu", "cuda")

@@ -41,7 +41,7 @@ def linear_grad_sample(
     return _matmul_grad_samples(module, activations[0], backprops, weight_in_out=False)
 
 
-@register_grad_sampler_by_path("transformers.pytorch_utils", "Conv1D")
+@register_grad_sampler_by_path("transformers.pytorch_utils.Conv1D")
 def transformers_conv1d_grad_sample(
     module: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:

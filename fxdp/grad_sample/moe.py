@@ -149,4 +149,4 @@ def fake_output(module: nn.Module, args) -> Optional[torch.Tensor]:
 # Hugging Face blocks whose router picks each token's top-k experts on its own (read in transformers 5's code)
 for _module, _block in (("mixtral", "MixtralSparseMoeBlock"), ("qwen2_moe", "Qwen2MoeSparseMoeBlock"),
                         ("qwen3_moe", "Qwen3MoeSparseMoeBlock"), ("olmoe", "OlmoeSparseMoeBlock")):
-    register_grad_sampler_by_path(f"transformers.models.{_module}.modeling_{_module}", _block)(moe_block_grad_sampler)
+    register_grad_sampler_by_path(f"transformers.models.{_module}.modeling_{_module}.{_block}")(moe_block_grad_sampler)

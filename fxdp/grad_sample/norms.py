@@ -57,8 +57,8 @@ def layer_norm_grad_sample(
     if not _needs_grad(module.weight, module.bias):
         return {}
     x = activations[0].to(backprops.dtype)
-    # with a unit weight and zero bias the result is the same to the bit, and torch's CPU kernel takes a path
-    # about twice as fast as with none (torch 2.13: 0.17 vs 0.33 ms at (32, 64, 128))
+    # with a unit weight and zero bias the result is the same to the bit, and torch's CPU kernel takes a
+    # faster path than with none
     ones = torch.ones(module.normalized_shape, dtype=x.dtype, device=x.device)
     x_hat = F.layer_norm(x, module.normalized_shape, ones, torch.zeros_like(ones), eps=module.eps)
     return _affine_grad_samples(

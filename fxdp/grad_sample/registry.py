@@ -12,8 +12,8 @@ registers its own or overrides ``forward`` (then it has no rule: the graph trace
 hooks engine gives it the generic rule), or the rule was registered with ``subclasses=True``. The
 last registration for a type wins. Both the compiled graph and the hooks engine look rules up here,
 so a user rule serves both. A rule for a class of an optional library (transformers' ``Conv1D``) is
-registered by class path (:func:`register_grad_sampler_by_path`): it applies once that library's module is
-imported, and fxdp never imports it.
+registered by its dotted path (:func:`register_grad_sampler_by_path`): it applies once that library's module
+is imported, and fxdp never imports it.
 
 A module with a parametrization (``torch.nn.utils.parametrize``: ``weight_norm``, ``spectral_norm``,
 a user's) computes its weight from other parameters (``parametrizations.weight.original0``, ...), so
@@ -23,9 +23,8 @@ its class's rule, which differentiates the computed weight, does not apply: it g
 
 from __future__ import annotations
 
-import sys
 import weakref
-from typing import Callable, Dict, Iterable, List, Optional, Tuple, Type, Union
+from typing import Callable, Dict, Iterable, List, Optional, Type, Union
 
 import torch
 from torch import nn
@@ -52,41 +51,17 @@ def register_grad_sampler(target_class_or_classes: Union[Type[nn.Module], Iterab
     return GRAD_SAMPLERS.register(target_class_or_classes, subclasses=subclasses)
 
 
-# Rules for classes of optional libraries, by ``(module, class name)``: registered once that module is
-# imported (a class of it can exist only then), so fxdp never imports the library itself.
-_BY_PATH: Dict[Tuple[str, str], GradSampler] = {}
-
-
-def register_grad_sampler_by_path(module_name: str, class_name: str):
-    """Decorator: register ``fn`` as the rule for ``module_name.class_name`` (serving subclasses that do not
-    override ``forward``) as soon as that module has been imported, without importing it. A rule registered
-    for that class with :func:`register_grad_sampler` takes precedence."""
-    def decorator(fn: GradSampler) -> GradSampler:
-        _BY_PATH[(module_name, class_name)] = fn
-        return fn
-
-    return decorator
-
-
-_SCANNED = [None]  # (modules imported, rules by path, registry changes) at the last scan
-
-
-def _register_imported_classes() -> None:
-    state = (len(sys.modules), len(_BY_PATH), getattr(GRAD_SAMPLERS.entries, "changes", None))
-    if state == _SCANNED[0] and state[2] is not None:  # nothing imported or registered since: nothing new
-        return
-    _SCANNED[0] = state
-    for (module_name, class_name), fn in _BY_PATH.items():
-        cls = getattr(sys.modules.get(module_name), class_name, None)
-        if isinstance(cls, type) and cls not in GRAD_SAMPLERS.entries:
-            GRAD_SAMPLERS.register(cls)(fn)
+def register_grad_sampler_by_path(path: str, *, subclasses: bool = False):
+    """Decorator: register ``fn`` as the rule for the class ``path`` ("module.ClassName") of a library fxdp
+    does not import, as soon as that module has been imported (:meth:`TypeRegistry.register_by_path`). A
+    rule registered for that class with :func:`register_grad_sampler` takes precedence."""
+    return GRAD_SAMPLERS.register_by_path(path, subclasses=subclasses)
 
 
 def find_grad_sampler(module_or_type) -> Optional[GradSampler]:
     """The rule for a module (or module type), walking the class hierarchy; ``None`` if there is none."""
     if _is_parametrized(module_or_type):
         return parametrized_grad_sampler
-    _register_imported_classes()
     return GRAD_SAMPLERS.find(module_or_type)
 
 
@@ -95,7 +70,6 @@ def rule_name(module_or_type) -> Optional[str]:
     ``label`` (a rule shared by many classes: the mixture-of-experts one), or None."""
     if _is_parametrized(module_or_type):
         return PARAMETRIZED
-    _register_imported_classes()
     owner = GRAD_SAMPLERS.owner(module_or_type)
     if owner is None:
         return None

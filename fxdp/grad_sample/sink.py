@@ -41,6 +41,9 @@ from torch import nn
 # Re-exported: readers of this contract (the DP optimizer, which imports only this module) raise it too.
 from fxdp.diagnostics.errors import PerSampleError, PrivacySettingError, StepRefusedError
 
+# How a training loss reduces over the batch; a sink is always handed G of the summed loss.
+LOSS_REDUCTIONS = ("mean", "sum")
+
 
 @dataclass
 class LayerCapture:

@@ -50,12 +50,11 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from fxdp.grad_sample.sink import GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError
+from fxdp.grad_sample.sink import LOSS_REDUCTIONS, GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError
 from fxdp.optim.extension_points import OpacusExtensionPoints
 from fxdp.optim.noise import add_gaussian_noise_
 
 CLIPPING_MODES = ("flat", "per_layer")
-LOSS_REDUCTIONS = ("mean", "sum")
 _EPS = 1e-6  # in the clip factor C / (norm + eps): a zero gradient gets factor 1, never a division by 0
 # Opacus's DPOptimizer extension points. The default step forms the clipped, noised gradient in one pass
 # (_write_private_grads); a subclass overriding one of them steps through them instead (_step_through_overrides).
@@ -87,7 +86,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         secure_mode: draw noise from the OS's cryptographic source, guarded against the floating-point
             attack (see :mod:`fxdp.optim.noise`); no ``generator`` then.
         generator: a ``torch.Generator`` for reproducible noise (its state is saved by ``state_dict``).
-        param_names: ``{parameter: name}`` used in error messages (the privacy engine passes the model's
+        param_names: ``{parameter: name}`` used in error messages (the PrivacyEngine passes the model's
             ``named_parameters``).
     """
 
@@ -287,7 +286,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         self.original_optimizer.add_param_group(param_group)
 
     def attach_step_hook(self, fn: Callable[["DPOptimizer"], None]) -> None:
-        """Call ``fn(optimizer)`` after every logical step (the privacy engine's accountant uses it)."""
+        """Call ``fn(optimizer)`` after every logical step (the PrivacyEngine's accountant uses it)."""
         self._step_hooks.append(fn)
 
     def signal_skip_step(self, do_skip: bool = True) -> None:
@@ -479,7 +478,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
                 raise StepRefusedError(
                     f"fxdp: parameter '{self._name(p)}' is in the optimizer, but the model no longer uses it ({why}), "
                     "so DP-SGD would move it by noise alone. Call make_private again with the changed model and an "
-                    "optimizer over its parameters (the privacy engine's accountant keeps the privacy spent so far), "
+                    "optimizer over its parameters (the PrivacyEngine's accountant keeps the privacy spent so far), "
                     "or freeze the old parameter (requires_grad_(False)) and add the new ones with "
                     "optimizer.add_param_group")
             if self.clipping == "per_layer":

@@ -21,11 +21,9 @@ Each secure normal value is the Box–Muller transform of two 53-bit uniforms ta
 (one pair of uniforms gives two normals), so a secure noise value costs 4 normals = 4 uniforms' worth
 of bits = 32 bytes from the OS, computed in float64 on the CPU and then moved to the parameter's device.
 
-Cost, measured on this project's 2-core CPU machine (torch 2.13, float32 result, 1,000,000 values,
-median of 5, machine shared with other jobs): ``torch.normal`` about 4 ms; secure mode about 200 ms,
-of which about 90 ms is reading 32 MB from ``os.urandom``. That is about 0.2 s per million parameters
-per optimizer step (once per logical batch, not per physical batch): small next to a step's backward
-for small models, comparable to it for large ones.
+Cost: secure noise is drawn once per optimizer step (per logical batch, not per physical batch) and costs
+far more than ``torch.normal``, about half of it reading from the OS: small next to a step's backward for
+small models, comparable to it for large ones (docs/training.md, "Secure mode", has the figures).
 """
 
 from __future__ import annotations
@@ -94,8 +92,8 @@ _BUFFERS = threading.local()  # per thread: {dtype: buffer of NOISE_CHUNK + 15 v
 
 def _chunk_buffer(dtype: torch.dtype) -> torch.Tensor:
     """The calling thread's buffer for chunks of noise, kept between calls: allocating 256 KiB afresh for
-    every parameter costs the system calls and page faults of new memory each time (0.1 to 0.5 ms a step
-    on the benchmark MLP, whose noise draws take about 2.5 ms)."""
+    every parameter costs the system calls and page faults of new memory each time (a measurable part of
+    the noise draws of a small model; docs/per_sample.md, "Why some code paths look as they do")."""
     buffers = getattr(_BUFFERS, "by_dtype", None)
     if buffers is None:
         buffers = _BUFFERS.by_dtype = {}

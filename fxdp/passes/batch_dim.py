@@ -43,7 +43,9 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.nn.utils.rnn import PackedSequence
 
 from fxdp import meta
-from fxdp.diagnostics import BatchDimAnalysisError, Finding, Kind, MissingBatchRuleError, PassReport, PassResult, Severity
+from fxdp.diagnostics import (
+    BatchDimAnalysisError, Finding, Kind, MissingBatchRuleError, PassReport, PassResult, Severity, op_name,
+)
 from fxdp.grad_sample.moe import fake_output
 from fxdp.grad_sample.transformer import stack_fake_output
 from fxdp.layout import BROADCAST, PACKED, UNBATCHED_LAYOUT, UNKNOWN, UNKNOWN_LAYOUT, BatchLayout
@@ -67,8 +69,7 @@ from fxdp.passes.batch_rules import (
     is_inplace,
     keeps_sample_index,
     mirror,
-    op_name,
-    per_sample,
+    carries_batch,
     reads_facts,
     record_facts,
     selects_element,
@@ -247,7 +248,7 @@ class BatchDimInterpreter(torch.fx.Interpreter):
             return mirror(out, None)
         if any(isinstance(lay, BatchLayout) and lay.kind == UNKNOWN for _, lay in pairs):
             return mirror(out, UNKNOWN_LAYOUT)  # the op that lost the batch was reported already
-        per = any(per_sample(lay) for _, lay in pairs)
+        per = any(carries_batch(lay) for _, lay in pairs)
         uses_facts = reads_facts(n, _flat_nodes(n), self.facts)
         broadcast = any(isinstance(lay, BatchLayout) and lay.kind == BROADCAST for _, lay in pairs)
         packed = any(_is_packed(lay) for _, lay in pairs)
@@ -299,7 +300,7 @@ class BatchDimInterpreter(torch.fx.Interpreter):
             elif is_inplace(n) and isinstance(verdict.layout, BatchLayout):
                 self.layouts[target] = verdict.layout
             if (target in self.facts.sample_index and keeps_sample_index(n)
-                    and not verdict.mixes and per_sample(verdict.layout)):
+                    and not verdict.mixes and carries_batch(verdict.layout)):
                 self.facts.sample_index.add(n)
         return verdict.layout
 
@@ -321,7 +322,7 @@ class BatchDimInterpreter(torch.fx.Interpreter):
         """A rearranging op passes on the moves behind its inputs unless the batch is back home."""
         carried = [m for a in _flat_nodes(n) for m in self.pending.get(a, ())] + list(self.pending.get(n, ()))
         lay = _first_layout(layout)
-        if carried and lay is not None and lay != self.home and (per_sample(lay) or lay.kind == UNKNOWN):
+        if carried and lay is not None and lay != self.home and (carries_batch(lay) or lay.kind == UNKNOWN):
             self.pending[n] = tuple(dict.fromkeys(carried))
         else:
             self.pending.pop(n, None)
@@ -333,7 +334,7 @@ class BatchDimInterpreter(torch.fx.Interpreter):
                 self.raw.append(m)
 
     def _unverified(self, n: torch.fx.Node, pairs, message: str) -> None:
-        lays = ", ".join(str(lay) for _, lay in pairs if per_sample(lay) or _is_packed(lay))
+        lays = ", ".join(str(lay) for _, lay in pairs if carries_batch(lay) or _is_packed(lay))
         if self.strict:
             loc = source_location(n)
             raise MissingBatchRuleError(
@@ -367,7 +368,7 @@ def _has_per_sample(layout) -> bool:
         return any(_has_per_sample(x) for x in layout)
     if isinstance(layout, dict):
         return any(_has_per_sample(x) for x in layout.values())
-    return per_sample(layout)
+    return carries_batch(layout)
 
 
 def _first_layout(layout) -> Optional[BatchLayout]:

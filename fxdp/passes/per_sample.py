@@ -1,10 +1,10 @@
 """Pass 4, per_sample: replace every parametrised call with a DP-aware op from :mod:`fxdp.runtime`.
 
 - ``call_module`` nodes of layers with trainable parameters become
-  ``per_sample_call(self.<layer>, self.fxdp_site_<node>, batch_size, *args)``;
+  ``dp_aware_layer(self.<layer>, self.fxdp_site_<node>, batch_size, *args)``;
 - torch functions and Tensor methods that take a trainable parameter directly (``F.linear(x, self.w)``,
   ``x * self.scale``, ``x + self.pos_embedding``, ``x @ self.proj``) become
-  ``per_sample_function(self.fxdp_site_<node>, batch_size, *args)`` (the site holds the function).
+  ``dp_aware_function(self.fxdp_site_<node>, batch_size, *args)`` (the site holds the function).
 
 Each site records where the batch sits in the call's inputs and output (from the batch_dim pass, or
 the default ``batch@<batch_dim>`` until the first batch fills it in), so per-sample gradients stay
@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxdp import meta, runtime
-from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity, op_name
+from fxdp.diagnostics import WHOLE_MODEL, Finding, Kind, PassReport, PassResult, Severity, op_name
 from fxdp.grad_sample.recurrent import recurrent_rule_applies
 from fxdp.grad_sample.registry import rule_name
 from fxdp.grad_sample.transformer import transformer_rule_applies
@@ -36,7 +36,7 @@ from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED, UNKNOWN, BatchLay
 from fxdp.tracing import source_location
 
 PASS_NAME = "per_sample"
-_WHOLE_MODEL = "fxdp runs the whole model as one op (engine fx+whole-model) instead"
+_WHOLE_MODEL = f"fxdp runs the whole model as one op (per-sample engine {WHOLE_MODEL}) instead"
 
 
 def _inputs_reach(graph: torch.fx.Graph) -> Set[torch.fx.Node]:
@@ -163,7 +163,7 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
                 rule = "recurrent"  # step by step, one Linear-like capture per projection (generic if the batch moved)
             elif rule == "generic" and not arg_params and transformer_rule_applies(module):
                 rule = "transformer"  # each projection, feed-forward layer and norm a DP-aware call of its own
-            target, call, fn = node.target, runtime.per_sample_call, None
+            target, call, fn = node.target, runtime.dp_aware_layer, None
             what = f"layer '{node.target}' ({type(module).__name__})"
         elif node.op in ("call_function", "call_method") and arg_params:
             if node not in reached:
@@ -175,7 +175,7 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
                 continue
             target = node.target if isinstance(node.target, str) else (
                 str(node.target) if isinstance(node.target, torch._ops.OpOverload) else torch.typename(node.target))
-            rule, call, fn = "generic", runtime.per_sample_function, node.target
+            rule, call, fn = "generic", runtime.dp_aware_function, node.target
             what = f"'{node.name}' using {', '.join(repr(p.target) for p in arg_params)}"
             if node.name in folded:
                 target, fn = f"{target} (with the ops on its parameters)", folds[node.name]
@@ -274,7 +274,7 @@ def _site_change(node, site: runtime.PerSampleSite) -> Finding:
         f"output {', '.join(site.out_layouts)}", "", source_location(node))
 
 
-_DP_OPS = (runtime.per_sample_call, runtime.per_sample_function)
+_DP_OPS = (runtime.dp_aware_layer, runtime.dp_aware_function)
 
 
 def _uncovered_parameters(gm: torch.fx.GraphModule) -> List[Finding]:
@@ -350,7 +350,7 @@ def update_site_layouts(analysed: torch.fx.GraphModule, guard: runtime.BatchSour
     for site, (ins, outs) in zip(guard.sites, found):
         site.layouts, site.out_layouts = ins, outs
         changes.append(Finding(
-            PASS_NAME, site.node, "per_sample_call" if site.fn is None else "per_sample_function", Kind.REWRITE,
+            PASS_NAME, site.node, "dp_aware_layer" if site.fn is None else "dp_aware_function", Kind.REWRITE,
             Severity.INFO, f"{site.description}: per-sample gradients by the {site.rule} rule; input "
             f"{', '.join(site.layouts) or '-'}, output {', '.join(site.out_layouts)}", "",
             source_location(by_name[site.node])))

@@ -6,9 +6,9 @@ guards (:mod:`~fxdp.runtime.guards`) check at every forward that the layouts the
 analysed for these input shapes.
 """
 
-from fxdp.runtime.guards import BatchSource, FrozenUse, TrainabilityChangedError, batch_size, input_signature
+from fxdp.runtime.guards import BatchSource, FrozenUse, batch_size, input_signature
 from fxdp.runtime.structure import StructureWatch
-from fxdp.runtime.ops import PerSampleSite, per_sample_call, per_sample_function
+from fxdp.runtime.ops import PerSampleSite, dp_aware_function, dp_aware_layer
 
-__all__ = ["BatchSource", "FrozenUse", "PerSampleSite", "StructureWatch", "TrainabilityChangedError", "batch_size",
-           "input_signature", "per_sample_call", "per_sample_function"]
+__all__ = ["BatchSource", "FrozenUse", "PerSampleSite", "StructureWatch", "batch_size", "dp_aware_function",
+           "dp_aware_layer", "input_signature"]

@@ -37,16 +37,10 @@ import torch.fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fxdp.diagnostics import FxdpError, ModelChangedError, UnsupportedInputError
+from fxdp.diagnostics import FxdpError, TrainabilityChangedError, UnsupportedInputError
 from fxdp.runtime.structure import StructureWatch
 
 _MAX_SIGNATURES = 256  # analysed shape signatures kept per model (oldest dropped first)
-
-
-class TrainabilityChangedError(ModelChangedError):
-    """A parameter frozen at compile time is trainable now, and the compiled graph records no
-    per-sample gradient for (some of) its uses (the compiled model is compiled again before a forward where
-    that happens; this guard is what remains should the graph's code run without it)."""
 
 
 @dataclass
@@ -256,5 +250,4 @@ def forward_call(site) -> int:
     return site.calls
 
 
-__all__ = ["BatchSource", "FrozenUse", "TrainabilityChangedError", "batch_size", "forward_call", "input_signature",
-           "run_eagerly"]
+__all__ = ["BatchSource", "FrozenUse", "batch_size", "forward_call", "input_signature", "run_eagerly"]

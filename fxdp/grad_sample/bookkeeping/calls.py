@@ -20,7 +20,7 @@ from fxdp.grad_sample.linear import is_transformers_conv1d, linear_grad_sample
 
 class _PositionalFunction(torch.autograd.Function):
     """An autograd Function called with positional arguments only. ``Function.apply`` binds them with
-    ``inspect.signature`` on every call (about 40 us, as much as a small layer's forward); outside functorch
+    ``inspect.signature`` on every call (as costly as a small layer's forward); outside functorch
     transforms this goes straight to autograd's own ``apply``, as ``Function.apply`` then does itself."""
 
     @classmethod

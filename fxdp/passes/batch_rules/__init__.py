@@ -54,8 +54,7 @@ from fxdp.passes.batch_rules.core import (
     keeps_layout,
     mirror,
     mixes_from,
-    op_name,
-    per_sample,
+    carries_batch,
     rearranging,
     register_batch_rule,
     restore_batch_rules,
@@ -88,9 +87,9 @@ from fxdp.passes.batch_rules.views import (
 )
 
 __all__ = [
-    "BatchRule", "Facts", "OpCall", "Verdict", "find_batch_rule", "register_batch_rule", "op_name",
+    "BatchRule", "Facts", "OpCall", "Verdict", "find_batch_rule", "register_batch_rule",
     "snapshot_batch_rules", "restore_batch_rules",
-    "keeps_layout", "mirror", "mixes_from", "per_sample", "rearranging", "tensor_pairs",
+    "keeps_layout", "mirror", "mixes_from", "carries_batch", "rearranging", "tensor_pairs",
     "elementwise", "reduction", "along", "along_dims", "view", "contraction", "parse_einsum", "index_layout",
     "DimSpec", "DimMap", "InputDim", "Singleton", "Broadcast", "Flatten", "Split", "layout_through", "reshape_map",
     # what the generic interpreter asks about a node besides its rule (see .nodes)

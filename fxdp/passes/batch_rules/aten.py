@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from fxdp.layout import UNBATCHED_LAYOUT, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
     _FIX_INDEX, BatchRule, OpCall, Verdict, _moved, _norm_dim, add_rule_resolver, find_batch_rule, mirror,
-    per_sample, rearranging, register_batch_rule,
+    carries_batch, rearranging, register_batch_rule,
 )
 from fxdp.passes.batch_rules.indexing import index_layout
 from fxdp.passes.batch_rules.layers import _batch_norm, _loss
@@ -94,7 +94,7 @@ add_rule_resolver(aten_rule)
 
 def _embedding(call: OpCall) -> Verdict:
     """aten.embedding(weight, indices, ...): one row per index, the batch stays with the indices."""
-    if per_sample(call.arg_layouts[0]):
+    if carries_batch(call.arg_layouts[0]):
         return Verdict(mirror(call.out, UNKNOWN_LAYOUT))  # per-sample tables: no rule for them
     lay = call.arg_layouts[1]
     return Verdict(mirror(call.out, lay if isinstance(lay, BatchLayout) else UNBATCHED_LAYOUT))
@@ -105,7 +105,7 @@ def _indexed(call: OpCall, x, lay, index, index_layouts, index_nodes) -> Verdict
     if got.mixes:
         return Verdict(mirror(call.out, got.layout), mixes=got.mixes, fix=_FIX_INDEX)
     after = got.layout
-    if per_sample(lay) and per_sample(after) and after.dim > lay.dim:
+    if carries_batch(lay) and carries_batch(after) and after.dim > lay.dim:
         return _moved(call, lay, after, x.shape, call.out.shape)
     return Verdict(mirror(call.out, after))
 

@@ -15,7 +15,7 @@ import torch
 from fxdp.layout import UNBATCHED_LAYOUT, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
     _FIX_CONTRACT, _FIX_PAIR, BatchRule, OpCall, Verdict, _at, _dims, _fn, _keys, _modules, _norm_dim, _ordinal,
-    mirror, per_sample, register_batch_rule, register_layer_batch_rule_by_path,
+    mirror, carries_batch, register_batch_rule, register_batch_rule_by_path,
 )
 
 
@@ -39,7 +39,7 @@ def contraction(labeller: Labeller) -> BatchRule:
         operands, out_labels = spec
         batch = None
         for k, (t, lay, labels) in enumerate(operands):
-            if not per_sample(lay):
+            if not carries_batch(lay):
                 continue
             label = labels[lay.dim]
             if label not in out_labels:
@@ -250,6 +250,6 @@ register_batch_rule(_keys("tensordot", methods=False))(contraction(_label_tensor
 register_batch_rule(_keys("cdist", methods=False))(contraction(_label_cdist))
 register_batch_rule(_fn("linear") + _modules("Linear", "LazyLinear"))(contraction(_label_linear))
 # transformers' Conv1D (GPT-2): x @ weight + bias over the last dimension, as nn.Linear
-register_layer_batch_rule_by_path("transformers.pytorch_utils.Conv1D", contraction(_label_linear))
+register_batch_rule_by_path("transformers.pytorch_utils.Conv1D")(contraction(_label_linear))
 register_batch_rule(_fn("bilinear") + _modules("Bilinear"))(contraction(_label_bilinear))
 register_batch_rule(_fn("scaled_dot_product_attention"))(contraction(_label_sdpa))

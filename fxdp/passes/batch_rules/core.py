@@ -11,7 +11,9 @@ layers the graph calls whole) live in a :class:`fxdp.registry.TypeRegistry`, so 
 MRO and a subclass of ``nn.Linear`` uses the Linear rule unless it overrides ``forward``; every other
 op (torch and ``operator`` functions, ``getattr``, Tensor method names as strings) is a key of a plain
 dict. A function of a library fxdp does not import (torchvision) is registered by its dotted name,
-``"torchvision.ops.stochastic_depth.stochastic_depth"``; method names never contain a dot.
+``"torchvision.ops.stochastic_depth.stochastic_depth"``; method names never contain a dot. A layer class of
+such a library is registered by its dotted path with :func:`register_batch_rule_by_path`
+(:meth:`fxdp.registry.TypeRegistry.register_by_path`, as for per-sample rules).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from fxdp.diagnostics.naming import dotted_name, name_op, op_name
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED_LAYOUT, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.registry import TypeRegistry, as_types
@@ -130,7 +133,6 @@ BatchRule = Callable[[OpCall], Verdict]
 _OP_RULES: Dict[Any, BatchRule] = {}  # functions, getattr, Tensor method names
 # classes (nn.Module types): MRO lookup, not for subclasses that override forward
 _LAYER_RULES: TypeRegistry[BatchRule] = TypeRegistry(unless_overridden="forward")
-_NAMES: Dict[Any, str] = {}  # display names of registered torch functions ("torch.sum", "F.softmax")
 # rules derived for ops nobody registered (an ATen op gets the rule of its torch equivalent, .aten)
 _RESOLVERS: List[Callable[[Any], Optional[BatchRule]]] = []
 
@@ -160,8 +162,6 @@ def find_batch_rule(op) -> Optional[BatchRule]:
     """The rule for an op (a module instance or type walks its MRO); ``None`` if there is none."""
     if isinstance(op, (nn.Module, type)):
         rule = _LAYER_RULES.find(op)
-        if rule is None and _LAYER_RULES_BY_PATH:
-            rule = _layer_rule_by_path(op)
         if rule is None and find_grad_sampler(op) is not None:
             return _registered_layer
         return rule
@@ -170,7 +170,7 @@ def find_batch_rule(op) -> Optional[BatchRule]:
     except TypeError:  # an unhashable target cannot have a rule
         return None
     if rule is None and callable(op) and not isinstance(op, str):
-        rule = _OP_RULES.get(_dotted_name(op))
+        rule = _OP_RULES.get(dotted_name(op))
     for resolve in _RESOLVERS if rule is None else ():
         rule = resolve(op)
         if rule is not None:
@@ -178,35 +178,15 @@ def find_batch_rule(op) -> Optional[BatchRule]:
     return rule
 
 
-# rules of layers of libraries fxdp does not import, by "module.ClassName" (transformers' Conv1D)
-_LAYER_RULES_BY_PATH: Dict[str, BatchRule] = {}
-
-
-def register_layer_batch_rule_by_path(path: str, rule: BatchRule) -> BatchRule:
-    """``rule`` for the layer class ``path`` ("module.ClassName") and its subclasses that keep its
-    ``forward``, without importing its module."""
-    _LAYER_RULES_BY_PATH[path] = rule
-    return rule
-
-
-def _layer_rule_by_path(op) -> Optional[BatchRule]:
-    cls = op if isinstance(op, type) else type(op)
-    for klass in cls.__mro__:
-        rule = _LAYER_RULES_BY_PATH.get(f"{klass.__module__}.{klass.__qualname__}")
-        if rule is not None:  # a subclass that overrides forward (or an instance's own forward) computes else
-            same = getattr(cls, "forward", None) is getattr(klass, "forward", None)
-            return rule if same and "forward" not in getattr(op, "__dict__", {}) else None
-    return None
+def register_batch_rule_by_path(path: str, *, subclasses: bool = False):
+    """Decorator: register ``rule`` for the layer class ``path`` ("module.ClassName") of a library fxdp does
+    not import, as soon as that module has been imported (:meth:`TypeRegistry.register_by_path`)."""
+    return _LAYER_RULES.register_by_path(path, subclasses=subclasses)
 
 
 def add_rule_resolver(resolve: Callable[[Any], Optional[BatchRule]]) -> None:
     """``resolve(op) -> rule or None`` is asked for ops that have no registered rule (after them)."""
     _RESOLVERS.append(resolve)
-
-
-def _dotted_name(fn) -> str:
-    """``module.qualname`` of a function (how functions of libraries fxdp does not import are keyed)."""
-    return f"{getattr(fn, '__module__', None) or ''}.{getattr(fn, '__qualname__', None) or ''}"
 
 
 def snapshot_batch_rules():
@@ -221,40 +201,6 @@ def restore_batch_rules(snapshot) -> None:
     _LAYER_RULES.restore(layers)
 
 
-def op_name(op) -> str:
-    """How findings name an op: ``transpose``, ``torch.sum``, ``F.softmax``, ``nn.BatchNorm1d``."""
-    if isinstance(op, nn.Module):
-        op = type(op)
-    if isinstance(op, type):
-        return f"nn.{op.__name__}" if op.__module__.startswith("torch.nn") else op.__name__
-    if isinstance(op, str):
-        return op
-    if isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return str(op)  # aten.view.default
-    try:
-        known = _NAMES.get(op)
-    except TypeError:
-        known = None
-    if known:
-        return known
-    if callable(op) and _dotted_name(op) in _NAMES:  # a function registered by its dotted name
-        return _NAMES[_dotted_name(op)]
-    name = getattr(op, "__name__", None) or repr(op)
-    module = getattr(op, "__module__", None) or ""
-    if module in ("_operator", "operator"):
-        return f"operator.{name}"
-    if module.startswith("torch.nn.functional") or module == "torch._C._nn":
-        return f"F.{name}"
-    if module.startswith("torch._C._"):  # torch._C._special.special_erf -> torch.special.erf
-        sub = module[len("torch._C._"):]
-        return f"torch.{sub}.{name[len(sub) + 1:] if name.startswith(sub + '_') else name}"
-    if module == "torch" or module.startswith("torch."):  # not torchvision, torchaudio
-        return f"torch.{name}"
-    if module == "builtins":
-        return name
-    return f"{module}.{name}" if module else name
-
-
 def _keys(*names: str, methods: bool = True, functional: bool = False, namespaces=(torch,)) -> list:
     """Registry keys for ops by name: the torch function(s), the Tensor method, F.<name>."""
     keys = []
@@ -266,18 +212,11 @@ def _keys(*names: str, methods: bool = True, functional: bool = False, namespace
             fn = getattr(ns, name, None)
             if fn is not None and callable(fn):
                 keys.append(fn)
-                _name_once(fn, f"{ns.__name__}.{name}")
+                name_op(fn, f"{ns.__name__}.{name}")
         if functional and getattr(F, name, None) is not None:
             keys.append(getattr(F, name))
-            _name_once(getattr(F, name), f"F.{name}")
+            name_op(getattr(F, name), f"F.{name}")
     return keys
-
-
-def _name_once(fn, display: str) -> None:
-    try:
-        _NAMES.setdefault(fn, display)
-    except TypeError:
-        pass
 
 
 def _fn(*names: str) -> list:
@@ -302,7 +241,7 @@ def _family(base: type) -> list:
 # --------------------------------------------------------------------------------------------
 
 
-def per_sample(layout) -> bool:
+def carries_batch(layout) -> bool:
     """True for a layout that carries per-sample data (batched or merged)."""
     return isinstance(layout, BatchLayout) and layout.is_batched
 
@@ -388,7 +327,7 @@ def keeps_layout(call: OpCall) -> Verdict:
 def _moved(call: OpCall, before: BatchLayout, after: BatchLayout, in_shape, out_shape, fix: str = "") -> Verdict:
     """A verdict for a layout change: a finding only when the batch changed place and is not home."""
     layout = mirror(call.out, after)
-    if not (per_sample(before) and per_sample(after)) or after == before or after == call.home:
+    if not (carries_batch(before) and carries_batch(after)) or after == before or after == call.home:
         return Verdict(layout)
     shapes = f"(shape {tuple(in_shape)} -> {tuple(out_shape)})"
     if before.kind == BATCHED and after.kind == BATCHED:
@@ -451,8 +390,8 @@ def mixes_from(first_mixed: Callable[[OpCall, torch.Tensor], int], what: str, fi
     def rule(call: OpCall) -> Verdict:
         x, lay = call.args[0], call.arg_layouts[0]
         k = first_mixed(call, x)
-        others = [lay2 for _, lay2 in call.operands()[1:] if per_sample(lay2)]
-        if per_sample(lay) and lay.dim >= k:
+        others = [lay2 for _, lay2 in call.operands()[1:] if carries_batch(lay2)]
+        if carries_batch(lay) and lay.dim >= k:
             return Verdict(mirror(call.out, lay), fix=fix,
                            mixes=f"{what} (dims {k} to {x.dim() - 1}), and the batch sits in {_where(lay)}: "
                                  "samples are combined with each other")
@@ -460,7 +399,7 @@ def mixes_from(first_mixed: Callable[[OpCall, torch.Tensor], int], what: str, fi
             return Verdict(mirror(call.out, UNKNOWN_LAYOUT))  # per-sample weights: no rule for them
         if isinstance(lay, BatchLayout) and lay.kind == BROADCAST and lay.dim < k:
             return Verdict(mirror(call.out, lay))
-        return Verdict(mirror(call.out, lay if per_sample(lay) else UNBATCHED_LAYOUT))
+        return Verdict(mirror(call.out, lay if carries_batch(lay) else UNBATCHED_LAYOUT))
 
     return rule
 

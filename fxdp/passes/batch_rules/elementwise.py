@@ -18,7 +18,7 @@ from fxdp.runtime import inplace_ops as out_of_place
 from fxdp.layout import BROADCAST, UNBATCHED_LAYOUT, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
     _FIX_PAIR, OpCall, Verdict, _at, _first_tensor, _fn, _keys, _modules, _ordinal, find_batch_rule,
-    keeps_layout, mirror, per_sample, rearranging, register_batch_rule,
+    keeps_layout, mirror, carries_batch, rearranging, register_batch_rule,
 )
 
 
@@ -30,7 +30,7 @@ def _combine(operands, ndim: int):
         if not isinstance(lay, BatchLayout):
             continue
         shift = ndim - t.dim()
-        if per_sample(lay):
+        if carries_batch(lay):
             found.setdefault(_at(lay, lay.dim + shift), i)
         elif lay.kind == BROADCAST and broadcast is None:
             broadcast = lay.dim + shift
@@ -74,7 +74,7 @@ def _factory(call: OpCall) -> Verdict:
     for a in (call.node.args[start:] if call.node is not None else ()):
         if isinstance(a, torch.fx.Node) and a in call.facts.shapes:  # x.new_zeros(x.shape)
             like = call.facts.shapes[a]
-            return Verdict(mirror(call.out, like if per_sample(like) else UNBATCHED_LAYOUT))
+            return Verdict(mirror(call.out, like if carries_batch(like) else UNBATCHED_LAYOUT))
     position = _batch_size_position(call, start)
     return Verdict(mirror(call.out, UNBATCHED_LAYOUT if position is None else BatchLayout.at(position)))
 

@@ -18,7 +18,7 @@ from fxdp.runtime import inplace_ops as out_of_place
 from fxdp.layout import BROADCAST, PACKED, UNBATCHED, UNBATCHED_LAYOUT, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
     _FIX_INDEX, _FIX_LAYER, _FIX_PAIR, OpCall, Verdict, _at, _fn, _inner, _keys, _modules, _moved, _norm_dim,
-    _where, mirror, per_sample, rearranging, register_batch_rule,
+    _where, mirror, carries_batch, rearranging, register_batch_rule,
 )
 
 
@@ -59,7 +59,7 @@ def index_layout(call: OpCall, x: torch.Tensor, lay, index, index_layouts, index
     lays[k:k + 1] = [None] * fill
     nodes[k:k + 1] = [None] * fill
 
-    batch = lay if per_sample(lay) else None
+    batch = lay if carries_batch(lay) else None
     kept = batch
     entries: List[Tuple[str, Optional[int]]] = []  # ("in", input dim) | ("new", None) | ("adv", None)
     advanced = []  # (input dim, index tensor, its layout, its node)
@@ -111,10 +111,10 @@ def index_layout(call: OpCall, x: torch.Tensor, lay, index, index_layouts, index
     batch_taken = batch is not None and any(in_dim == batch.dim for in_dim, _, _, _ in advanced)
     for in_dim, t, t_lay, t_node in advanced:
         takes_batch = batch is not None and in_dim == batch.dim
-        if takes_batch and not (per_sample(t_lay) and call.is_sample_index(t_node)):
+        if takes_batch and not (carries_batch(t_lay) and call.is_sample_index(t_node)):
             return _Indexed(UNBATCHED_LAYOUT, "gathers along the batch dimension with an index tensor: sample i "
                                               "receives the values of whichever sample the index names")
-        if per_sample(t_lay):
+        if carries_batch(t_lay):
             if batch is not None and not batch_taken:
                 return _Indexed(UNBATCHED_LAYOUT, f"indexes dim {in_dim} of a per-sample tensor with per-sample "
                                                   "indices: each sample's values are read with every sample's indices")
@@ -146,7 +146,7 @@ def _getitem(call: OpCall) -> Verdict:
         return Verdict(mirror(call.out, got.layout), mixes=got.mixes, fix=_FIX_INDEX)
     after = got.layout
     # a None inserted in front of the batch moves it (like unsqueeze); dropping leading dims does not
-    if per_sample(lay) and per_sample(after) and after.dim > lay.dim:
+    if carries_batch(lay) and carries_batch(after) and after.dim > lay.dim:
         return _moved(call, lay, after, x.shape, call.out.shape)
     return Verdict(mirror(call.out, after))
 
@@ -155,7 +155,7 @@ def _setitem(call: OpCall) -> Verdict:
     """x[index] = v: writing per-sample values into entries picked along the batch mixes samples."""
     x, lay = call.args[0], call.arg_layouts[0]
     v, v_lay = call.args[2], call.arg_layouts[2]
-    if not (isinstance(v, torch.Tensor) and per_sample(v_lay)):
+    if not (isinstance(v, torch.Tensor) and carries_batch(v_lay)):
         return Verdict(None)  # writing constants never mixes samples
     got = index_layout(call, x, lay, call.args[1], call.arg_layouts[1], call.arg_node(1))
     if got.mixes:
@@ -163,7 +163,7 @@ def _setitem(call: OpCall) -> Verdict:
                        mixes="writes per-sample values into entries picked along the batch dimension: "
                              "samples land in each other's places")
     pos = v_lay.dim + got.ndim - v.dim()  # v broadcasts into the region, right-aligned
-    if per_sample(got.layout):
+    if carries_batch(got.layout):
         if _at(v_lay, pos) != got.layout:
             return Verdict(None, fix=_FIX_PAIR,
                            mixes=f"writes values with the batch at dim {pos} of the written region into a "
@@ -216,21 +216,21 @@ def _gather(call: OpCall) -> Verdict:
     else:
         d, index, index_lay = call.arg(1, "dim"), call.arg(2, "index"), call.layout(2, "index")
     if d is None:
-        return Verdict(UNKNOWN_LAYOUT) if per_sample(lay) else Verdict(UNBATCHED_LAYOUT)
+        return Verdict(UNKNOWN_LAYOUT) if carries_batch(lay) else Verdict(UNBATCHED_LAYOUT)
     d = _norm_dim(d, x.dim())
-    if per_sample(lay):
+    if carries_batch(lay):
         if lay.dim == d:
             return Verdict(mirror(call.out, UNBATCHED_LAYOUT), fix=_FIX_INDEX,
                            mixes=f"gathers along the batch dimension (dim {d}): sample i receives the values "
                                  "of whichever sample the index names")
-        if per_sample(index_lay) and index_lay != lay:
+        if carries_batch(index_lay) and index_lay != lay:
             return Verdict(lay, fix=_FIX_PAIR, mixes="gathers with per-sample indices whose batch does not line up "
                                                      "with the data's: samples read each other's indices")
         if index.shape[lay.dim] != x.shape[lay.dim]:
             return Verdict(UNBATCHED_LAYOUT, fix=_FIX_INDEX,
                            mixes="gathers with an index that covers only some samples")
         return Verdict(lay)
-    if per_sample(index_lay):
+    if carries_batch(index_lay):
         return Verdict(index_lay)
     return Verdict(UNBATCHED_LAYOUT)
 
@@ -241,11 +241,11 @@ def _scatter(call: OpCall) -> Verdict:
     d = _norm_dim(call.arg(1, "dim"), x.dim())
     tensors = call.operands()
     for t, tl in tensors:
-        if per_sample(tl) and tl.dim == d and t.dim() == x.dim():
+        if carries_batch(tl) and tl.dim == d and t.dim() == x.dim():
             return Verdict(mirror(call.out, UNBATCHED_LAYOUT), fix=_FIX_INDEX,
                            mixes=f"scatters along the batch dimension (dim {d}): samples are written into "
                                  "each other's places")
-    found = {tl for t, tl in tensors if per_sample(tl) and t.dim() == x.dim()}
+    found = {tl for t, tl in tensors if carries_batch(tl) and t.dim() == x.dim()}
     if len(found) > 1:
         return Verdict(UNKNOWN_LAYOUT, fix=_FIX_PAIR, mixes="scatters between tensors whose batches do not line up")
     return Verdict(mirror(call.out, next(iter(found)) if found else UNBATCHED_LAYOUT))
@@ -253,17 +253,17 @@ def _scatter(call: OpCall) -> Verdict:
 
 def _take(call: OpCall) -> Verdict:
     lay = call.arg_layouts[0]
-    if per_sample(lay):
+    if carries_batch(lay):
         return Verdict(UNBATCHED_LAYOUT, fix=_FIX_INDEX,
                        mixes="indexes the flattened tensor, batch included: samples are read by position")
     index_lay = call.layout(1, "index")
-    return Verdict(mirror(call.out, index_lay if per_sample(index_lay) else UNBATCHED_LAYOUT))
+    return Verdict(mirror(call.out, index_lay if carries_batch(index_lay) else UNBATCHED_LAYOUT))
 
 
 def _embedding(call: OpCall) -> Verdict:
     """F.embedding(indices, weight) / nn.Embedding: one row per index, the batch stays with the indices."""
     lay = call.arg_layouts[0]
-    if call.module is None and per_sample(call.layout(1, "weight")):
+    if call.module is None and carries_batch(call.layout(1, "weight")):
         return Verdict(UNKNOWN_LAYOUT)
     return Verdict(mirror(call.out, lay if isinstance(lay, BatchLayout) else UNBATCHED_LAYOUT))
 
@@ -282,10 +282,10 @@ def _embedding_bag(call: OpCall) -> Verdict:
             return Verdict(BatchLayout.at(0))
         return Verdict(UNKNOWN_LAYOUT)
     if x.dim() == 2:
-        if per_sample(lay) and lay.dim == 1:
+        if carries_batch(lay) and lay.dim == 1:
             return Verdict(lay, fix=_FIX_LAYER, mixes="pools the bag dimension (dim 1), which is the batch dimension")
         return Verdict(lay if isinstance(lay, BatchLayout) else UNBATCHED_LAYOUT)
-    return Verdict(UNKNOWN_LAYOUT) if per_sample(lay) else Verdict(UNBATCHED_LAYOUT)
+    return Verdict(UNKNOWN_LAYOUT) if carries_batch(lay) else Verdict(UNBATCHED_LAYOUT)
 
 
 def _index_assign(call: OpCall) -> Verdict:

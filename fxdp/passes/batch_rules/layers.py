@@ -18,7 +18,8 @@ from torch import nn
 from fxdp.layout import UNBATCHED_LAYOUT, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
     _FIX_ALONG, _FIX_BATCHNORM, _FIX_CAT, _FIX_LAYER, _FIX_LOSS, OpCall, Verdict, _at, _first_tensor, _fn,
-    _family, _keys, _modules, _where, keeps_layout, mirror, mixes_from, per_sample, register_batch_rule, tensor_pairs,
+    _family, _keys, _modules, _where, carries_batch, keeps_layout, mirror, mixes_from, register_batch_rule,
+    tensor_pairs,
 )
 
 
@@ -71,7 +72,7 @@ def _batch_norm(call: OpCall) -> Verdict:
         batch_stats = m.training or m.running_mean is None
     else:
         batch_stats = bool(call.arg(5, "training", default=False)) or call.arg(1, "running_mean") is None
-    if batch_stats and per_sample(lay) and lay.dim != 1:  # statistics are over every dim but dim 1
+    if batch_stats and carries_batch(lay) and lay.dim != 1:  # statistics are over every dim but dim 1
         return Verdict(mirror(call.out, lay), fix=_FIX_BATCHNORM,
                        mixes="batch norm in training mode normalises with the mean and variance of the "
                              "whole batch: each sample's output depends on all the others")
@@ -82,7 +83,7 @@ def _pad(call: OpCall) -> Verdict:
     x, lay = call.args[0], call.arg_layouts[0]
     pad = tuple(call.module.padding) if call.module is not None else tuple(call.arg(1, "pad"))
     padded = {x.dim() - 1 - i: (pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)}
-    if per_sample(lay) and any(padded.get(lay.dim, (0, 0))):
+    if carries_batch(lay) and any(padded.get(lay.dim, (0, 0))):
         return Verdict(mirror(call.out, UNKNOWN_LAYOUT), fix=_FIX_CAT,
                        mixes=f"pads the batch dimension ({_where(lay)}) with {padded[lay.dim]} rows "
                              "that are not samples")
@@ -96,7 +97,7 @@ def _pad(call: OpCall) -> Verdict:
 
 def _loss(call: OpCall) -> Verdict:
     reduction = call.module.reduction if call.module is not None else call.kwargs.get("reduction", "mean")
-    pairs = [(t, lay) for t, lay in call.operands() if per_sample(lay)]
+    pairs = [(t, lay) for t, lay in call.operands() if carries_batch(lay)]
     if not pairs:
         return Verdict(mirror(call.out, UNBATCHED_LAYOUT))
     if reduction != "none":
@@ -122,7 +123,7 @@ def _batch_first(m: nn.Module) -> bool:
 
 def _sequence_check(call: OpCall, name: str, t: Optional[torch.Tensor], lay, batch_at: Optional[int],
                     seq_at: Optional[int]) -> str:
-    if t is None or not per_sample(lay):
+    if t is None or not carries_batch(lay):
         return ""
     if batch_at is None or lay.dim != batch_at:
         role = "sequence" if lay.dim == seq_at else "feature"
@@ -144,10 +145,10 @@ def _rnn(call: OpCall) -> Verdict:
     for t, tl in tensor_pairs(hx, hx_lay):
         why = why or _sequence_check(call, "initial state", t, tl, 1 if t.dim() == 3 else None, None)
     fix = "Pass batch_first=True for batch-first inputs (or transpose the input to (T, N, ...))."
-    per = per_sample(lay) or any(per_sample(tl) for _, tl in tensor_pairs(hx, hx_lay))
+    per = carries_batch(lay) or any(carries_batch(tl) for _, tl in tensor_pairs(hx, hx_lay))
     if not per:
         return Verdict(mirror(call.out, UNBATCHED_LAYOUT))
-    kind = lay if per_sample(lay) else BatchLayout.at(batch_at or 0)
+    kind = lay if carries_batch(lay) else BatchLayout.at(batch_at or 0)
     out, state = call.out
     layout = (_at(kind, batch_at) if batch_at is not None else kind,
               mirror(state, BatchLayout.at(1) if batch_at is not None else UNBATCHED_LAYOUT))
@@ -169,7 +170,7 @@ def _multihead_attention(call: OpCall) -> Verdict:
             why = why or _sequence_check(call, name, t, lay, None, 0)
         else:
             why = why or _sequence_check(call, name, t, lay, batch_at, seq_at)
-        if per_sample(lay) and kind is None:
+        if carries_batch(lay) and kind is None:
             kind = lay
     fix = "Pass batch_first=True for batch-first inputs (or transpose them to (T, N, E))."
     if kind is None:
@@ -195,7 +196,7 @@ def _transformer_layer(call: OpCall) -> Verdict:
     for t, lay in pairs:
         b = batch_at if t.dim() == 3 else None
         why = why or _sequence_check(call, "input", t, lay, b, seq_at if t.dim() == 3 else 0)
-        if per_sample(lay) and kind is None:
+        if carries_batch(lay) and kind is None:
             kind = lay
     if kind is None:
         return Verdict(mirror(call.out, UNBATCHED_LAYOUT))

@@ -14,7 +14,7 @@ import torch
 from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
     _FIX_ALONG, _FIX_PAIR, _FIX_REDUCE, BatchRule, OpCall, Verdict, _at, _dims, _first_tensor, _fn, _keys,
-    _modules, _where, mirror, per_sample, register_batch_rule,
+    _modules, _where, mirror, carries_batch, register_batch_rule,
 )
 from fxdp.passes.batch_rules.elementwise import _combine, elementwise
 
@@ -42,7 +42,7 @@ def _reduce(call: OpCall, x: torch.Tensor, lay, dims, out) -> Verdict:
     if not isinstance(lay, BatchLayout) or lay.kind not in (BATCHED, MERGED, BROADCAST):
         return Verdict(mirror(call.out, UNBATCHED_LAYOUT))
     if lay.dim in reduced:
-        if per_sample(lay):
+        if carries_batch(lay):
             what = ("reduces over every dimension, the batch included" if set(reduced) == set(range(ndim))
                     else f"reduces over the batch dimension ({_where(lay)})")
             return Verdict(mirror(call.out, UNBATCHED_LAYOUT),
@@ -118,7 +118,7 @@ def along(dim_pos: Optional[int], names: Sequence[str] = ("dim",), default: Any 
 
 
 def along_dims(call: OpCall, lay, dims: Iterable[int], fix: str = _FIX_ALONG) -> Verdict:
-    if per_sample(lay) and lay.dim in tuple(dims):
+    if carries_batch(lay) and lay.dim in tuple(dims):
         return Verdict(mirror(call.out, lay), fix=fix,
                        mixes=f"works along the batch dimension ({_where(lay)}): each sample's result "
                              "depends on the other samples")

@@ -17,9 +17,10 @@ torchvision, so they are registered by their dotted names (:func:`register_batch
 
 from __future__ import annotations
 
+from fxdp.diagnostics.naming import name_op
 from fxdp.layout import BATCHED, UNBATCHED_LAYOUT, UNKNOWN_LAYOUT
 from fxdp.passes.batch_rules.core import (
-    OpCall, Verdict, _FIX_LAYER, _NAMES, keeps_layout, mirror, per_sample, register_batch_rule,
+    OpCall, Verdict, _FIX_LAYER, keeps_layout, mirror, carries_batch, register_batch_rule,
 )
 
 _STOCHASTIC_DEPTH = "torchvision.ops.stochastic_depth.stochastic_depth"
@@ -27,12 +28,9 @@ _WINDOW_ATTENTION = "torchvision.models.swin_transformer.shifted_window_attentio
 _PATCH_MERGING_PAD = "torchvision.models.swin_transformer._patch_merging_pad"
 _RELATIVE_POSITION_BIAS = "torchvision.models.swin_transformer._get_relative_position_bias"
 
-_NAMES.update({
-    _STOCHASTIC_DEPTH: "torchvision.ops.stochastic_depth",
-    _WINDOW_ATTENTION: "torchvision.models.swin_transformer.shifted_window_attention",
-    _PATCH_MERGING_PAD: "torchvision.models.swin_transformer._patch_merging_pad",
-    _RELATIVE_POSITION_BIAS: "torchvision.models.swin_transformer._get_relative_position_bias",
-})
+name_op(_STOCHASTIC_DEPTH, "torchvision.ops.stochastic_depth")
+for _path in (_WINDOW_ATTENTION, _PATCH_MERGING_PAD, _RELATIVE_POSITION_BIAS):
+    name_op(_path, _path)
 
 
 def _stochastic_depth(call: OpCall) -> Verdict:
@@ -45,9 +43,9 @@ def _images_first(what: str, image_dims: int):
 
     def rule(call: OpCall) -> Verdict:
         x, lay = call.args[0], call.arg_layouts[0]
-        if not per_sample(lay):
+        if not carries_batch(lay):
             return Verdict(mirror(call.out, UNBATCHED_LAYOUT))
-        others = [o for _, o in call.operands()[1:] if per_sample(o)]
+        others = [o for _, o in call.operands()[1:] if carries_batch(o)]
         if others:
             return Verdict(mirror(call.out, UNKNOWN_LAYOUT))  # per-sample weights or biases: no rule
         if lay.kind == BATCHED and lay.dim == 0 and x.dim() > image_dims:

@@ -20,7 +20,7 @@ import torch
 from fxdp.layout import BROADCAST, UNBATCHED_LAYOUT, UNKNOWN, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
     _FIX_CAT, _FIX_INDEX, _FIX_PAIR, BatchRule, OpCall, Verdict, _at, _dims, _first_tensor, _inner, _keys,
-    _modules, _moved, _norm_dim, _ordinal, _where, keeps_layout, mirror, per_sample, rearranging,
+    _modules, _moved, _norm_dim, _ordinal, _where, keeps_layout, mirror, carries_batch, rearranging,
     register_batch_rule,
 )
 from fxdp.passes.batch_rules.elementwise import _batch_size_position
@@ -175,7 +175,7 @@ def layout_through(dim_map: Optional[DimMap], in_shape, lay, n: int):
             if spec == InputDim(lay.dim):
                 return BatchLayout.broadcast(j)
         return UNBATCHED_LAYOUT
-    if not per_sample(lay):
+    if not carries_batch(lay):
         return lay
     if dim_map is None:
         return UNKNOWN_LAYOUT
@@ -272,14 +272,14 @@ def view(kind: str) -> BatchRule:
         if out is None:
             return Verdict(None)
         in_shape = tuple(x.shape)
-        if kind in ("expand", "broadcast_to") and not per_sample(lay):
+        if kind in ("expand", "broadcast_to") and not carries_batch(lay):
             # shared values given to every sample (`cls.expand(x.size(0), -1, -1)`,
             # `arange(T).expand(N, T)`): each sample gets its own copy, so later ops keep them apart
             position = _batch_size_position(call, 1)
             if position is not None:
                 return Verdict(mirror(call.out, BatchLayout.at(position)))
         after = layout_through(build(call, in_shape), in_shape, lay, call.batch_size)
-        if per_sample(lay) and after.kind == UNKNOWN:
+        if carries_batch(lay) and after.kind == UNKNOWN:
             return Verdict(UNKNOWN_LAYOUT, fix=_FIX_SPLIT,
                            moves=f"splits the batch dimension ({_where(lay)}) across several "
                                  f"dimensions (shape {in_shape} -> {tuple(out.shape)}); fxdp cannot follow "
@@ -316,7 +316,7 @@ def _repeat(call: OpCall) -> Verdict:
     reps = _int_list(call, 1, "dims" if call.op is torch.tile else "repeats")
     if call.op in (torch.tile, "tile") and len(reps) < x.dim():
         reps = [1] * (x.dim() - len(reps)) + reps
-    if not per_sample(lay):
+    if not carries_batch(lay):
         return Verdict(mirror(call.out, UNBATCHED_LAYOUT if lay is None or lay.kind != BROADCAST else lay))
     pos = lay.dim + len(reps) - x.dim()
     after = _at(lay, pos) if reps[pos] == 1 else BatchLayout.merged(pos, _inner(lay))
@@ -328,7 +328,7 @@ def _repeat_interleave(call: OpCall) -> Verdict:
     x, lay = call.args[0], call.arg_layouts[0]
     repeats = call.arg(1, "repeats")
     d = call.arg(2, "dim")
-    if not per_sample(lay):
+    if not carries_batch(lay):
         return Verdict(mirror(call.out, UNBATCHED_LAYOUT))
     if not isinstance(repeats, int):
         return Verdict(UNKNOWN_LAYOUT)
@@ -351,7 +351,7 @@ def _cat(call: OpCall) -> Verdict:
     layouts = list(call.layout(0, "tensors") or [None] * len(tensors))
     out = call.out
     d = _norm_dim(call.arg(1, "dim", "axis", default=0), out.dim())
-    batched = [(i, lay) for i, lay in enumerate(layouts) if per_sample(lay)]
+    batched = [(i, lay) for i, lay in enumerate(layouts) if carries_batch(lay)]
     if not batched:
         return Verdict(UNBATCHED_LAYOUT)
     along = [(i, lay) for i, lay in batched if lay.dim == d]
@@ -359,7 +359,7 @@ def _cat(call: OpCall) -> Verdict:
         for i, (t, lay) in enumerate(zip(tensors, layouts)):
             if t.numel() == 0:
                 continue
-            if not per_sample(lay):
+            if not carries_batch(lay):
                 return Verdict(UNKNOWN_LAYOUT, fix=_FIX_CAT,
                                mixes=f"concatenates along the batch dimension (dim {d}) with its "
                                      f"{_ordinal(i)} tensor, which is not per-sample ({lay}): the result no "
@@ -386,7 +386,7 @@ def _stack(call: OpCall) -> Verdict:
     layouts = list(call.layout(0, "tensors") or [None] * len(tensors))
     out = call.out
     d = _norm_dim(call.arg(1, "dim", default=0), out.dim())
-    batched = [lay for lay in layouts if per_sample(lay)]
+    batched = [lay for lay in layouts if carries_batch(lay)]
     if not batched:
         return Verdict(UNBATCHED_LAYOUT)
     first = batched[0]
@@ -406,7 +406,7 @@ def _split(dim_pos: int, removes_dim: bool = False) -> BatchRule:
         x, lay = call.args[0], call.arg_layouts[0]
         pieces = list(call.out)
         d = _norm_dim(call.arg(dim_pos, "dim", default=0), x.dim())
-        if not per_sample(lay):
+        if not carries_batch(lay):
             return Verdict(mirror(call.out, UNBATCHED_LAYOUT if lay is None or lay.kind != BROADCAST or
                                   lay.dim == d else lay))
         if lay.dim != d:
