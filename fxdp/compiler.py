@@ -199,10 +199,10 @@ def compile_for_dp(
             reason = f"{where}; the whole model runs as one op (with its hooks) under the generic per-sample rule"
             engine = "fx+whole-model"
         setattr(wrapped, REPORT_ATTR, _make_report(model, traced, reports, engine, reason,
-                                                    notes=_bookkeeping_notes(sink, engine)))
+                                                   notes=_bookkeeping_notes(sink, engine)))
         return wrapped
 
-    analysed = copy_graph_module(gm)  # re-analysed by the guards for new shapes
+    analysed = copy_graph_module(gm)  # analysed again for new shapes (fxdp.passes.reanalyse)
     sink = sink if sink is not None else GradSampleSink()  # one per compiled model: its DP-aware ops deliver here
     gm = _run("per_sample", insert_per_sample_ops, gm, reports, loss_reduction=loss_reduction, batch_dim=batch_dim,
               sink=sink)
@@ -218,13 +218,13 @@ def compile_for_dp(
                       "cannot handle (see per_sample findings); the whole-model engine cannot split such an input "
                       "into samples, the hooks engine counts one sample per bag (and checks itself)")
             setattr(wrapped, REPORT_ATTR, _make_report(model, traced, reports, "hooks", reason,
-                                                        notes=_bookkeeping_notes(sink, "hooks")))
+                                                       notes=_bookkeeping_notes(sink, "hooks")))
             return wrapped
         wrapped = whole_model_op(model, gm, loss_reduction=loss_reduction, batch_dim=batch_dim, sink=sink)
         reason = (f"{len(unsupported)} parametrised op(s) the graph engine cannot handle (see per_sample findings); "
                   "the whole model runs as one op with the generic per-sample rule")
         setattr(wrapped, REPORT_ATTR, _make_report(model, traced, reports, "fx+whole-model", reason,
-                                                    notes=_bookkeeping_notes(sink, "fx+whole-model")))
+                                                   notes=_bookkeeping_notes(sink, "fx+whole-model")))
         return wrapped
 
     notes = ([NO_INPUTS_NOTE] if example_inputs is None else []) + private_parameters_note(model) + \
@@ -304,7 +304,7 @@ def attach_hooks(model: nn.Module, *, batch_dim: int = 0, loss_reduction: str = 
     hooks = GradSampleHooks(model, batch_first=(batch_dim == 0), loss_reduction=loss_reduction, sink=sink,
                             require_verified=strict)
     setattr(hooks, REPORT_ATTR, _make_report(model, traced, reports, "hooks", "the hooks engine was asked for on the "
-                                              "model itself (wrap_model=False)", notes=_bookkeeping_notes(sink, "hooks")))
+                                             "model itself (wrap_model=False)", notes=_bookkeeping_notes(sink, "hooks")))
     return hooks
 
 

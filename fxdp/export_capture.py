@@ -12,7 +12,7 @@ those models. What changes for the passes:
   :class:`~fxdp.runtime.guards.ExportShapeGuard`, which raises :class:`~fxdp.diagnostics.ExportShapeError`
   (before a forward of inputs of other sizes, the re-analysis, :mod:`fxdp.passes.reanalyse`, captures the
   model again for them, or puts in a graph it captured for them earlier: :func:`flat_inputs` gives the
-  inputs the guard checks);
+  inputs the shape guard checks);
 - each node's ``stack_trace`` holds the Python frames that dispatched it: ``meta.SOURCE`` is the
   innermost one outside torch and fxdp (a line of the user's code, or of the library the model comes
   from, as for torchvision models);

@@ -301,7 +301,7 @@ def test_a_capture_again_in_eval_mode_is_made_in_the_first_captures_mode():
 
 
 def _counting_reanalyse(compiled):
-    """Count the guard's re-runs of the batch_dim analysis (for input shapes it has not analysed)."""
+    """Count the batch guard's re-runs of the batch_dim analysis (for input shapes it has not analysed)."""
     reanalysis, calls = compiled.fxdp_batch_guard.reanalysis, []
     original = reanalysis.layouts_for
 

@@ -301,7 +301,7 @@ def _uncovered_parameters(gm: torch.fx.GraphModule) -> List[Finding]:
 
 def _frozen_uses(gm: torch.fx.GraphModule) -> List[runtime.FrozenUse]:
     """Frozen parameters used by an op that is no DP-aware op (``self.w.t()``): were one unfrozen, its
-    per-sample gradient would be lost, so the guard refuses the next forward (it names the use)."""
+    per-sample gradient would be lost, so the batch guard refuses the next forward (it names the use)."""
     uses = []
     for node in gm.graph.nodes:
         param = _parameter(gm, node)

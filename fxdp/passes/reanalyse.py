@@ -126,7 +126,7 @@ class GraphReanalysis:
                    PassReport("per_sample", tuple(changes), previous.pass_report("per_sample").findings)]
         notes = [n for n in previous.notes if n != NO_INPUTS_NOTE] + ["batch_dim: run on the first batch"]
         setattr(self.compiled, REPORT_ATTR, dataclasses.replace(previous, passes=tuple(reports), notes=tuple(notes),
-                                                                fallback_reason=None, fallback_location=None))
+                                                               fallback_reason=None, fallback_location=None))
 
     def pin_batch_inputs(self, values, input_index: int, dim: int) -> None:
         """Once found on a batch of several samples, the batched inputs stay the same for other shapes (with
@@ -154,7 +154,8 @@ class GraphReanalysis:
                 "again with fxdp.compile_for_dp (or call make_private again with it)")
         if sink is not None:  # the parameters as compiled, against the new graph's
             sink.retire([p for _, _, p, _ in guard.watch.entries if isinstance(p, nn.Parameter)], new.parameters(), why)
-        setattr(new, REPORT_ATTR, dataclasses.replace(rep, notes=(*rep.notes, f"compiled again before a forward: {why}")))
+        note = f"compiled again before a forward: {why}"
+        setattr(new, REPORT_ATTR, dataclasses.replace(rep, notes=(*rep.notes, note)))
         _take_place(compiled, type(new), new.__dict__)
         getattr(compiled, GUARD_ATTR).fxdp_relink(compiled)
         # forward calls go on being numbered: a call before the change and one after, then one backward, hold

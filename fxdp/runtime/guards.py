@@ -8,7 +8,7 @@ inputs carry the batch) hold for those shapes only. A compiled model's graph sta
 
 :func:`batch_size` runs the model's :class:`BatchGuard` (``fxdp_batch_guard``). Per forward it costs a
 shape signature of the inputs and a dict lookup: for a signature seen before, the sites get back the
-layouts analysed for it; for a new one the guard asks its :class:`Reanalysis` for the layouts of these
+layouts analysed for it; for a new one the batch guard asks its :class:`Reanalysis` for the layouts of these
 shapes (it re-runs the batch_dim analysis, and refuses the model if it no longer holds, with an fxdp error
 naming the node and the user's line) and records them. A layout that no longer holds is never read.
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import sympy
 import torch
@@ -75,6 +75,7 @@ class AnalysedLayouts:
     sites: Tuple[Tuple[Sequence[BatchLayout], Sequence[BatchLayout]], ...]
 
 
+@runtime_checkable
 class Reanalysis(Protocol):
     """The compile-time work a :class:`BatchGuard` asks for before a forward (implemented by
     :class:`fxdp.passes.reanalyse.GraphReanalysis`; the runtime imports no pass)."""
@@ -120,7 +121,7 @@ class SymbolicBatch:
 
 @dataclass
 class BatchGuard:
-    """The guard of a compiled model (its ``fxdp_batch_guard``): which model input carries the batch and in
+    """The batch guard of a compiled model (its ``fxdp_batch_guard``): which model input carries the batch and in
     which dimension, the sites whose layouts it keeps right for the input shapes of each forward, and what
     it checks before a forward.
 
@@ -285,7 +286,7 @@ def input_signature(inputs: Tuple[Any, ...]) -> tuple:
 
 def run_eagerly(fn: Callable, *args):
     """``fn(*args)``, run as Python on every call, also inside ``torch.compile``: the structure watch and the
-    shape guard read mutable state (the model's layers, the layouts analysed so far) that a traced copy would
+    batch guard read mutable state (the model's layers, the layouts analysed so far) that a traced copy would
     fold into constants, checked afterwards only as far as torch.compile's own guards happen to cover it. Under
     torch.compile this is a graph break (one per forward for each check), under torch.fx tracing it is traced."""
     if torch.compiler.is_dynamo_compiling():
@@ -296,7 +297,7 @@ def run_eagerly(fn: Callable, *args):
 
 
 def batch_size(guard: BatchGuard, *inputs) -> int:
-    """The guard, then the number of samples in this forward call (see the module docstring), run eagerly
+    """The batch guard, then the number of samples in this forward call (see the module docstring), run eagerly
     under torch.compile (:func:`run_eagerly`)."""
     return run_eagerly(_guarded_batch_size, guard, *inputs)
 
