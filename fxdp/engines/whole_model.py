@@ -70,7 +70,8 @@ def whole_model_op(model: nn.Module, gm: torch.fx.GraphModule, *, loss_reduction
     default = BatchLayout.at(batch_dim)
 
     def layouts(value) -> List[BatchLayout]:
-        return [lay if lay.kind != UNKNOWN else default for lay in pytree.tree_leaves(value) if isinstance(lay, BatchLayout)]
+        return [lay if lay.kind != UNKNOWN else default
+                for lay in pytree.tree_leaves(value) if isinstance(lay, BatchLayout)]
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     output = next(n for n in gm.graph.nodes if n.op == "output")
