@@ -68,7 +68,7 @@ def dp_step(args, ids, with_rule: bool):
     finally:
         registry.GRAD_SAMPLERS.restore(saved[0])
         registry.GRAD_SAMPLERS.by_path.update(saved[1])
-    rules = {site.rule for site in dp.fxdp_batch.sites if "c_attn" in site.target or "addmm" in site.target}
+    rules = {site.rule for site in dp.fxdp_batch_guard.sites if "c_attn" in site.target or "addmm" in site.target}
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), noise_multiplier=1.0, max_grad_norm=1.0,
                       expected_batch_size=ids.shape[0], sink=sink)
 

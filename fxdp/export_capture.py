@@ -9,9 +9,10 @@ those models. What changes for the passes:
   and layers; their batch rules are in :mod:`fxdp.passes.batch_rules.aten`;
 - the batch dimension of every input tensor is dynamic (``Dim.AUTO``), so the graph runs for other
   batch sizes; the sizes it builds in (sequence lengths, image sizes) are checked at every forward by an
-  :class:`ExportShapeGuard`, which raises :class:`~fxdp.errors.ExportShapeError` (before a forward of
-  inputs of other sizes, the compiler captures the model again for them, or puts in a graph it captured
-  for them earlier: :func:`flat_inputs` gives the inputs the guard checks);
+  :class:`~fxdp.runtime.guards.ExportShapeGuard`, which raises :class:`~fxdp.errors.ExportShapeError`
+  (before a forward of inputs of other sizes, the re-analysis, :mod:`fxdp.passes.reanalyse`, captures the
+  model again for them, or puts in a graph it captured for them earlier: :func:`flat_inputs` gives the
+  inputs the shape guard checks);
 - each node's ``stack_trace`` holds the Python frames that dispatched it: ``meta.SOURCE`` is the
   innermost one outside torch and fxdp (a line of the user's code, or of the library the model comes
   from, as for torchvision models);
@@ -36,7 +37,6 @@ import copyreg
 import inspect
 import io
 import logging
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import sympy
@@ -46,8 +46,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxdp import meta
-from fxdp.diagnostics import ExportModeError, ExportShapeError
 from fxdp.diagnostics.source import location_from_stack_trace
+from fxdp.runtime.guards import CapturedModeGuard, ExportShapeGuard, SymbolicBatch
 
 aten = torch.ops.aten
 
@@ -66,51 +66,10 @@ def _reduce_op_overload(op):
 copyreg.pickle(torch._ops.OpOverload, _reduce_op_overload)
 
 
-class ExportShapeGuard(nn.Module):
-    """Checks at every forward that the inputs have the sizes the captured graph holds: every size of
-    every tensor input as in the example inputs, but the batch dimension, which all batched inputs
-    share. (torch.export's own check is a closure that cannot be pickled; this one can.)"""
-
-    def __init__(self, names: List[str], shapes: List[Optional[Tuple[Optional[int], ...]]], batch_dim: int,
-                 model_name: str):
-        super().__init__()
-        self.names, self.shapes, self.batch_dim, self.model_name = names, shapes, batch_dim, model_name
-
-    def describe(self) -> str:
-        """``input_ids (N, 7), attention_mask (N, 7)``: the shapes the graph runs (N: any batch size)."""
-        return ", ".join(f"{name} {tuple('N' if e is None else e for e in shape)}".replace("'", "")
-                         for name, shape in zip(self.names, self.shapes) if shape is not None)
-
-    def mismatch(self, inputs) -> Optional[Tuple[str, tuple, tuple]]:
-        """``(input name, shape the graph holds, shape given)`` of the first input that does not fit; None if all do."""
-        batch = None
-        for name, expected, x in zip(self.names, self.shapes, inputs):
-            if expected is None or not isinstance(x, torch.Tensor):
-                continue
-            fits = x.dim() == len(expected) and all(e is None or e == s for e, s in zip(expected, x.shape))
-            if fits and expected[self.batch_dim] is None:
-                fits = batch is None or x.shape[self.batch_dim] == batch
-                batch = x.shape[self.batch_dim]
-            if not fits:
-                return name, tuple("N" if e is None else e for e in expected), tuple(x.shape)
-        return None
-
-    def forward(self, *inputs) -> None:
-        found = self.mismatch(inputs)
-        if found is not None:
-            name, want, shape = found
-            raise ExportShapeError(
-                f"fxdp: {self.model_name} was captured with torch.export (torch.fx could not trace it), and the "
-                f"graph holds the sizes the model's code took from the example inputs: input '{name}' must have "
-                f"shape {want} (N: the batch size, shared by the batched inputs), but it has "
-                f"{shape}. Compile again with example_inputs of the shapes you train with (e.g. pad "
-                "every batch to one sequence length).")
-
-
 def flat_inputs(gm: torch.fx.GraphModule, args: tuple, kwargs: Dict[str, Any]) -> Optional[List[Any]]:
     """The inputs of a call ``gm(*args, **kwargs)`` of a captured graph, flattened as its code flattens them (one
-    per placeholder, as :class:`ExportShapeGuard` sees them); None where the call does not bind to what was
-    captured (other keywords, another structure): the graph's own code then says what is wrong."""
+    per placeholder, as :class:`~fxdp.runtime.guards.ExportShapeGuard` sees them); None where the call does not
+    bind to what was captured (other keywords, another structure): the graph's own code then says what is wrong."""
     from torch.fx import _pytree as fx_pytree
 
     info = getattr(gm.graph._codegen, "pytree_info", None)
@@ -126,23 +85,6 @@ def flat_inputs(gm: torch.fx.GraphModule, args: tuple, kwargs: Dict[str, Any]) -
             (values[:n_positional], dict(zip(names[n_positional:], values[n_positional:]))), spec))
     except Exception:  # noqa: BLE001  (a call that does not fit the captured structure)
         return None
-
-
-class CapturedModeGuard(nn.Module):
-    """Refuses a forward in eval mode of a graph captured in training mode whose dropout is not a layer's
-    (the ``dropout_p`` of attention, ``F.dropout(x, p, self.training)``): the capture recorded it switched
-    on, and ``eval()`` cannot switch it off, so the outputs would silently stay dropped out."""
-
-    def __init__(self, sites: List[str], model_name: str):
-        super().__init__()
-        self.sites, self.model_name = sites, model_name
-
-    def forward(self, *inputs) -> None:
-        if not self.training:
-            raise ExportModeError(
-                f"fxdp: {self.model_name} was captured with torch.export in training mode, and its graph keeps "
-                f"dropout on that eval() cannot switch off: {'; '.join(self.sites)}. Evaluate with the model you "
-                "compiled (it shares its parameters with the compiled one), or build it with that dropout at 0.")
 
 
 def _dropout_p(node) -> float:
@@ -284,26 +226,6 @@ def _replace_export_guard(graph: torch.fx.Graph, args, kwargs, batch_dim: int, m
                                                             model_name))
     with graph.inserting_after(placeholders[-1]):
         graph.call_module(_GUARD, tuple(placeholders))
-
-
-@dataclass
-class SymbolicBatch:
-    """Which inputs of a captured graph carry the batch (placeholders, in order), and what torch.export
-    assumed of the batch size: its range and the conditions it recorded (``Eq(Mod(7*s0, s1), 0)``,
-    ``Eq(s1, s0)``, a divisibility a reshape needs), over the symbols that stand for it. A batch size that
-    meets them runs the very ops the graph holds, every size computed from it by the same formula."""
-
-    inputs: Tuple[bool, ...]
-    symbols: Tuple[Any, ...]  # sympy symbols of the batch size
-    lower: int
-    upper: Optional[int]
-    conditions: Tuple[Any, ...]  # sympy relations over ``symbols``
-
-    def admits(self, n: int) -> bool:
-        if n < self.lower or (self.upper is not None and n > self.upper):
-            return False
-        values = {symbol: n for symbol in self.symbols}
-        return all(condition.xreplace(values) is sympy.true for condition in self.conditions)
 
 
 def symbolic_batch(gm: torch.fx.GraphModule) -> Optional[SymbolicBatch]:

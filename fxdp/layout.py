@@ -1,5 +1,6 @@
 """Where the batch dimension sits in a tensor: the value the batch_dim pass writes for every node
-(``node.meta[fxdp.meta.BATCH_DIM]``) and the per_sample pass hands to the runtime.
+(``node.meta[fxdp.meta.BATCH_DIM]``) and the per_sample pass hands to the runtime (each site holds
+the layouts of its call's tensors).
 
 Kinds:
 
@@ -18,7 +19,6 @@ Kinds:
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -109,15 +109,3 @@ class BatchLayout:
 UNBATCHED_LAYOUT = BatchLayout(UNBATCHED)
 UNKNOWN_LAYOUT = BatchLayout(UNKNOWN)
 
-
-@functools.lru_cache(maxsize=None)  # called for every tensor of every DP-aware op, every step
-def parse_layout(text: str) -> BatchLayout:
-    """Inverse of ``str(BatchLayout)``: ``"batch@1"``, ``"merged@0(inner=8)"``, ``"unbatched"``, ..."""
-    if text in (UNBATCHED, UNKNOWN):
-        return BatchLayout(text)
-    kind, _, rest = text.partition("@")
-    dim, _, inner = rest.partition("(inner=")
-    kinds = {"batch": BATCHED, MERGED: MERGED, BROADCAST: BROADCAST, PACKED: PACKED}
-    if kind not in kinds or not dim.lstrip("-").isdigit():
-        raise ValueError(f"not a batch layout: {text!r}")
-    return BatchLayout(kinds[kind], int(dim), int(inner.rstrip(")")) if inner else 1)

@@ -37,8 +37,9 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxdp.accounting import create_accountant, get_noise_multiplier, steps_in_epochs
-from fxdp.compiler import _REPORT_ATTR, attach_hooks, compile_for_dp, report
+from fxdp.compiler import attach_hooks, compile_for_dp, report
 from fxdp.diagnostics import AlreadyPrivateError, UnsupportedInputError, location_of_caller
+from fxdp.diagnostics.report import REPORT_ATTR
 from fxdp.data import DPDataLoader
 from fxdp.data.loader import first_samples_batch, loader_options
 from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer, bucket_bytes_of, check_poisson_group,
@@ -449,7 +450,7 @@ class _LoaderInputs:
         left = f"; left out: {', '.join(self.labels)} (the loss belongs outside the model)" if self.labels else ""
         rep = report(compiled)
         did = "captured the model" if rep.front_end == "torch.export" else "tried to capture the model (see the reason)"
-        setattr(compiled, _REPORT_ATTR, dataclasses.replace(rep, notes=(
+        setattr(compiled, REPORT_ATTR, dataclasses.replace(rep, notes=(
             *rep.notes, f"make_private {did} from a batch of the data loader's first samples "
                         f"({shapes}){left}; the loader's sampling was not touched")))
         if self.labels and rep.engine == "fx":

@@ -33,7 +33,7 @@ from fxdp.diagnostics.errors import UnsupportedInputError
 from fxdp.diagnostics.source import SourceLocation, location_from_stack_trace, location_from_traceback
 from fxdp.grad_sample.model_methods import OpacusModelMethods
 from fxdp.grad_sample.registry import find_grad_sampler
-from fxdp.runtime.guards import run_eagerly
+from fxdp.runtime.guards import GUARD_ATTR, run_eagerly
 
 def source_location(node: torch.fx.Node) -> Optional[SourceLocation]:
     """Where in the user's code ``node`` was created, if known."""
@@ -252,8 +252,8 @@ class CompiledGraphModule(OpacusModelMethods, torch.fx.GraphModule):
     ``_module`` and :meth:`to_standard_module` give the model it was compiled from (the same parameters)."""
 
     def _standard_module(self) -> nn.Module:
-        guard = self.__dict__.get("fxdp_batch")
-        original = getattr(getattr(guard, "context", None), "original", None)
+        guard = self.__dict__.get(GUARD_ATTR)
+        original = getattr(getattr(guard, "reanalysis", None), "original", None)
         return original if original is not None else self
 
     def __getattr__(self, name: str):
@@ -267,7 +267,7 @@ class CompiledGraphModule(OpacusModelMethods, torch.fx.GraphModule):
     def __call__(self, *args, **kwargs):
         # a model changed since it was compiled (a layer replaced, a parameter unfrozen) is compiled again
         # before its forward runs (fxdp.runtime.structure): the graph's code calls what it was compiled with
-        guard = self.__dict__.get("fxdp_batch")
+        guard = self.__dict__.get(GUARD_ATTR)
         if guard is not None:
             run_eagerly(guard.before_forward, self, args, kwargs)  # (also under torch.compile)
         return super().__call__(*args, **kwargs)

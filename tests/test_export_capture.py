@@ -74,7 +74,7 @@ def test_a_model_torch_fx_cannot_trace_is_captured_by_torch_export():
         "torch.export: the graph runs inputs of shapes x (N, 4, 4) (N: any batch size); inputs of other sizes are "
         "captured again before their forward (once per shape)"]
     # the ATen calls of the stock layers are the layers again: their hand-written rules serve them
-    rules = {site.target: site.rule for site in compiled.fxdp_batch.sites}
+    rules = {site.target: site.rule for site in compiled.fxdp_batch_guard.sites}
     assert rules["inp"] == "Linear" and rules["out"] == "Linear"
     assert "aten.mul.Tensor" in rules and rules["aten.mul.Tensor"] == "generic"  # `* self.scale`
     # the per_sample changes point at the user's lines
@@ -223,7 +223,7 @@ def test_a_layer_with_a_registered_rule_keeps_its_rule_in_a_captured_graph():
         model = LoopOverTime()
         model.out = Doubled()
         compiled = fxdp.compile_for_dp(model, example_inputs=_x(), loss_reduction="sum")
-        assert {site.target: site.rule for site in compiled.fxdp_batch.sites}["out"] == "Doubled"
+        assert {site.target: site.rule for site in compiled.fxdp_batch_guard.sites}["out"] == "Doubled"
         _check_against_batches_of_one(model, compiled, _x())
     finally:
         GRAD_SAMPLERS.restore(saved)
@@ -287,7 +287,7 @@ def test_a_capture_again_in_eval_mode_is_made_in_the_first_captures_mode():
     compiled.eval()
     with torch.no_grad():
         torch.testing.assert_close(compiled(_x(t=6)), layer.eval()(_x(t=6)))
-    assert compiled.fxdp_batch.context.training and not layer.training  # the user's modes are as they were
+    assert compiled.fxdp_batch_guard.reanalysis.training and not layer.training  # the user's modes are as they were
     attention = AttentionWithDropout(p=1.0, where="functional")
     compiled = fxdp.compile_for_dp(attention, (_x(),))
     compiled.eval()
@@ -301,15 +301,15 @@ def test_a_capture_again_in_eval_mode_is_made_in_the_first_captures_mode():
 
 
 def _counting_reanalyse(compiled):
-    """Count the guard's re-runs of the batch_dim analysis (for input shapes it has not analysed)."""
-    guard, calls = compiled.fxdp_batch, []
-    original = guard.reanalyse
+    """Count the batch guard's re-runs of the batch_dim analysis (for input shapes it has not analysed)."""
+    reanalysis, calls = compiled.fxdp_batch_guard.reanalysis, []
+    original = reanalysis.layouts_for
 
-    def counting(source, inputs):
+    def counting(guard, inputs):
         calls.append(tuple(x.shape for x in inputs if isinstance(x, torch.Tensor)))
-        return original(source, inputs)
+        return original(guard, inputs)
 
-    guard.reanalyse = counting
+    reanalysis.layouts_for = counting
     return calls
 
 
@@ -320,7 +320,7 @@ def test_a_new_batch_size_of_a_captured_graph_reuses_its_analysis():
     torch.manual_seed(0)
     model = LoopOverTime()
     compiled = fxdp.compile_for_dp(model, example_inputs=_x(n=3), loss_reduction="sum")
-    assert compiled.fxdp_batch.symbolic_batch.inputs == (True,)
+    assert compiled.fxdp_batch_guard.symbolic_batch.inputs == (True,)
     calls = _counting_reanalyse(compiled)
     for n in (5, 2, 7):
         _check_against_batches_of_one(model, compiled, _x(n=n, seed=n))
@@ -329,7 +329,7 @@ def test_a_new_batch_size_of_a_captured_graph_reuses_its_analysis():
     assert calls == [((1, 4, 4),)]
     fresh = fxdp.compile_for_dp(model, example_inputs=_x(n=3), loss_reduction="sum")
     for copied in (copy.deepcopy(fresh), pickle.loads(pickle.dumps(fresh))):  # the knowledge travels with it
-        assert copied.fxdp_batch.symbolic_batch.admits(9)
+        assert copied.fxdp_batch_guard.symbolic_batch.admits(9)
 
 
 class FixedBatch(nn.Module):
@@ -347,7 +347,7 @@ class FixedBatch(nn.Module):
 def test_a_batch_size_torch_export_fixed_to_a_number_is_analysed_again():
     compiled = fxdp.compile_for_dp(FixedBatch(), example_inputs=torch.randn(4, 8))
     assert fxdp.report(compiled).front_end == "torch.export"
-    assert compiled.fxdp_batch.symbolic_batch is None
+    assert compiled.fxdp_batch_guard.symbolic_batch is None
     calls = _counting_reanalyse(compiled)
     with pytest.raises(RuntimeError):  # the graph holds reshape(4, -1): the analysis meets the op's own error
         compiled(torch.randn(6, 8))
@@ -359,14 +359,15 @@ def test_a_batch_size_outside_what_the_capture_assumed_is_analysed_again():
     reuse the analysis; any other size is analysed as if new."""
     import sympy
 
-    from fxdp.export_capture import SymbolicBatch
+    from fxdp.runtime.guards import SymbolicBatch
 
     torch.manual_seed(0)
     model = LoopOverTime()
     compiled = fxdp.compile_for_dp(model, example_inputs=_x(n=4), loss_reduction="sum")
     s = sympy.Symbol("s0", integer=True, positive=True)
-    compiled.fxdp_batch.symbolic_batch = SymbolicBatch((True,), (s,), 2, 8, (sympy.Eq(sympy.Mod(s, 2), 0),))
-    assert [compiled.fxdp_batch.symbolic_batch.admits(n) for n in (1, 2, 5, 6, 10)] == [False, True, False, True, False]
+    compiled.fxdp_batch_guard.symbolic_batch = SymbolicBatch((True,), (s,), 2, 8, (sympy.Eq(sympy.Mod(s, 2), 0),))
+    admitted = [compiled.fxdp_batch_guard.symbolic_batch.admits(n) for n in (1, 2, 5, 6, 10)]
+    assert admitted == [False, True, False, True, False]
     calls = _counting_reanalyse(compiled)
     for n in (6, 5, 10):
         _check_against_batches_of_one(model, compiled, _x(n=n, seed=n))

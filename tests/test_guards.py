@@ -2,6 +2,7 @@
 user's pattern and asserts correct per-sample gradients (against batches of one) or an fxdp error
 before any per-sample gradient can be used."""
 
+import copy
 import inspect as pyinspect
 
 import pytest
@@ -13,6 +14,8 @@ from torch import nn
 import fxdp
 from fxdp.grad_sample.sink import sink_of
 from fxdp.diagnostics import FxdpError
+from fxdp.layout import BatchLayout
+from fxdp.runtime.guards import BatchGuard, Reanalysis
 
 
 def reference(model, inputs, batched, batch_dim=0, seed=0):
@@ -65,15 +68,15 @@ class MergedTime(nn.Module):
 
 
 def count_analyses(compiled):
-    guard = compiled.fxdp_batch
+    reanalysis = compiled.fxdp_batch_guard.reanalysis
     calls = []
-    original = guard.reanalyse
+    original = reanalysis.layouts_for
 
-    def counting(g, inputs):
+    def counting(guard, inputs):
         calls.append(tuple(x.shape for x in inputs))
-        return original(g, inputs)
+        return original(guard, inputs)
 
-    guard.reanalyse = counting
+    reanalysis.layouts_for = counting
     return calls
 
 
@@ -92,6 +95,21 @@ def test_a_merged_batch_whose_sequence_length_changes_is_analysed_again(with_exa
         assert_rows(model, expected)
     # once per new shape signature, cached after
     assert analyses == ([] if with_example else [((4, 5, 3),)]) + [((4, 10, 3),), ((2, 10, 3),)]
+
+
+def test_the_batch_guard_holds_a_typed_reanalysis_and_sites_holding_layout_objects():
+    """One object, ``compiled.fxdp_batch_guard``: its re-analysis implements the runtime's interface (the runtime
+    imports no pass), and the sites it keeps right hold layouts as objects, the same in a copy."""
+    compiled = fxdp.compile_for_dp(MergedTime(), loss_reduction="sum")
+    guard = compiled.fxdp_batch_guard
+    assert isinstance(guard, BatchGuard) and isinstance(guard.reanalysis, Reanalysis)
+    compiled(torch.randn(4, 5, 3))
+    (site,) = guard.sites
+    assert site.guard is guard
+    assert site.layouts == site.out_layouts == [BatchLayout.merged(0, 5)]
+    copied = copy.deepcopy(compiled)
+    assert copied.fxdp_batch_guard.sites[0].layouts == [BatchLayout.merged(0, 5)]
+    assert copied.fxdp_batch_guard.reanalysis.compiled is copied
 
 
 class HardCodedRows(nn.Module):

@@ -1,6 +1,6 @@
 """``torch.compile`` of the private model ``make_private`` returns (graph engine): the same steps as eager, the
 graph breaks it has and why, and the checks that must still run on every call (the structure watch and the
-shape guard run eagerly under torch.compile: :func:`fxdp.runtime.guards.run_eagerly`).
+batch guard run eagerly under torch.compile: :func:`fxdp.runtime.guards.run_eagerly`).
 
 The tests compile with ``backend="aot_eager"``: dynamo and AOTAutograd as torch.compile runs them, without
 inductor's C++ compilation (minutes on this machine's 2 cores); one test runs inductor on a small MLP.
@@ -114,7 +114,7 @@ def _dp_layers(private) -> int:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_graph_breaks_are_the_per_layer_backward_hooks_only(name):
     """What docs/torch_compile.md says: the forward breaks where a DP-aware layer registers the backward hook that
-    hands (A, G) to the sink (Python with side effects, which dynamo cannot put in a graph), and at the shape guard
+    hands (A, G) to the sink (Python with side effects, which dynamo cannot put in a graph), and at the batch guard
     (run eagerly on every call), and nowhere else."""
     make, make_x = MODELS[name]
     torch.manual_seed(0)

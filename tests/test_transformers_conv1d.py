@@ -17,6 +17,7 @@ import fxdp
 from fxdp.grad_sample.bookkeeping import BookkeepingSink, plan_layer
 from fxdp.grad_sample.registry import GRAD_SAMPLERS, find_grad_sampler, register_grad_sampler_by_path, rule_name
 from fxdp.grad_sample.sink import GradSampleSink
+from fxdp.layout import BatchLayout
 from fxdp.optim import DPOptimizer
 
 transformers = pytest.importorskip("transformers")
@@ -74,7 +75,7 @@ def test_the_conv1d_rule_against_batches_of_one(shape):
     layer = Conv1D(6, 4).double()
     x = torch.randn(*shape, dtype=torch.float64)
     compiled = fxdp.compile_for_dp(nn.Sequential(layer), example_inputs=x, loss_reduction="sum")  # torch.fx
-    assert [(site.target, site.rule) for site in compiled.fxdp_batch.sites] == [("0", "Conv1D")]
+    assert [(site.target, site.rule) for site in compiled.fxdp_batch_guard.sites] == [("0", "Conv1D")]
     (compiled(x) ** 2).sum().backward()
     for i in range(shape[0]):
         w, b = torch.autograd.grad((layer(x[i:i + 1]) ** 2).sum(), [layer.weight, layer.bias])
@@ -116,10 +117,11 @@ def test_gpt2_projections_are_folded_into_conv1d_calls_with_their_rule(mask):
     model = _build(_gpt2, "sdpa")
     inputs = _inputs(mask)
     compiled = fxdp.compile_for_dp(model, example_inputs=inputs)
-    rules = {site.target: site.rule for site in compiled.fxdp_batch.sites}
+    rules = {site.target: site.rule for site in compiled.fxdp_batch_guard.sites}
     names = _conv1d_names(model)
     assert len(names) == 4 and all(rules[name] == "Conv1D" for name in names), rules
-    generic = [f"{site.target}: {site.description}" for site in compiled.fxdp_batch.sites if site.rule == "generic"]
+    generic = [f"{site.target}: {site.description}" for site in compiled.fxdp_batch_guard.sites
+               if site.rule == "generic"]
     assert generic and not [t for t in generic if any(p in t for p in PROJECTIONS)], generic  # (wpe stays generic)
     assert ("fxdp_runtime_ops_dp_aware_layer(transformer_h_0_attn_c_attn_1, fxdp_site_transformer_h_0_attn_c_attn,"
             in compiled.code)
@@ -259,7 +261,8 @@ def test_conv1d_with_the_batch_in_dimension_1_against_batches_of_one(sink):
     model = _TimeFirst().double()
     x = torch.randn(3, 5, 6, dtype=torch.float64)
     compiled = fxdp.compile_for_dp(model, example_inputs=x, loss_reduction="sum", sink=sink())
-    assert [(s.target, s.rule, s.layouts) for s in compiled.fxdp_batch.sites] == [("proj", "Conv1D", ["batch@1"])]
+    sites = compiled.fxdp_batch_guard.sites
+    assert [(s.target, s.rule, s.layouts) for s in sites] == [("proj", "Conv1D", [BatchLayout.at(1)])]
     (compiled(x) ** 2).sum().backward()
     params = list(model.parameters())
     want = [torch.stack([torch.autograd.grad((model(x[i:i + 1]) ** 2).sum(), p)[0] for i in range(3)]) for p in params]

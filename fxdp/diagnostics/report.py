@@ -5,12 +5,15 @@ once."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 from tabulate import tabulate
 
-from fxdp.diagnostics.findings import Finding, PassReport, Severity, render_findings
+from fxdp.diagnostics.errors import BatchMixingError, NotPrivateError
+from fxdp.diagnostics.findings import Finding, Kind, PassReport, Severity, render_findings
 from fxdp.diagnostics.source import SourceLocation
+
+REPORT_ATTR = "fxdp_report"  # where a model compile_for_dp returns keeps its CompileReport
 
 #: The per-sample engines a user names with ``grad_sample_mode``:
 #: ``fx`` — the compiled graph, a DP-aware op per parametrised call;
@@ -93,3 +96,21 @@ class CompileReport:
         elif self.passes:
             lines += ["", "Findings: none"]
         return "\n".join(lines)
+
+
+def refuse_if_not_private(reports: Sequence[PassReport], when: str = "") -> None:
+    """Raise :class:`~fxdp.diagnostics.errors.BatchMixingError` (an op mixes samples) or
+    :class:`~fxdp.diagnostics.errors.NotPrivateError` with the error findings of ``reports``, if there are any;
+    ``when`` ends the header (the input shapes they were found for)."""
+    errors = [f for r in reports for f in r.findings if f.severity is Severity.ERROR]
+    if not errors:
+        return
+    mixing = [f for f in errors if f.kind is Kind.MIXES_SAMPLES]
+    header = (
+        "The model mixes samples across the batch dimension, so it cannot be trained with DP-SGD: "
+        "each sample's computation must not read another sample's data."
+        if mixing else
+        "The model cannot be trained with DP-SGD as it is. Fix the findings below "
+        "(fxdp.validators.ModuleValidator.fix(model) replaces BatchNorm and in-place flags)."
+    ) + when
+    raise (BatchMixingError if mixing else NotPrivateError)(errors, header)

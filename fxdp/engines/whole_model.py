@@ -20,7 +20,7 @@ from fxdp import meta
 from fxdp.engines.base import ParameterWatch
 from fxdp.grad_sample.model_methods import OpacusModelMethods
 from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
-from fxdp.layout import UNKNOWN, BatchLayout
+from fxdp.layout import UNBATCHED_LAYOUT, UNKNOWN, BatchLayout
 from fxdp.passes.per_sample import batch_source
 from fxdp.runtime.ops import PerSampleSite, dp_aware_layer
 
@@ -31,7 +31,7 @@ class PerSampleModel(OpacusModelMethods, nn.Module):
     the batch_dim pass found for every input (batched, broadcast or unbatched, positional or keyword)
     and every output (tuples included)."""
 
-    def __init__(self, model: nn.Module, site: PerSampleSite, input_layouts: Dict[str, List[str]],
+    def __init__(self, model: nn.Module, site: PerSampleSite, input_layouts: Dict[str, List[BatchLayout]],
                  batch_input: Tuple[str, int]):
         super().__init__()
         self.module = model
@@ -58,7 +58,7 @@ class PerSampleModel(OpacusModelMethods, nn.Module):
         for arg_name, value in [*zip(self._signature.parameters, args), *kwargs.items()]:
             tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
             recorded = self._input_layouts.get(arg_name, [])
-            layouts += [recorded[i] if i < len(recorded) else "unbatched" for i in range(len(tensors))]
+            layouts += [recorded[i] if i < len(recorded) else UNBATCHED_LAYOUT for i in range(len(tensors))]
         self.fxdp_site.layouts = layouts
         return dp_aware_layer(self.module, self.fxdp_site, n, *args, **kwargs)
 
@@ -69,8 +69,8 @@ def whole_model_op(model: nn.Module, gm: torch.fx.GraphModule, *, loss_reduction
     for its inputs and outputs on ``gm`` (the analysed graph)."""
     default = BatchLayout.at(batch_dim)
 
-    def layout_strings(value) -> List[str]:
-        return [str(lay if lay.kind != UNKNOWN else default)
+    def layouts(value) -> List[BatchLayout]:
+        return [lay if lay.kind != UNKNOWN else default
                 for lay in pytree.tree_leaves(value) if isinstance(lay, BatchLayout)]
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -78,11 +78,11 @@ def whole_model_op(model: nn.Module, gm: torch.fx.GraphModule, *, loss_reduction
     out_nodes = [a for a in pytree.tree_leaves(output.args[0]) if isinstance(a, torch.fx.Node)]
     site = PerSampleSite(
         "<model>", type(model).__name__, "generic", loss_reduction,
-        out_layouts=[s for node in out_nodes for s in layout_strings(node.meta.get(meta.BATCH_DIM, default))],
+        out_layouts=[lay for node in out_nodes for lay in layouts(node.meta.get(meta.BATCH_DIM, default))],
         description=f"the whole model ({type(model).__name__})",
         sink=sink if sink is not None else GradSampleSink(),
     )
     index, dim = batch_source(placeholders, batch_dim)
-    inputs = {ph.target: layout_strings(ph.meta.get(meta.BATCH_DIM, default)) for ph in placeholders}
+    inputs = {ph.target: layouts(ph.meta.get(meta.BATCH_DIM, default)) for ph in placeholders}
     return PerSampleModel(model, site, inputs, (placeholders[index].target, dim))
 

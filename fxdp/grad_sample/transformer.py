@@ -375,11 +375,11 @@ def inputs_fit(module: nn.Module, arguments: Dict[str, Any], shape_of: Callable[
             continue
         lay = layout_of(value)
         if name in SEQUENCES:
-            if len(shape) != 3 or str(lay) != f"batch@{b}" or shape[b] != n:
+            if len(shape) != 3 or lay != BatchLayout.at(b) or shape[b] != n:
                 return False
         elif lay.is_batched:
             if name.endswith("key_padding_mask"):
-                if str(lay) != "batch@0":
+                if lay != BatchLayout.at(0):
                     return False
             elif not (len(shape) == 3 and len(heads) == 1 and lay == BatchLayout(MERGED, 0, next(iter(heads)))):
                 return False

@@ -6,4 +6,7 @@ Each is a function ``GraphModule -> PassResult(graph_module, report)`` that muta
 2. :mod:`~fxdp.passes.inplace`    — in-place ops rewritten out of place
 3. :mod:`~fxdp.passes.batch_dim`  — where the batch sits at every node; batch moves; sample mixing
 4. :mod:`~fxdp.passes.per_sample` — DP-aware ops that record per-sample gradients
+
+and :mod:`~fxdp.passes.reanalyse`, the re-analysis a compiled model's batch guard asks for at run time
+(new input shapes; a model changed since it was compiled).
 """

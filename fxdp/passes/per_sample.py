@@ -32,7 +32,7 @@ from fxdp.grad_sample.recurrent import recurrent_rule_applies
 from fxdp.grad_sample.registry import rule_name
 from fxdp.grad_sample.transformer import transformer_rule_applies
 from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
-from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED, UNKNOWN, BatchLayout, parse_layout
+from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED, UNKNOWN, BatchLayout
 from fxdp.tracing import source_location
 
 PASS_NAME = "per_sample"
@@ -74,11 +74,11 @@ def _site_layouts(node, default, reached, inputs=None) -> Tuple[List[BatchLayout
     return [_layout_of(a, default, reached) for a in args], _layout_of(node, default, reached)
 
 
-def _out_layout_strings(node, first: BatchLayout, default: BatchLayout) -> List[str]:
+def _out_layouts(node, first: BatchLayout, default: BatchLayout) -> List[BatchLayout]:
     """Layouts of every tensor output (tuple outputs: MultiheadAttention, LSTM), the first as checked."""
     recorded = node.meta.get(meta.BATCH_DIM)
     rest = [lay for lay in pytree.tree_leaves(recorded) if isinstance(lay, BatchLayout)][1:]
-    return [str(first)] + [str(lay if lay.kind != UNKNOWN else default) for lay in rest]
+    return [first] + [lay if lay.kind != UNKNOWN else default for lay in rest]
 
 
 def _finding(node, message: str, fix: str, kind=Kind.NOT_YET_SUPPORTED, severity=Severity.ERROR, op="") -> Finding:
@@ -113,14 +113,15 @@ def _check_layouts(node, ins: List[BatchLayout], out: BatchLayout) -> Tuple[Opti
         severity=Severity.WARNING)
 
 
-def _site_layout_strings(node, default, reached, inputs=None) -> Tuple[List[str], List[str], Optional[Finding]]:
+def _recorded_layouts(node, default, reached,
+                      inputs=None) -> Tuple[List[BatchLayout], List[BatchLayout], Optional[Finding]]:
     """The input and output layouts a site records for ``node`` (or for ``inputs`` in its place, when
     ops on parameters were folded into it), or a finding saying why it cannot."""
     ins, out = _site_layouts(node, default, reached, inputs)
     out, problem = _check_layouts(node, ins, out)
     if problem is not None:
         return [], [], problem
-    return [str(lay) for lay in ins], _out_layout_strings(node, out, default), None
+    return ins, _out_layouts(node, out, default), None
 
 
 def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "mean", batch_dim: int = 0,
@@ -136,11 +137,12 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
     if not placeholders:
         raise ValueError("the model takes no inputs, so there is no batch to compute per-sample gradients over")
 
-    gm.fxdp_batch = guard = runtime.BatchSource(*batch_source(placeholders, batch_dim))
+    guard = runtime.BatchGuard(*batch_source(placeholders, batch_dim))
+    setattr(gm, runtime.GUARD_ATTR, guard)
     with graph.inserting_after(placeholders[-1]):
-        source = _get_attr(graph, "fxdp_batch")
-    with graph.inserting_after(source):
-        n = graph.call_function(runtime.batch_size, (source, *placeholders))
+        guard_node = _get_attr(graph, runtime.GUARD_ATTR)
+    with graph.inserting_after(guard_node):
+        n = graph.call_function(runtime.batch_size, (guard_node, *placeholders))
     n.name = "batch_size"
 
     changes: List[Finding] = []
@@ -182,7 +184,7 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
         else:
             continue
 
-        ins, outs, problem = _site_layout_strings(node, default, reached)
+        ins, outs, problem = _recorded_layouts(node, default, reached)
         if problem is not None:
             findings.append(problem)
             continue
@@ -197,7 +199,7 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
         node.op, node.target = "call_function", call
         node.args = (*head, site_node, n, *node.args)
         node.meta[meta.PER_SAMPLE_RULE] = rule
-        changes.append(_site_change(node, site))
+        changes.append(_site_change(node, site, call.__name__))
 
     findings += _uncovered_parameters(gm)
     guard.frozen = _frozen_uses(gm)
@@ -267,11 +269,14 @@ def _erase_unused(graph: torch.fx.Graph, folded: List[torch.fx.Node]) -> None:
             graph.erase_node(node)
 
 
-def _site_change(node, site: runtime.PerSampleSite) -> Finding:
+def _site_change(node, site: runtime.PerSampleSite, op: str, ins=None, outs=None) -> Finding:
+    """The per_sample change of ``site`` at ``node``, with the layouts ``ins`` and ``outs`` (the site's own if not
+    given)."""
+    ins, outs = site.layouts if ins is None else ins, site.out_layouts if outs is None else outs
     return Finding(
-        PASS_NAME, node.name, node.target.__name__, Kind.REWRITE, Severity.INFO,
-        f"{site.description}: per-sample gradients by the {site.rule} rule; input {', '.join(site.layouts) or '-'}, "
-        f"output {', '.join(site.out_layouts)}", "", source_location(node))
+        PASS_NAME, node.name, op, Kind.REWRITE, Severity.INFO,
+        f"{site.description}: per-sample gradients by the {site.rule} rule; input {', '.join(map(str, ins)) or '-'}, "
+        f"output {', '.join(map(str, outs))}", "", source_location(node))
 
 
 _DP_OPS = (runtime.dp_aware_layer, runtime.dp_aware_function)
@@ -296,7 +301,7 @@ def _uncovered_parameters(gm: torch.fx.GraphModule) -> List[Finding]:
 
 def _frozen_uses(gm: torch.fx.GraphModule) -> List[runtime.FrozenUse]:
     """Frozen parameters used by an op that is no DP-aware op (``self.w.t()``): were one unfrozen, its
-    per-sample gradient would be lost, so the guard refuses the next forward (it names the use)."""
+    per-sample gradient would be lost, so the batch guard refuses the next forward (it names the use)."""
     uses = []
     for node in gm.graph.nodes:
         param = _parameter(gm, node)
@@ -326,46 +331,39 @@ def batch_source(placeholders, batch_dim: int) -> Tuple[int, int]:
     return 0, batch_dim
 
 
-def update_site_layouts(analysed: torch.fx.GraphModule, guard: runtime.BatchSource,
-                        batch_dim: int) -> Tuple[List[Finding], List[Finding]]:
-    """Give the sites of a compiled graph (``guard.sites``) the layouts the batch_dim pass found on
-    ``analysed`` (the same graph before the per_sample pass), and the guard the batched input. Used by
-    the guards when the inputs have shapes not analysed yet (the first batch without example inputs).
-    Returns (problems, the per_sample changes as they now stand); with problems no site is changed."""
+def site_layouts(analysed: torch.fx.GraphModule, guard: runtime.BatchGuard,
+                 batch_dim: int) -> Tuple[List[Finding], Optional[runtime.AnalysedLayouts], List[Finding]]:
+    """The layouts the batch_dim pass found on ``analysed`` (a compiled graph before the per_sample pass) for the
+    sites of that graph (``guard.sites``), and its batched input. Used by the re-analysis when the inputs have
+    shapes not analysed yet (the first batch without example inputs). Returns (problems, the layouts, the
+    per_sample changes with them); with problems, no layouts."""
     by_name = {node.name: node for node in analysed.graph.nodes}
     reached = _inputs_reach(analysed.graph)
     default = BatchLayout.at(batch_dim)
-    problems, changes, found = [], [], []
+    problems, found = [], []
     for site in guard.sites:
         inputs = guard.folded.get(site.node)
         inputs = None if inputs is None else [by_name[name] for name in inputs]
-        ins, outs, problem = _site_layout_strings(by_name[site.node], default, reached, inputs)
+        ins, outs, problem = _recorded_layouts(by_name[site.node], default, reached, inputs)
         if problem is not None:
             problems.append(problem)
         found.append((ins, outs))
     if problems:
-        return problems, []
+        return problems, None, []
     placeholders = [n for n in analysed.graph.nodes if n.op == "placeholder"]
-    guard.input_index, guard.dim = batch_source(placeholders, batch_dim)
-    for site, (ins, outs) in zip(guard.sites, found):
-        site.layouts, site.out_layouts = ins, outs
-        changes.append(Finding(
-            PASS_NAME, site.node, "dp_aware_layer" if site.fn is None else "dp_aware_function", Kind.REWRITE,
-            Severity.INFO, f"{site.description}: per-sample gradients by the {site.rule} rule; input "
-            f"{', '.join(site.layouts) or '-'}, output {', '.join(site.out_layouts)}", "",
-            source_location(by_name[site.node])))
-    return problems, changes
+    changes = [_site_change(by_name[site.node], site, "dp_aware_layer" if site.fn is None else "dp_aware_function",
+                            ins, outs) for site, (ins, outs) in zip(guard.sites, found)]
+    return [], runtime.AnalysedLayouts(*batch_source(placeholders, batch_dim), tuple(found)), changes
 
 
-_WHOLE = str(BatchLayout.merged(0, 1))  # with N = 1: the whole tensor is the one sample's row
+_WHOLE = BatchLayout.merged(0, 1)  # with N = 1: the whole tensor is the one sample's row
 
 
-def one_sample_layouts(guard: runtime.BatchSource) -> None:
+def one_sample_layouts(guard: runtime.BatchGuard, input_index: int, dim: int) -> runtime.AnalysedLayouts:
     """Layouts for a batch of one sample when the analysis cannot place the batch: every tensor that
     is (or may be) per-sample is read whole as that sample's (shared inputs stay shared)."""
-    def whole(text: str) -> str:
-        return text if parse_layout(text).kind in (BROADCAST, UNBATCHED) else _WHOLE
+    def whole(layout: BatchLayout) -> BatchLayout:
+        return layout if layout.kind in (BROADCAST, UNBATCHED) else _WHOLE
 
-    for site in guard.sites:
-        site.layouts = [whole(text) for text in site.layouts]
-        site.out_layouts = [_WHOLE for _ in site.out_layouts]
+    return runtime.AnalysedLayouts(input_index, dim, tuple(
+        ([whole(lay) for lay in site.layouts], [_WHOLE for _ in site.out_layouts]) for site in guard.sites))

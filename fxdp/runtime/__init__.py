@@ -2,13 +2,15 @@
 
 The runtime imports no pass: the per_sample pass builds sites and inserts calls to these ops; the
 ops deliver what they see in backward to the model's gradient sink, which each site holds. The
-guards (:mod:`~fxdp.runtime.guards`) check at every forward that the layouts the sites hold were
-analysed for these input shapes.
+model's batch guard (:mod:`~fxdp.runtime.guards`) checks at every forward that the layouts the sites hold
+were analysed for these input shapes, and asks its :class:`~fxdp.runtime.guards.Reanalysis` for the
+layouts of new ones.
 """
 
-from fxdp.runtime.guards import BatchSource, FrozenUse, batch_size, input_signature
+from fxdp.runtime.guards import (GUARD_ATTR, AnalysedLayouts, BatchGuard, FrozenUse, Reanalysis, batch_size,
+                                 input_signature)
 from fxdp.runtime.structure import StructureWatch
 from fxdp.runtime.ops import PerSampleSite, dp_aware_function, dp_aware_layer
 
-__all__ = ["BatchSource", "FrozenUse", "PerSampleSite", "StructureWatch", "batch_size", "dp_aware_function",
-           "dp_aware_layer", "input_signature"]
+__all__ = ["GUARD_ATTR", "AnalysedLayouts", "BatchGuard", "FrozenUse", "PerSampleSite", "Reanalysis",
+           "StructureWatch", "batch_size", "dp_aware_function", "dp_aware_layer", "input_signature"]

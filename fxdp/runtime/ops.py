@@ -2,7 +2,7 @@
 
 A compiled model's code reads, for a Linear layer ``fc``::
 
-    batch_size = fxdp_runtime_guards_batch_size(self.fxdp_batch, x)
+    batch_size = fxdp_runtime_guards_batch_size(self.fxdp_batch_guard, x)
     fc = fxdp_runtime_ops_dp_aware_layer(self.fc, self.fxdp_site_fc, batch_size, x)
 
 The forward is the ordinary one. What differs is backward: a hook on the layer's output receives the
@@ -34,30 +34,31 @@ from fxdp.grad_sample.registry import find_grad_sampler, rule_name
 from fxdp.grad_sample.sink import GradientSink, LayerCapture
 from fxdp.grad_sample.transformer import (bind_block_call, block_forward, encoder_would_nest, has_hooks,
                                           inputs_fit, transformer_rule_applies)
-from fxdp.layout import BATCHED, BROADCAST, BatchLayout, parse_layout
-from fxdp.runtime.guards import BatchSource, forward_call, run_eagerly
+from fxdp.layout import BATCHED, BROADCAST, BatchLayout
+from fxdp.runtime.guards import BatchGuard, forward_call, run_eagerly
 
 
 @dataclass
 class PerSampleSite:
     """What the per_sample pass knows about one parametrised call in the graph.
 
-    ``layouts`` holds, per tensor argument (flattened args then kwargs), the layout string of where
-    the batch sits (``"batch@0"``, ``"merged@0(inner=8)"``, ``"broadcast@0"``, ``"unbatched"``);
-    ``out_layouts`` the same for each tensor output. Sites are mutable: without example inputs the layouts
-    are filled in on the first forward, before its backward.
+    ``layouts`` holds, per tensor argument (flattened args then kwargs), the :class:`~fxdp.layout.BatchLayout`
+    of where the batch sits (``batch@0``, ``merged@0(inner=8)``, ``broadcast@0``, ``unbatched``);
+    ``out_layouts`` the same for each tensor output. The batch guard replaces both lists (never mutates them)
+    with the ones analysed for each forward's input shapes: without example inputs they are filled in on the
+    first forward, before its backward.
     """
 
     node: str  # the original node's name
     target: str  # "fc" (module) or "torch.nn.functional.linear" / "mul" (function / method)
     rule: str  # rule name for the report: "Linear" (hand-written), "generic", ...
     loss_reduction: str
-    layouts: List[str] = field(default_factory=list)
-    out_layouts: List[str] = field(default_factory=lambda: ["batch@0"])  # one per tensor output
+    layouts: List[BatchLayout] = field(default_factory=list)
+    out_layouts: List[BatchLayout] = field(default_factory=lambda: [BatchLayout.at(0)])  # one per tensor output
     fn: Union[Callable, str, None] = None  # functional uses: the torch function, or the Tensor method's name
     description: str = ""  # for the report: "layer 'fc' (Linear)", "'mul' using 'scale'"
     sink: Optional[GradientSink] = field(default=None, repr=False, compare=False)  # the model's sink
-    guard: Optional[BatchSource] = field(default=None, repr=False, compare=False)  # the model's fxdp_batch
+    guard: Optional[BatchGuard] = field(default=None, repr=False, compare=False)  # the model's fxdp_batch_guard
     calls: int = field(default=0, repr=False, compare=False)  # without a guard: calls so far (see forward_call)
 
     def in_layout(self, i: int) -> BatchLayout:
@@ -67,7 +68,7 @@ class PerSampleSite:
                 "the per_sample pass recorded layouts for; compile again with example_inputs shaped like the "
                 "real inputs"
             )
-        return parse_layout(self.layouts[i])
+        return self.layouts[i]
 
 
 def _expand_broadcast(tensors: List[Any], layouts: List[BatchLayout], n: int) -> Tuple[List[Any], List[BatchLayout]]:
@@ -170,8 +171,8 @@ def _on_backward(out, outputs: List[torch.Tensor], record):
 
 
 def _out_layouts(site: PerSampleSite, count: int) -> List[BatchLayout]:
-    layouts = [parse_layout(text) for text in site.out_layouts]
-    return layouts + [layouts[-1]] * (count - len(layouts))
+    layouts = site.out_layouts
+    return list(layouts) + [layouts[-1]] * (count - len(layouts))
 
 
 def _deliver(site: PerSampleSite, capture: LayerCapture, call: int) -> None:
@@ -280,7 +281,7 @@ def _recurrent_call(module: nn.Module, site: PerSampleSite, n: int, leaves, layo
         return None
     batch_at = 0 if module.batch_first else 1
     tensors = [lay for leaf, lay in zip(leaves, layouts) if isinstance(leaf, torch.Tensor)]
-    if (str(tensors[0]) != f"batch@{batch_at}" or any(str(lay) != "batch@1" for lay in tensors[1:])
+    if (tensors[0] != BatchLayout.at(batch_at) or any(lay != BatchLayout.at(1) for lay in tensors[1:])
             or x.shape[batch_at] != n):
         return None
     forward = forward_call(site)
@@ -307,7 +308,7 @@ def _transformer_call(module: nn.Module, site: PerSampleSite, n: int, leaves, la
     def call(layer: nn.Module, x: torch.Tensor, at: int, name: str) -> torch.Tensor:
         if not any(p.requires_grad for p in layer.parameters()):
             return layer(x)
-        lay = [f"batch@{at}"]
+        lay = [BatchLayout.at(at)]
         child = PerSampleSite(f"{site.node}.{name}", f"{site.target}.{name}", rule_name(layer) or "generic",
                               site.loss_reduction, lay, lay, None, f"layer '{site.target}.{name}' "
                               f"({type(layer).__name__})", site.sink, guard)

@@ -21,7 +21,7 @@ from fxdp.grad_sample.linear import is_transformers_conv1d, linear_grad_sample
 from fxdp.grad_sample.recurrent import recurrent_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.grad_sample.transformer import batch_at, bind_block_call, inputs_fit, transformer_rule_applies
-from fxdp.layout import BATCHED, BROADCAST, BatchLayout, parse_layout
+from fxdp.layout import BATCHED, BROADCAST, BatchLayout
 
 METHODS = ("outer", "ghost", "per_sample", "index", "summed", "materialise")
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -114,14 +114,14 @@ def plan_graph(gm: torch.fx.GraphModule, prefer: Optional[str] = None) -> List[T
     """``(layer name, plan)`` for every layer call the per_sample pass made a DP-aware op, from the shapes
     the batch_dim pass recorded (compiled with example_inputs; ``[]`` without them). A layer called twice
     is listed twice; a functional use of parameters (the generic rule) is listed by its site's name."""
-    source = getattr(gm, "fxdp_batch", None)
+    guard = getattr(gm, "fxdp_batch_guard", None)
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
-    if source is None or source.input_index >= len(placeholders):
+    if guard is None or guard.input_index >= len(placeholders):
         return []
-    batch = placeholders[source.input_index].meta.get(meta.FAKE_VALUE)
+    batch = placeholders[guard.input_index].meta.get(meta.FAKE_VALUE)
     if not isinstance(batch, torch.Tensor):
         return []
-    n = batch.shape[source.dim]
+    n = batch.shape[guard.dim]
     plans = []
     for node in gm.graph.nodes:
         if meta.PER_SAMPLE_RULE not in node.meta or len(node.args) < 3 or node.args[0].op != "get_attr":
@@ -148,7 +148,7 @@ def plan_graph(gm: torch.fx.GraphModule, prefer: Optional[str] = None) -> List[T
         try:
             ins = [site.in_layout(i).to_batch_first(torch.empty(t.shape, device="meta"), n).shape
                    for i, t in enumerate(t for t in fakes if isinstance(t, torch.Tensor))]
-            g = parse_layout(site.out_layouts[0]).to_batch_first(torch.empty(out.shape, device="meta"), n).shape
+            g = site.out_layouts[0].to_batch_first(torch.empty(out.shape, device="meta"), n).shape
         except Exception:  # shapes not recorded: the sink decides on the first batch (BookkeepingSink.plans)
             continue
         plans.append((node.args[0].target, plan_layer(module, ins, g, prefer)))
@@ -197,7 +197,7 @@ def _added_parameter_plan(gm: torch.fx.GraphModule, node: torch.fx.Node, site, n
             except AttributeError:
                 pass
     params = [(i, p) for i, p in params if p.requires_grad]
-    out, lay = _fake_shape(node), parse_layout(site.out_layouts[0]) if getattr(site, "out_layouts", None) else None
+    out, lay = _fake_shape(node), site.out_layouts[0] if getattr(site, "out_layouts", None) else None
     if len(params) != 1 or out is None or lay is None or lay.kind != BATCHED or out[lay.dim] != n:
         return None
     position, param = params[0]
