@@ -44,7 +44,7 @@ from fxdp.engines import (
 from fxdp.engines.base import user_hooks
 from fxdp.engines.hooks import fallback_self_check
 from fxdp.engines.whole_model import whole_model_op
-from fxdp.export_capture import FRONT_END, ExportShapeError, ExportShapeGuard, flat_inputs, symbolic_batch
+from fxdp.frontends.export import FRONT_END, ExportShapeError, ExportShapeGuard, flat_inputs, symbolic_batch
 from fxdp.engines.wrappers import AlreadyCompiledError, unwrap_or_refuse  # noqa: F401  (re-exported)
 from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.moe import describe_moe_blocks
@@ -55,7 +55,8 @@ from fxdp.passes.batch_dim import batched_input_names, bind_inputs, propagate_ba
 from fxdp.passes.inplace import remove_inplace_ops
 from fxdp.passes.per_sample import batch_source, insert_per_sample_ops, one_sample_layouts, update_site_layouts
 from fxdp.passes.validate import validate_graph
-from fxdp.tracing import OutputType, copy_graph_module, make_copyable, trace
+from fxdp.frontends.fx import trace
+from fxdp.runtime.module import OutputType, copy_graph_module, make_copyable
 from fxdp.diagnostics.errors import expect_module
 
 _REPORT_ATTR = "fxdp_report"

@@ -13,7 +13,7 @@ from torch import nn
 
 from fxdp.diagnostics import Severity
 from fxdp.passes.inplace import remove_inplace_ops
-from fxdp.tracing import trace
+from fxdp.frontends.fx import trace
 
 logger = logging.getLogger("fxdp")
 

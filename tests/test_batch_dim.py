@@ -34,7 +34,7 @@ from fxdp.passes.batch_dim import (
     propagate_batch_dim,
 )
 from fxdp.passes.batch_rules import find_batch_rule, keeps_layout, layout_through, op_name, parse_einsum, register_batch_rule, reshape_map
-from fxdp.tracing import trace
+from fxdp.frontends.fx import trace
 
 
 def analyse(entry_or_model, inputs=None, batch_dim=0, strict=False):

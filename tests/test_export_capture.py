@@ -1,4 +1,4 @@
-"""The second front end (fxdp/export_capture.py): models torch.fx cannot trace, captured by torch.export."""
+"""The second front end (fxdp/frontends/export.py): models torch.fx cannot trace, captured by torch.export."""
 
 from __future__ import annotations
 
@@ -359,7 +359,7 @@ def test_a_batch_size_outside_what_the_capture_assumed_is_analysed_again():
     reuse the analysis; any other size is analysed as if new."""
     import sympy
 
-    from fxdp.export_capture import SymbolicBatch
+    from fxdp.frontends.export import SymbolicBatch
 
     torch.manual_seed(0)
     model = LoopOverTime()

@@ -75,7 +75,7 @@ from fxdp.passes.batch_rules import (
     stores_item,
     tensor_pairs,
 )
-from fxdp.tracing import source_location, trace
+from fxdp.frontends.fx import source_location, trace
 
 PASS_NAME = "batch_dim"
 

@@ -40,7 +40,7 @@ from torch.fx import Node
 
 from fxdp import meta
 from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity, op_name
-from fxdp.tracing import source_location
+from fxdp.frontends.fx import source_location
 from fxdp.runtime.inplace_ops import apply_out_of_place, copy_into, index_assign, is_basic_index, random_like
 from fxdp.validators.inplace_flags import has_inplace_flag
 

@@ -33,7 +33,7 @@ from fxdp.grad_sample.registry import rule_name
 from fxdp.grad_sample.transformer import transformer_rule_applies
 from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
 from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED, UNKNOWN, BatchLayout, parse_layout
-from fxdp.tracing import source_location
+from fxdp.frontends.fx import source_location
 
 PASS_NAME = "per_sample"
 _WHOLE_MODEL = "fxdp runs the whole model as one op (engine fx+whole-model) instead"

@@ -30,7 +30,7 @@ from fxdp.grad_sample.recurrent import recurrent_rule_applies
 from fxdp.grad_sample.transformer import transformer_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler, parametrized_grad_sampler
 from fxdp.passes.inplace import alias_root, attribute_kind, find_inplace_op
-from fxdp.tracing import DPTracer, source_location
+from fxdp.frontends.fx import DPTracer, source_location
 from fxdp.validators.module_validator import ModuleValidator, model_not_training_error
 
 PASS_NAME = "validate"

@@ -77,14 +77,14 @@ class BatchSource:
     calls: int = 0  # forward calls so far: which call a capture belongs to
     folded: Dict[str, List[str]] = field(default_factory=dict, repr=False)  # a site's inputs after folding
     current: Any = field(default=None, repr=False)  # the signature the sites' layouts hold for
-    # For a graph symbolic in the batch size (torch.export's capture, fxdp.export_capture.SymbolicBatch):
+    # For a graph symbolic in the batch size (torch.export's capture, fxdp.frontends.export.SymbolicBatch):
     # ``inputs``, which inputs carry the batch (in dimension ``dim``), and ``admits(n)``, whether batch size n
     # meets what the capture assumed of it. Layouts analysed for one admitted batch size then hold for every
     # other one, which needs no second analysis. None: every new shape is analysed.
     symbolic_batch: Any = field(default=None, repr=False)
     _seen: "OrderedDict[Any, tuple]" = field(default_factory=OrderedDict, repr=False)
     # What the graph was compiled from (its layers and parameters, which frozen parameters it cannot train),
-    # checked before every forward (fxdp.tracing.CompiledGraphModule.__call__); on a change, ``rebuild(model,
+    # checked before every forward (fxdp.runtime.module.CompiledGraphModule.__call__); on a change, ``rebuild(model,
     # why, args, kwargs)`` (set by the compiler) compiles the model again in place, or raises.
     watch: Optional[StructureWatch] = field(default=None, repr=False)
     rebuild: Optional[Callable[[Any, str, tuple, dict], None]] = field(default=None, repr=False)
