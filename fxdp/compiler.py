@@ -53,8 +53,9 @@ from fxdp.grad_sample.sink import GradientSink, GradSampleSink, sink_of
 from fxdp.layout import PACKED, BatchLayout
 from fxdp.passes.batch_dim import batched_input_names, bind_inputs, propagate_batch_dim
 from fxdp.passes.inplace import remove_inplace_ops
-from fxdp.passes.per_sample import batch_source, insert_per_sample_ops, one_sample_layouts, update_site_layouts
+from fxdp.passes.per_sample import insert_per_sample_ops, one_sample_layouts, update_site_layouts
 from fxdp.passes.validate import validate_graph
+from fxdp.validators import ModuleValidator  # the module rules the validate pass applies
 from fxdp.frontends.fx import trace
 from fxdp.runtime.module import OutputType, copy_graph_module, make_copyable
 from fxdp.diagnostics.errors import expect_module
@@ -84,7 +85,7 @@ def _analyse(model: nn.Module, example_inputs, batch_dim: int, strict: bool, bat
     if not traced.ok:
         return None, traced, []
     reports: List[PassReport] = []
-    gm = _run("validate", validate_graph, traced.graph_module, reports, strict=strict)
+    gm = _run("validate", validate_graph, traced.graph_module, reports, validator_class=ModuleValidator, strict=strict)
     gm = _run("inplace", remove_inplace_ops, gm, reports)
     if example_inputs is not None:
         gm = _run("batch_dim", propagate_batch_dim, gm, reports, example_inputs=example_inputs,
@@ -239,7 +240,7 @@ def compile_for_dp(
     if unsupported:
         if strict:
             raise NotPrivateError(unsupported, "strict=True: fxdp cannot compute per-sample gradients on the graph for:")
-        packed = [n.target for n in gm.graph.nodes if n.op == "placeholder" and _is_packed(n.meta.get(meta.BATCH_DIM))]
+        packed = [n.target for n in gm.graph.nodes if n.op == "placeholder" and _is_packed(n.meta.get(meta.BATCH_LAYOUT))]
         if packed:  # the whole model re-runs each sample alone: it cannot split such an input into samples
             wrapped = _wrap(model, "hooks", batch_first=(batch_dim == 0), loss_reduction=loss_reduction, sink=sink)
             reason = (f"input(s) {', '.join(map(repr, packed))} hold the samples' entries one after another (an "
@@ -588,7 +589,7 @@ def _reanalyse(guard: runtime.BatchSource, inputs) -> None:
                              "seen: fxdp re-ran it for them)")
     _refuse_if_not_private([result.report], when)
     problems, changes = update_site_layouts(ctx.analysed, guard, ctx.batch_dim)
-    index, dim = batch_source([n for n in ctx.analysed.graph.nodes if n.op == "placeholder"], ctx.batch_dim)
+    index, dim = meta.batch_source([n for n in ctx.analysed.graph.nodes if n.op == "placeholder"], ctx.batch_dim)
     if problems and isinstance(inputs[index], torch.Tensor) and inputs[index].shape[dim] == 1:
         # a batch of one leaves layouts ambiguous ((N*T, d) with N = 1 is also (T, d)), but every tensor
         # then is the one sample's: each site reads its tensors whole

@@ -59,10 +59,10 @@ def _parameter(gm: torch.fx.GraphModule, node) -> Optional[nn.Parameter]:
 
 
 def _layout_of(node, default: BatchLayout, reached: Set[torch.fx.Node]) -> BatchLayout:
-    layout = node.meta.get(meta.BATCH_DIM, default) if isinstance(node, torch.fx.Node) else default
+    layout = node.meta.get(meta.BATCH_LAYOUT, default) if isinstance(node, torch.fx.Node) else default
     if isinstance(layout, (tuple, list)):  # tuple outputs: the first tensor's layout
         layout = next((lay for lay in pytree.tree_leaves(layout) if isinstance(lay, BatchLayout)), default)
-    if layout is None or (meta.BATCH_DIM not in node.meta and node not in reached):
+    if layout is None or (meta.BATCH_LAYOUT not in node.meta and node not in reached):
         return BatchLayout(UNBATCHED)
     return layout
 
@@ -76,7 +76,7 @@ def _site_layouts(node, default, reached, inputs=None) -> Tuple[List[BatchLayout
 
 def _out_layout_strings(node, first: BatchLayout, default: BatchLayout) -> List[str]:
     """Layouts of every tensor output (tuple outputs: MultiheadAttention, LSTM), the first as checked."""
-    recorded = node.meta.get(meta.BATCH_DIM)
+    recorded = node.meta.get(meta.BATCH_LAYOUT)
     rest = [lay for lay in pytree.tree_leaves(recorded) if isinstance(lay, BatchLayout)][1:]
     return [str(first)] + [str(lay if lay.kind != UNKNOWN else default) for lay in rest]
 
@@ -98,7 +98,7 @@ def _check_layouts(node, ins: List[BatchLayout], out: BatchLayout) -> Tuple[Opti
         # (1, T) position ids: expanding the input to N is invisible iff every consumer broadcasts it
         fake = node.meta.get(meta.FAKE_VALUE)
         for user in node.users:
-            u = user.meta.get(meta.BATCH_DIM)
+            u = user.meta.get(meta.BATCH_LAYOUT)
             u_fake = user.meta.get(meta.FAKE_VALUE)
             if not (isinstance(u, BatchLayout) and u.kind == BATCHED and u.dim == out.dim
                     and fake is not None and u_fake is not None and u_fake.dim() == fake.dim()):
@@ -136,7 +136,7 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
     if not placeholders:
         raise ValueError("the model takes no inputs, so there is no batch to compute per-sample gradients over")
 
-    gm.fxdp_batch = guard = runtime.BatchSource(*batch_source(placeholders, batch_dim))
+    gm.fxdp_batch = guard = runtime.BatchSource(*meta.batch_source(placeholders, batch_dim))
     with graph.inserting_after(placeholders[-1]):
         source = _get_attr(graph, "fxdp_batch")
     with graph.inserting_after(source):
@@ -317,15 +317,6 @@ def _get_attr(graph: torch.fx.Graph, name: str) -> torch.fx.Node:
         return graph.get_attr(name)
 
 
-def batch_source(placeholders, batch_dim: int) -> Tuple[int, int]:
-    """(input index, dim) of the model input that carries the batch, as the batch_dim pass found it."""
-    for i, ph in enumerate(placeholders):
-        layout = ph.meta.get(meta.BATCH_DIM)
-        if isinstance(layout, BatchLayout) and layout.kind == BATCHED:
-            return i, layout.dim
-    return 0, batch_dim
-
-
 def update_site_layouts(analysed: torch.fx.GraphModule, guard: runtime.BatchSource,
                         batch_dim: int) -> Tuple[List[Finding], List[Finding]]:
     """Give the sites of a compiled graph (``guard.sites``) the layouts the batch_dim pass found on
@@ -346,7 +337,7 @@ def update_site_layouts(analysed: torch.fx.GraphModule, guard: runtime.BatchSour
     if problems:
         return problems, []
     placeholders = [n for n in analysed.graph.nodes if n.op == "placeholder"]
-    guard.input_index, guard.dim = batch_source(placeholders, batch_dim)
+    guard.input_index, guard.dim = meta.batch_source(placeholders, batch_dim)
     for site, (ins, outs) in zip(guard.sites, found):
         site.layouts, site.out_layouts = ins, outs
         changes.append(Finding(
