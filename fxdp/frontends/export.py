@@ -32,7 +32,6 @@ The model's output keeps its type (a ``ModelOutput``): export's pytree code gene
 from __future__ import annotations
 
 import contextlib
-import copyreg
 import inspect
 import io
 import logging
@@ -53,18 +52,6 @@ from fxdp.frontends.folding import dotted_attribute, fold_layers, fold_registere
 aten = torch.ops.aten
 
 FRONT_END = "torch.export"
-
-
-def _op_overload(namespace: str, name: str, overload: str):
-    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
-
-
-def _reduce_op_overload(op):
-    return _op_overload, (op.namespace, op._opname, op._overloadname)
-
-
-# a compiled model's sites hold the ATen ops they call; pickle names them (torch's OpOverload has no reduce)
-copyreg.pickle(torch._ops.OpOverload, _reduce_op_overload)
 
 
 class ExportShapeGuard(nn.Module):

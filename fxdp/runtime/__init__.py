@@ -3,7 +3,8 @@
 The runtime imports no pass: the per_sample pass builds sites and inserts calls to these ops; the
 ops deliver what they see in backward to the model's gradient sink, which each site holds. The
 guards (:mod:`~fxdp.runtime.guards`) check at every forward that the layouts the sites hold were
-analysed for these input shapes.
+analysed for these input shapes. The compiled model's class (:mod:`~fxdp.runtime.module`) runs them
+before every forward and keeps what the compiler attached through deepcopy, pickle and ``torch.save``.
 """
 
 from fxdp.runtime.guards import BatchSource, FrozenUse, TrainabilityChangedError, batch_size, input_signature

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import copyreg
 import pickle
 import warnings
 
@@ -43,6 +44,19 @@ class OutputType:
 # torch.fx rebuilds a GraphModule from its code on load and on deepcopy, keeping only the attributes
 # the graph uses: a compiled model's report, its sink and its forward hooks (the analysis on the first
 # batch) would be lost. A compiled model's class is a subclass of CompiledGraphModule, which carries them.
+
+
+def _op_overload(namespace: str, name: str, overload: str):
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+
+def _reduce_op_overload(op):
+    return _op_overload, (op.namespace, op._opname, op._overloadname)
+
+
+# a captured graph's sites hold the ATen ops they call; pickle names them (torch's OpOverload has no reduce)
+copyreg.pickle(torch._ops.OpOverload, _reduce_op_overload)
+
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
