@@ -15,7 +15,7 @@ Per node, with the user's source line:
 The graph is not changed.
 
 The module rules (which layer types DP-SGD cannot train as they are) come in as ``validator_class``:
-the compiler passes ``fxdp.validators.ModuleValidator``, a user may pass a subclass with rules of its own.
+the compiler passes ``fxdp.validators.ModuleValidator`` (a subclass brings rules of its own).
 The pass does not import the validators: ``ModuleValidator`` is the user's tool above the pipeline (its
 ``fix(remove_inplace_ops=True)`` runs the front end and the inplace pass), so the imports go one way,
 validators -> passes, and the pass reads the rules through the small :class:`ModuleRules` interface.
@@ -48,6 +48,7 @@ class ModuleRules(Protocol):
 
     def module_errors(self, module: nn.Module, *, prefix: str = "") -> List[UnsupportedError]:
         """What the rules say about ``module`` and its submodules (``prefix``: its qualified name)."""
+
 
 _BUFFER_WRITE_FIX = (
     "do not update buffers or parameters in the forward pass of a model trained with DP-SGD: compute "
