@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fxdp.passes.batch_dim import propagate_batch_dim
-from fxdp.tracing import trace
+from fxdp.frontends.fx import trace
 
 
 class Block(nn.Module):

@@ -2,20 +2,28 @@
 
 The pipeline, in the order it runs::
 
-    fxdp.tracing          trace the model, remembering each node's line in your code
-    fxdp.passes.validate  layers DP-SGD cannot train (BatchNorm, ...), frozen and tied parameters
-    fxdp.passes.inplace   in-place ops rewritten out of place
-    fxdp.passes.batch_dim where the batch sits at every node; ops that move it or mix samples
+    fxdp.frontends         the model as a graph: torch.fx first, torch.export second; each node keeps
+                           the line of your code that made it
+    fxdp.passes.validate   layers DP-SGD cannot train (BatchNorm, ...), frozen and tied parameters
+    fxdp.passes.inplace    in-place ops rewritten out of place
+    fxdp.passes.batch_dim  where the batch sits at every node; ops that move it or mix samples
     fxdp.passes.per_sample DP-aware ops (fxdp.runtime) that record per-sample gradients
 
 then a per-sample engine (fxdp.engines) chosen by fxdp.compiler: the compiled graph ("fx"), the whole
 model as one DP-aware op ("fx+whole-model"), or one that does not compile ("hooks", "ew", "functorch",
 "no_op"). docs/pipeline.md ("Words") lists what each word means.
+What compiled code calls at run time (the DP-aware ops, the guards, the compiled module class) is
+fxdp.runtime; the per-layer per-sample rules and the gradient sinks they feed are fxdp.grad_sample.
 
 Training privately: fxdp.PrivacyEngine (fxdp.privacy_engine) combines the compiled model, the DP optimizer
 (fxdp.optim), Poisson sampling (fxdp.data) and the accountant (fxdp.accounting); fxdp.audit measures an
 empirical lower bound on epsilon from one training run; fxdp.distributed trains across processes.
-Every error fxdp raises on purpose is in fxdp.errors.
+fxdp.validators is Opacus's ModuleValidator (it uses the front end and the inplace pass); fxdp.diagnostics
+holds the reports and findings. Every error fxdp raises on purpose is in fxdp.errors.
+
+Three leaf modules stay at the top because every stage reads them and they import nothing of the
+pipeline: fxdp.meta (every node.meta key), fxdp.layout (where the batch sits: BatchLayout) and
+fxdp.registry (the type registry that walks the MRO).
 """
 
 from fxdp import errors, grad_sample, validators  # grad_sample registers the built-in per-sample rules

@@ -32,7 +32,7 @@ from fxdp.engines import WRAPPERS, GradSampleHooks, GradSampleModule, check_grad
 from fxdp.engines.base import user_hooks
 from fxdp.engines.hooks import fallback_self_check
 from fxdp.engines.whole_model import whole_model_op
-from fxdp.export_capture import FRONT_END
+from fxdp.frontends.export import FRONT_END
 from fxdp.engines.wrappers import unwrap_or_refuse
 from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.moe import describe_moe_blocks
@@ -44,7 +44,9 @@ from fxdp.passes.inplace import remove_inplace_ops
 from fxdp.passes.per_sample import insert_per_sample_ops
 from fxdp.passes.reanalyse import NO_INPUTS_NOTE, install_guards
 from fxdp.passes.validate import validate_graph
-from fxdp.tracing import OutputType, copy_graph_module, make_copyable, trace
+from fxdp.validators import ModuleValidator  # the module rules the validate pass applies
+from fxdp.frontends.fx import trace
+from fxdp.runtime.module import OutputType, copy_graph_module, make_copyable
 
 # Errors that already tell the user what is wrong and where (NotPrivateError, BatchDimAnalysisError,
 # ...); anything else from a pass is a PassError.
@@ -68,7 +70,7 @@ def _analyse(model: nn.Module, example_inputs, batch_dim: int, strict: bool, bat
     if not traced.ok:
         return None, traced, []
     reports: List[PassReport] = []
-    gm = _run("validate", validate_graph, traced.graph_module, reports, strict=strict)
+    gm = _run("validate", validate_graph, traced.graph_module, reports, validator_class=ModuleValidator, strict=strict)
     gm = _run("inplace", remove_inplace_ops, gm, reports)
     if example_inputs is not None:
         gm = _run("batch_dim", propagate_batch_dim, gm, reports, example_inputs=example_inputs,
@@ -204,7 +206,7 @@ def compile_for_dp(
     if unsupported:
         if strict:
             raise NotPrivateError(unsupported, "strict=True: fxdp cannot compute per-sample gradients on the graph for:")
-        packed = [n.target for n in gm.graph.nodes if n.op == "placeholder" and _is_packed(n.meta.get(meta.BATCH_DIM))]
+        packed = [n.target for n in gm.graph.nodes if n.op == "placeholder" and _is_packed(n.meta.get(meta.BATCH_LAYOUT))]
         if packed:  # the whole model re-runs each sample alone: it cannot split such an input into samples
             wrapped = _wrap(model, "hooks", batch_first=(batch_dim == 0), loss_reduction=loss_reduction, sink=sink)
             reason = (f"input(s) {', '.join(map(repr, packed))} hold the samples' entries one after another (an "

@@ -1,5 +1,5 @@
 """Where the batch dimension sits in a tensor: the value the batch_dim pass writes for every node
-(``node.meta[fxdp.meta.BATCH_DIM]``) and the per_sample pass hands to the runtime (each site holds
+(``node.meta[fxdp.meta.BATCH_LAYOUT]``) and the per_sample pass hands to the runtime (each site holds
 the layouts of its call's tensors).
 
 Kinds:

@@ -49,7 +49,7 @@ from fxdp.grad_sample.bookkeeping import BookkeepingSink
 from fxdp.grad_sample.sink import sink_of
 from fxdp.optim import AdaClipDPOptimizer, DPOptimizer
 from fxdp.optim.noise import secure_seed
-from fxdp.tracing import trace
+from fxdp.frontends.fx import trace
 from fxdp.validators import ModuleValidator
 
 # checkpoint keys

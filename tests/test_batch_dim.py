@@ -35,7 +35,7 @@ from fxdp.passes.batch_dim import (
 )
 from fxdp.diagnostics import op_name
 from fxdp.passes.batch_rules import find_batch_rule, keeps_layout, layout_through, parse_einsum, register_batch_rule, reshape_map
-from fxdp.tracing import trace
+from fxdp.frontends.fx import trace
 
 
 def analyse(entry_or_model, inputs=None, batch_dim=0, strict=False):
@@ -84,7 +84,7 @@ def test_benign_model_has_no_findings(entry):
     gm, findings = analyse(entry)
     assert findings == [], render_findings(findings)
     for n in gm.graph.nodes:  # every node got both keys
-        assert meta.BATCH_DIM in n.meta and meta.FAKE_VALUE in n.meta, n.name
+        assert meta.BATCH_LAYOUT in n.meta and meta.FAKE_VALUE in n.meta, n.name
         if isinstance(n.meta[meta.FAKE_VALUE], torch.Tensor):
             assert isinstance(n.meta[meta.FAKE_VALUE], FakeTensor), n.name
 
@@ -100,7 +100,7 @@ def test_mixing_op_is_an_error_at_its_source_line_with_a_path_from_the_input(ent
     assert f.message and f.fix and f.op
     placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
     assert f.path and f.path[0] in placeholders and f.path[-1] == f.node
-    assert batch_rules.carries_batch(node_named(gm, f.path[0]).meta[meta.BATCH_DIM])
+    assert batch_rules.carries_batch(node_named(gm, f.path[0]).meta[meta.BATCH_LAYOUT])
     for a, b in zip(f.path, f.path[1:]):  # consecutive nodes are graph edges
         assert node_named(gm, b) in node_named(gm, a).users
     # nothing else in the model is unverified
@@ -118,7 +118,7 @@ def test_batch_move_is_reported_at_its_line_with_the_layout_it_leaves(entry):
         assert len(here) == 1, (expect.marker, render_findings(findings))
         f = here[0]
         assert f.severity is Severity.WARNING and f.path and f.path[-1] == f.node
-        assert node_named(gm, f.node).meta[meta.BATCH_DIM] == expect.layout
+        assert node_named(gm, f.node).meta[meta.BATCH_LAYOUT] == expect.layout
         expected_lines.add(f.location.line)
     assert {f.location.line for f in findings} == expected_lines
 
@@ -192,7 +192,7 @@ def test_changing_one_sample_changes_only_its_slice_where_the_layout_says(entry)
     moved = {f.node for f in findings}
     checked = 0
     for n, value in before.items():
-        lay = n.meta[meta.BATCH_DIM]
+        lay = n.meta[meta.BATCH_LAYOUT]
         if not (isinstance(value, torch.Tensor) and isinstance(lay, BatchLayout)):
             continue
         if lay.is_batched:
@@ -241,7 +241,7 @@ def test_benign_and_moving_models_compute_each_sample_as_if_it_were_alone(entry)
     """What the per-sample gradient checks rely on: these models keep samples apart for any batch
     size (also 1), and their output has the batch where the analysis says."""
     gm, _ = analyse(entry)
-    out_layout = [n for n in gm.graph.nodes if n.op == "output"][0].meta[meta.BATCH_DIM]
+    out_layout = [n for n in gm.graph.nodes if n.op == "output"][0].meta[meta.BATCH_LAYOUT]
     model, inputs = entry.build()
     model = model.double()
     with torch.no_grad():
@@ -301,7 +301,7 @@ def test_view_chains_record_where_each_sample_really_is(sizes, ops, seed):
 
     gm = trace(Chain()).graph_module
     result = propagate_batch_dim(gm, torch.randn(n, *sizes))
-    lay = [x for x in gm.graph.nodes if x.op == "output"][0].meta[meta.BATCH_DIM]
+    lay = [x for x in gm.graph.nodes if x.op == "output"][0].meta[meta.BATCH_LAYOUT]
     if lay.kind == "unknown":
         assert any(f.kind is Kind.MOVES_BATCH and "splits the batch dimension" in f.message
                    for f in result.report.findings), steps
@@ -321,32 +321,32 @@ def test_view_chains_record_where_each_sample_really_is(sizes, ops, seed):
 def test_keyword_inputs_by_name_with_defaults_and_unbatched_extras():
     gm, findings = analyse(by_name("keyword_inputs"))
     assert findings == []
-    layouts = {n.name: n.meta[meta.BATCH_DIM] for n in gm.graph.nodes if n.op == "placeholder"}
+    layouts = {n.name: n.meta[meta.BATCH_LAYOUT] for n in gm.graph.nodes if n.op == "placeholder"}
     assert layouts == {"x": BatchLayout.at(0), "bias": UNBATCHED_LAYOUT, "scale": None}
     out = [n for n in gm.graph.nodes if n.op == "output"][0]
-    assert out.meta[meta.BATCH_DIM] == BatchLayout.at(0)
+    assert out.meta[meta.BATCH_LAYOUT] == BatchLayout.at(0)
 
 
 def test_position_ids_broadcast_and_masks_unbatched_and_two_batched_inputs():
     gm, _ = analyse(by_name("position_ids_1_T"))
-    layouts = {n.name: n.meta[meta.BATCH_DIM] for n in gm.graph.nodes}
+    layouts = {n.name: n.meta[meta.BATCH_LAYOUT] for n in gm.graph.nodes}
     assert layouts["tokens"] == BatchLayout.at(0)
     assert layouts["positions"] == BatchLayout.broadcast(0)
     assert layouts["pos"] == BatchLayout.broadcast(0)  # the position embedding is the same for all
     assert layouts["add"] == BatchLayout.at(0)
     gm, _ = analyse(by_name("unbatched_mask_input"))
-    assert node_named(gm, "mask").meta[meta.BATCH_DIM] == UNBATCHED_LAYOUT
+    assert node_named(gm, "mask").meta[meta.BATCH_LAYOUT] == UNBATCHED_LAYOUT
     gm, _ = analyse(by_name("two_inputs"))
-    assert [n.meta[meta.BATCH_DIM] for n in gm.graph.nodes if n.op == "placeholder"] == [BatchLayout.at(0)] * 2
+    assert [n.meta[meta.BATCH_LAYOUT] for n in gm.graph.nodes if n.op == "placeholder"] == [BatchLayout.at(0)] * 2
 
 
 def test_time_major_inputs_with_batch_dim_1():
     gm, findings = analyse(by_name("time_major_lstm_batch_dim_1"))
     assert findings == []
-    assert node_named(gm, "x").meta[meta.BATCH_DIM] == BatchLayout.at(1)
-    lstm = node_named(gm, "lstm").meta[meta.BATCH_DIM]
+    assert node_named(gm, "x").meta[meta.BATCH_LAYOUT] == BatchLayout.at(1)
+    lstm = node_named(gm, "lstm").meta[meta.BATCH_LAYOUT]
     assert lstm[0] == BatchLayout.at(1) and lstm[1] == (BatchLayout.at(1), BatchLayout.at(1))
-    assert node_named(gm, "lin").args[0].meta[meta.BATCH_DIM] == BatchLayout.at(0)  # out[-1]: (N, E)
+    assert node_named(gm, "lin").args[0].meta[meta.BATCH_LAYOUT] == BatchLayout.at(0)  # out[-1]: (N, E)
     # the same model analysed as if the batch were first: the LSTM runs over the batch
     model, x = by_name("time_major_lstm_batch_dim_1").build()
     findings = find_batch_dim_violations(model, x, batch_dim=0)
@@ -357,7 +357,7 @@ def test_with_batch_size_one_every_size_one_input_counts_as_batched():
     """The documented ambiguity: with N = 1 a (1, T) input cannot be told from a batched one."""
     model, (tokens, positions) = by_name("position_ids_1_T").build()
     gm, _ = analyse(model, (tokens[:1], positions))
-    assert node_named(gm, "positions").meta[meta.BATCH_DIM] == BatchLayout.at(0)
+    assert node_named(gm, "positions").meta[meta.BATCH_LAYOUT] == BatchLayout.at(0)
 
 
 def test_input_errors_name_the_input_and_what_to_do():
@@ -408,8 +408,8 @@ def test_op_without_rule_is_unverified_and_what_follows_is_unknown():
     assert findings[0].location.line == marker_line(model, "NO RULE")[1]
     assert "no batch rule for torch.fft.rfft" in findings[0].message and "batch@0" in findings[0].message
     assert findings[0].path == ("x", "lin", "fft_rfft")
-    assert node_named(gm, "fft_rfft").meta[meta.BATCH_DIM] == UNKNOWN_LAYOUT
-    assert node_named(gm, "add").meta[meta.BATCH_DIM] == UNKNOWN_LAYOUT
+    assert node_named(gm, "fft_rfft").meta[meta.BATCH_LAYOUT] == UNKNOWN_LAYOUT
+    assert node_named(gm, "add").meta[meta.BATCH_LAYOUT] == UNKNOWN_LAYOUT
 
 
 def test_strict_mode_raises_on_an_op_without_rule_naming_node_op_and_line():
@@ -440,7 +440,7 @@ def test_data_dependent_shapes_are_unverified_not_a_crash():
     assert findings[0].location.line == marker_line(model, "DATA DEPENDENT")[1]
     assert "depends on the data" in findings[0].message
     assert node_named(gm, "getitem").meta[meta.FAKE_VALUE] is None
-    assert node_named(gm, "sum_1").meta[meta.BATCH_DIM] == UNKNOWN_LAYOUT
+    assert node_named(gm, "sum_1").meta[meta.BATCH_LAYOUT] == UNKNOWN_LAYOUT
 
 
 class ScaleBase(nn.Module):
@@ -479,12 +479,12 @@ def test_a_registered_rule_for_a_base_class_serves_its_subclasses():
         # no batch rule yet: the per-sample rule's contract (batch in dimension 0, in and out) is used
         gm, findings = analyse(model, torch.randn(N, D))
         assert findings == []
-        assert node_named(gm, "scale").meta[meta.BATCH_DIM] == BatchLayout.at(0)
+        assert node_named(gm, "scale").meta[meta.BATCH_LAYOUT] == BatchLayout.at(0)
         assert find_batch_rule(Scale()) is batch_rules.core._registered_layer
         register_batch_rule(ScaleBase)(keeps_layout)
         gm, findings = analyse(model, torch.randn(N, D))
         assert findings == []
-        assert node_named(gm, "scale").meta[meta.BATCH_DIM] == BatchLayout.at(0)
+        assert node_named(gm, "scale").meta[meta.BATCH_LAYOUT] == BatchLayout.at(0)
         assert find_batch_rule(Scale()) is keeps_layout
     finally:
         _GRAD_SAMPLERS.pop(Scale, None)
@@ -691,7 +691,7 @@ def test_rule_gives_the_output_layout_and_findings(name, fn, layer, inputs, layo
     example = inputs()
     model = (Apply2 if isinstance(example, tuple) else Apply)(fn, layer)
     gm, findings = analyse(model, example)
-    out = [n for n in gm.graph.nodes if n.op == "output"][0].meta[meta.BATCH_DIM]
+    out = [n for n in gm.graph.nodes if n.op == "output"][0].meta[meta.BATCH_LAYOUT]
     assert out == layout, render_findings(findings)
     assert {f.kind for f in findings} == kinds, render_findings(findings)
 
@@ -727,6 +727,6 @@ def test_graph_rewritten_by_the_inplace_pass_is_analysed_like_the_original():
     for findings in (direct, rewritten):
         assert [(f.kind, f.location.line) for f in findings] == [(Kind.MIXES_SAMPLES, line)], render_findings(findings)
     out = [n for n in gm.graph.nodes if n.op == "output"][0]
-    assert out.meta[meta.BATCH_DIM] == B0
-    assert all(n.meta[meta.BATCH_DIM] is not None for n in gm.graph.nodes
+    assert out.meta[meta.BATCH_LAYOUT] == B0
+    assert all(n.meta[meta.BATCH_LAYOUT] is not None for n in gm.graph.nodes
                if isinstance(n.meta[meta.FAKE_VALUE], torch.Tensor))

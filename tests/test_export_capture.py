@@ -1,4 +1,4 @@
-"""The second front end (fxdp/export_capture.py): models torch.fx cannot trace, captured by torch.export."""
+"""The second front end (fxdp/frontends/export.py): models torch.fx cannot trace, captured by torch.export."""
 
 from __future__ import annotations
 

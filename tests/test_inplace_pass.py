@@ -19,7 +19,7 @@ from fxdp import meta
 from fxdp.diagnostics import Kind, Severity
 from fxdp.grad_sample.registry import register_grad_sampler
 from fxdp.passes.inplace import index_assign, remove_inplace_ops
-from fxdp.tracing import trace
+from fxdp.frontends.fx import trace
 
 _IN_PLACE_OPERATORS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,

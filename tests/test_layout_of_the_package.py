@@ -1,7 +1,9 @@
-"""The package's shape: every module imports, the import graph has no cycle, no module is too long,
-and the one-way import rules hold through any chain of imports, lazy ones too (diagnostics, layout and
-accounting reach nothing else in fxdp, the runtime no pass, the engines not the compiler, the optimizer
-only the gradient-sink contract; the validators name no pass)."""
+"""The package's shape: every module imports, the import graph has no cycle (between modules, nor between
+packages: ``fxdp.<first component>``), no module is too long, and the one-way import rules of DESIGN.md
+hold through any chain of imports, lazy ones too: diagnostics, layout and accounting reach nothing else in
+fxdp (meta only layout), the front ends no pass, the runtime no pass and no front end, the engines neither
+the compiler nor a pass, the passes no validator (the validators use the passes), the optimizer only the
+gradient-sink contract."""
 
 from __future__ import annotations
 
@@ -67,12 +69,30 @@ for _name, _path in MODULES.items():
         GRAPH.add_edge(_name, _target)
 
 
+def _package(module: str) -> str:
+    """``fxdp.<first component>``: ``fxdp.passes.batch_rules.core`` -> ``fxdp.passes``."""
+    return ".".join(module.split(".")[:2])
+
+
+PACKAGES = nx.DiGraph()  # an edge where any module of one package imports any module of another
+for _name in MODULES:
+    PACKAGES.add_node(_package(_name))
+for _source, _target in GRAPH.edges:
+    if _package(_source) != _package(_target):
+        PACKAGES.add_edge(_package(_source), _package(_target))
+
+# The gradient-sink contract: all the optimizer may reach in fxdp besides the diagnostics.
+SINK_CONTRACT = "fxdp.grad_sample.sink"
+
+
 def test_the_walk_finds_the_packages_modules():
     for name in ("fxdp.compiler", "fxdp.engines.hooks", "fxdp.engines.whole_model", "fxdp.runtime.ops",
-                 "fxdp.diagnostics.errors", "fxdp.grad_sample.generic", "fxdp.grad_sample.sink"):
+                 "fxdp.runtime.module", "fxdp.frontends.fx", "fxdp.frontends.export", "fxdp.frontends.folding",
+                 "fxdp.diagnostics.errors", "fxdp.grad_sample.generic", SINK_CONTRACT):
         assert name in MODULES
     assert GRAPH.has_edge("fxdp.compiler", "fxdp.engines")  # the graph is built from real imports
-    assert GRAPH.has_edge("fxdp.validators.module_validator", "fxdp.rewrite_inplace")  # lazy ones too
+    assert GRAPH.has_edge("fxdp.frontends.folding", "fxdp.grad_sample.registry")  # lazy ones too
+    assert PACKAGES.has_edge("fxdp.validators", "fxdp.passes")  # and grouped by package
 
 
 def test_the_import_graph_has_no_cycle():
@@ -80,24 +100,43 @@ def test_the_import_graph_has_no_cycle():
     assert not cycles, f"modules that import each other (directly or transitively): {cycles}"
 
 
+def test_no_package_reaches_itself_through_another():
+    """No shim module can hide a cycle: the packages' graph has none either, lazy imports included."""
+    cycles = [sorted(c) for c in nx.strongly_connected_components(PACKAGES) if len(c) > 1]
+    assert not cycles, f"packages that import each other (through any chain of modules): {cycles}"
+
+
 def _reachable(module: str) -> Set[str]:
     return nx.descendants(GRAPH, module)
-
-
-@pytest.mark.parametrize("prefix", ["fxdp.diagnostics", "fxdp.layout"])
-def test_diagnostics_and_layout_import_nothing_else_from_fxdp(prefix):
-    for module in [m for m in MODULES if m == prefix or m.startswith(prefix + ".")]:
-        outside = {m for m in _reachable(module) if not (m == prefix or m.startswith(prefix + "."))}
-        assert not outside, f"{module} imports {sorted(outside)}"
 
 
 def _under(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
+@pytest.mark.parametrize("prefix, allowed", [
+    ("fxdp.diagnostics", ()),
+    ("fxdp.layout", ()),
+    ("fxdp.registry", ()),
+    ("fxdp.meta", ("fxdp.layout",)),  # the node.meta keys; batch_source reads a BatchLayout back
+])
+def test_the_leaves_import_nothing_else_from_fxdp(prefix, allowed):
+    """What every stage reads (errors and findings, layouts, node.meta keys, the type registry)."""
+    for module in [m for m in MODULES if _under(m, prefix)]:
+        outside = {m for m in _reachable(module) if not _under(m, prefix) and m not in allowed}
+        assert not outside, f"{module} imports {sorted(outside)}"
+
+
 @pytest.mark.parametrize("importer, forbidden", [
-    ("fxdp.runtime", "fxdp.passes"),
-    ("fxdp.engines", "fxdp.compiler"),
+    ("fxdp.frontends", "fxdp.passes"),  # the passes read the graphs the front ends build
+    ("fxdp.frontends", "fxdp.compiler"),
+    ("fxdp.runtime", "fxdp.passes"),  # compiled code runs without the compiler
+    ("fxdp.runtime", "fxdp.frontends"),
+    ("fxdp.runtime", "fxdp.compiler"),
+    ("fxdp.engines", "fxdp.compiler"),  # the compiler chooses an engine, never the reverse
+    ("fxdp.engines", "fxdp.passes"),
+    ("fxdp.passes", "fxdp.compiler"),
+    ("fxdp.passes", "fxdp.validators"),  # ModuleValidator.fix uses the passes; the validate pass gets its rules
     ("fxdp.accounting", "fxdp"),  # pure math
 ])
 def test_one_way_imports(importer, forbidden):
@@ -108,19 +147,11 @@ def test_one_way_imports(importer, forbidden):
 
 
 def test_the_optimizer_depends_only_on_the_gradient_sink_contract():
-    contract = {"fxdp.grad_sample.sink", "fxdp.diagnostics", "fxdp.diagnostics.errors",
-                "fxdp.diagnostics.findings", "fxdp.diagnostics.naming", "fxdp.diagnostics.source"}
+    contract = {SINK_CONTRACT, "fxdp.diagnostics", "fxdp.diagnostics.errors", "fxdp.diagnostics.findings",
+                "fxdp.diagnostics.naming", "fxdp.diagnostics.source"}
     for module in [m for m in MODULES if _under(m, "fxdp.optim")]:
         reached = {m for m in _reachable(module) if not _under(m, "fxdp.optim")} - contract
         assert not reached, f"{module} reaches {sorted(reached)}, beyond the gradient-sink contract"
-
-
-def test_the_validators_name_no_pass():
-    # Direct imports only: the validators still reach fxdp.passes.inplace through the fxdp.rewrite_inplace
-    # shim, which the house's next step (issue 24) removes; then this joins the reachability rules above.
-    for module in [m for m in MODULES if _under(m, "fxdp.validators")]:
-        reached = {m for m in GRAPH.successors(module) if _under(m, "fxdp.passes")}
-        assert not reached, f"{module} imports {sorted(reached)}"
 
 
 def test_no_module_is_over_700_lines():

@@ -188,7 +188,7 @@ def test_a_rule_registered_through_fxdp_is_used_by_find_batch_dim_violations(res
 
 def test_strict_mode_points_at_fxdp_register_batch_rule():
     from fxdp.passes.batch_dim import MissingBatchRuleError, propagate_batch_dim
-    from fxdp.tracing import trace
+    from fxdp.frontends.fx import trace
 
     gm = trace(UsesMixRows(dim=1)).graph_module
     with pytest.raises(MissingBatchRuleError, match=re.escape("Register a rule with fxdp.register_batch_rule(")):

@@ -8,7 +8,7 @@ from torch import nn
 
 import fxdp
 from fxdp import compiler
-from fxdp.tracing import source_location, trace
+from fxdp.frontends.fx import source_location, trace
 
 
 def _line_of(obj, text):

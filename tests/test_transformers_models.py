@@ -2,7 +2,7 @@
 
 torch.fx cannot trace transformers 5 models (each ``forward`` is wrapped in a ``**kwargs`` decorator, the
 mask utilities branch on tensor values), so fxdp captures them with torch.export (the second front end,
-fxdp/export_capture.py). Every test compares the compiled model's per-sample gradients of every trainable
+fxdp/frontends/export.py). Every test compares the compiled model's per-sample gradients of every trainable
 parameter with the model run on each sample alone (a batch of one, with the same mask row), in float64.
 """
 

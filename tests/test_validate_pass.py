@@ -14,7 +14,7 @@ from torch import nn
 from fxdp.diagnostics import Kind, Severity
 from fxdp.grad_sample.registry import register_grad_sampler
 from fxdp.passes.validate import validate_graph
-from fxdp.tracing import DPTracer
+from fxdp.frontends.fx import DPTracer
 from fxdp.validators import (
     IllegalModuleConfigurationError,
     ModuleValidator,
@@ -33,10 +33,11 @@ def marker_line(marker: str) -> int:
 
 
 def findings_of(model, *, strict=False, tracer=None, **kwargs):
-    # Not fxdp.tracing.trace: its gm.train(model.training) also resets the (shared) submodules' modes.
+    # Not fxdp.frontends.fx.trace: its gm.train(model.training) also resets the (shared) submodules' modes.
     gm = torch.fx.GraphModule(model, (tracer or DPTracer()).trace(model), type(model).__name__)
     gm.training = model.training
     code = gm.code
+    kwargs.setdefault("validator_class", ModuleValidator)  # the rules the compiler hands the pass
     result = validate_graph(gm, strict=strict, **kwargs)
     assert result.graph_module is gm and gm.code == code  # the pass changes nothing
     assert result.report.name == "validate" and result.report.changes == ()

@@ -98,7 +98,7 @@ class EmptyBatchError(FxdpError, ValueError, RuntimeError):
 
 
 class ExportShapeError(FxdpError, ValueError):
-    """A model captured with torch.export (fxdp/export_capture.py) was called with inputs whose shapes its
+    """A model captured with torch.export (fxdp/frontends/export.py) was called with inputs whose shapes its
     graph cannot run: a size the model's code took from the example inputs (a sequence length)."""
 
 

@@ -21,7 +21,6 @@ from fxdp.engines.base import ParameterWatch
 from fxdp.grad_sample.model_methods import OpacusModelMethods
 from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
 from fxdp.layout import UNBATCHED_LAYOUT, UNKNOWN, BatchLayout
-from fxdp.passes.per_sample import batch_source
 from fxdp.runtime.ops import PerSampleSite, dp_aware_layer
 
 
@@ -78,11 +77,11 @@ def whole_model_op(model: nn.Module, gm: torch.fx.GraphModule, *, loss_reduction
     out_nodes = [a for a in pytree.tree_leaves(output.args[0]) if isinstance(a, torch.fx.Node)]
     site = PerSampleSite(
         "<model>", type(model).__name__, "generic", loss_reduction,
-        out_layouts=[lay for node in out_nodes for lay in layouts(node.meta.get(meta.BATCH_DIM, default))],
+        out_layouts=[lay for node in out_nodes for lay in layouts(node.meta.get(meta.BATCH_LAYOUT, default))],
         description=f"the whole model ({type(model).__name__})",
         sink=sink if sink is not None else GradSampleSink(),
     )
-    index, dim = batch_source(placeholders, batch_dim)
-    inputs = {ph.target: layouts(ph.meta.get(meta.BATCH_DIM, default)) for ph in placeholders}
+    index, dim = meta.batch_source(placeholders, batch_dim)
+    inputs = {ph.target: layouts(ph.meta.get(meta.BATCH_LAYOUT, default)) for ph in placeholders}
     return PerSampleModel(model, site, inputs, (placeholders[index].target, dim))
 

@@ -4,7 +4,7 @@ The pass interprets the graph on fake tensors (``FakeTensorMode``: shapes and dt
 real compute). The model's parameters and buffers are swapped for fake copies while it runs and put
 back afterwards, so the user's model is left as it was. For every node it writes
 
-- ``node.meta[fxdp.meta.BATCH_DIM]``: a :class:`fxdp.layout.BatchLayout` (a tuple for tuple outputs,
+- ``node.meta[fxdp.meta.BATCH_LAYOUT]``: a :class:`fxdp.layout.BatchLayout` (a tuple for tuple outputs,
   None for values that are not tensors), the per_sample pass's map of where each sample's rows are;
 - ``node.meta[fxdp.meta.FAKE_VALUE]``: the fake output.
 
@@ -76,7 +76,7 @@ from fxdp.passes.batch_rules import (
     stores_item,
     tensor_pairs,
 )
-from fxdp.tracing import source_location, trace
+from fxdp.frontends.fx import source_location, trace
 
 PASS_NAME = "batch_dim"
 
@@ -182,7 +182,7 @@ class BatchDimInterpreter(torch.fx.Interpreter):
         elif n.op != "placeholder" and (_has_tensor(out) or n.op == "output" or stores_item(n)):
             for a in _flat_nodes(n):  # an op computing with moved values: their moves count now
                 self._emit(self.pending.get(a, ()))
-        n.meta[meta.BATCH_DIM] = layout
+        n.meta[meta.BATCH_LAYOUT] = layout
         n.meta[meta.FAKE_VALUE] = None if out is _UNKNOWN_VALUE else out
         return out
 
@@ -437,7 +437,7 @@ def quiet_torch_logs():
 
 def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: int = 0,
                         strict: bool = False, batch_inputs: Optional[Sequence[Union[str, int]]] = None) -> PassResult:
-    """Record where the batch is at every node (``meta.BATCH_DIM``, ``meta.FAKE_VALUE``) and report
+    """Record where the batch is at every node (``meta.BATCH_LAYOUT``, ``meta.FAKE_VALUE``) and report
     the ops that move it (warnings), mix samples (errors) or have no rule (unverified warnings).
 
     ``example_inputs``: a tensor, a tuple/list of positional inputs, or a dict of inputs by name.
@@ -530,7 +530,7 @@ def bind_inputs(gm: torch.fx.GraphModule, example_inputs) -> List[Any]:
 def batched_input_names(gm: torch.fx.GraphModule) -> Tuple[str, ...]:
     """The inputs the last analysis of ``gm`` found carrying the batch."""
     return tuple(input_name(p) for p in gm.graph.nodes
-                 if p.op == "placeholder" and _has_per_sample(p.meta.get(meta.BATCH_DIM)))
+                 if p.op == "placeholder" and _has_per_sample(p.meta.get(meta.BATCH_LAYOUT)))
 
 
 def find_batch_dim_violations(model: nn.Module, example_inputs, batch_dim: int = 0,

@@ -40,9 +40,8 @@ from torch.fx import Node
 
 from fxdp import meta
 from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity, op_name
-from fxdp.tracing import source_location
+from fxdp.frontends.fx import source_location
 from fxdp.runtime.inplace_ops import apply_out_of_place, copy_into, index_assign, is_basic_index, random_like
-from fxdp.validators.inplace_flags import has_inplace_flag
 
 PASS_NAME = "inplace"
 
@@ -80,6 +79,12 @@ _RANDOM_FILLS = {"uniform_", "normal_", "random_", "exponential_", "geometric_",
 # Comparisons and logical ops keep the tensor's dtype in place but return bool out of place.
 _BOOL_RESULTS = {"eq_", "ne_", "lt_", "le_", "gt_", "ge_", "greater_", "greater_equal_", "less_",
                  "less_equal_", "not_equal_", "logical_and_", "logical_or_", "logical_xor_", "logical_not_"}
+
+
+def has_inplace_flag(module: nn.Module) -> bool:
+    """True for any module with a true boolean ``inplace`` attribute (``nn.ReLU(inplace=True)``)."""
+    flag = getattr(module, "inplace", None)
+    return isinstance(flag, bool) and flag
 
 
 @dataclass

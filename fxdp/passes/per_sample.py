@@ -33,7 +33,7 @@ from fxdp.grad_sample.registry import rule_name
 from fxdp.grad_sample.transformer import transformer_rule_applies
 from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
 from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED, UNKNOWN, BatchLayout
-from fxdp.tracing import source_location
+from fxdp.frontends.fx import source_location
 
 PASS_NAME = "per_sample"
 _WHOLE_MODEL = f"fxdp runs the whole model as one op (per-sample engine {WHOLE_MODEL}) instead"
@@ -59,10 +59,10 @@ def _parameter(gm: torch.fx.GraphModule, node) -> Optional[nn.Parameter]:
 
 
 def _layout_of(node, default: BatchLayout, reached: Set[torch.fx.Node]) -> BatchLayout:
-    layout = node.meta.get(meta.BATCH_DIM, default) if isinstance(node, torch.fx.Node) else default
+    layout = node.meta.get(meta.BATCH_LAYOUT, default) if isinstance(node, torch.fx.Node) else default
     if isinstance(layout, (tuple, list)):  # tuple outputs: the first tensor's layout
         layout = next((lay for lay in pytree.tree_leaves(layout) if isinstance(lay, BatchLayout)), default)
-    if layout is None or (meta.BATCH_DIM not in node.meta and node not in reached):
+    if layout is None or (meta.BATCH_LAYOUT not in node.meta and node not in reached):
         return BatchLayout(UNBATCHED)
     return layout
 
@@ -76,7 +76,7 @@ def _site_layouts(node, default, reached, inputs=None) -> Tuple[List[BatchLayout
 
 def _out_layouts(node, first: BatchLayout, default: BatchLayout) -> List[BatchLayout]:
     """Layouts of every tensor output (tuple outputs: MultiheadAttention, LSTM), the first as checked."""
-    recorded = node.meta.get(meta.BATCH_DIM)
+    recorded = node.meta.get(meta.BATCH_LAYOUT)
     rest = [lay for lay in pytree.tree_leaves(recorded) if isinstance(lay, BatchLayout)][1:]
     return [first] + [lay if lay.kind != UNKNOWN else default for lay in rest]
 
@@ -98,7 +98,7 @@ def _check_layouts(node, ins: List[BatchLayout], out: BatchLayout) -> Tuple[Opti
         # (1, T) position ids: expanding the input to N is invisible iff every consumer broadcasts it
         fake = node.meta.get(meta.FAKE_VALUE)
         for user in node.users:
-            u = user.meta.get(meta.BATCH_DIM)
+            u = user.meta.get(meta.BATCH_LAYOUT)
             u_fake = user.meta.get(meta.FAKE_VALUE)
             if not (isinstance(u, BatchLayout) and u.kind == BATCHED and u.dim == out.dim
                     and fake is not None and u_fake is not None and u_fake.dim() == fake.dim()):
@@ -137,7 +137,7 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
     if not placeholders:
         raise ValueError("the model takes no inputs, so there is no batch to compute per-sample gradients over")
 
-    guard = runtime.BatchGuard(*batch_source(placeholders, batch_dim))
+    guard = runtime.BatchGuard(*meta.batch_source(placeholders, batch_dim))
     setattr(gm, runtime.GUARD_ATTR, guard)
     with graph.inserting_after(placeholders[-1]):
         guard_node = _get_attr(graph, runtime.GUARD_ATTR)
@@ -322,15 +322,6 @@ def _get_attr(graph: torch.fx.Graph, name: str) -> torch.fx.Node:
         return graph.get_attr(name)
 
 
-def batch_source(placeholders, batch_dim: int) -> Tuple[int, int]:
-    """(input index, dim) of the model input that carries the batch, as the batch_dim pass found it."""
-    for i, ph in enumerate(placeholders):
-        layout = ph.meta.get(meta.BATCH_DIM)
-        if isinstance(layout, BatchLayout) and layout.kind == BATCHED:
-            return i, layout.dim
-    return 0, batch_dim
-
-
 def site_layouts(analysed: torch.fx.GraphModule, guard: runtime.BatchGuard,
                  batch_dim: int) -> Tuple[List[Finding], Optional[runtime.AnalysedLayouts], List[Finding]]:
     """The layouts the batch_dim pass found on ``analysed`` (a compiled graph before the per_sample pass) for the
@@ -353,7 +344,7 @@ def site_layouts(analysed: torch.fx.GraphModule, guard: runtime.BatchGuard,
     placeholders = [n for n in analysed.graph.nodes if n.op == "placeholder"]
     changes = [_site_change(by_name[site.node], site, "dp_aware_layer" if site.fn is None else "dp_aware_function",
                             ins, outs) for site, (ins, outs) in zip(guard.sites, found)]
-    return [], runtime.AnalysedLayouts(*batch_source(placeholders, batch_dim), tuple(found)), changes
+    return [], runtime.AnalysedLayouts(*meta.batch_source(placeholders, batch_dim), tuple(found)), changes
 
 
 _WHOLE = BatchLayout.merged(0, 1)  # with N = 1: the whole tensor is the one sample's row

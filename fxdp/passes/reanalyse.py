@@ -27,13 +27,14 @@ import torch
 import torch.fx
 from torch import nn
 
+from fxdp import meta
 from fxdp.diagnostics import (BatchDimAnalysisError, ExportShapeError, FxdpError, ModelChangedError, NotPrivateError,
                               PassReport, Severity)
 from fxdp.diagnostics.report import REPORT_ATTR, refuse_if_not_private
-from fxdp.export_capture import flat_inputs, symbolic_batch
+from fxdp.frontends.export import flat_inputs, symbolic_batch
 from fxdp.grad_sample.sink import sink_of
 from fxdp.passes.batch_dim import batched_input_names, bind_inputs, propagate_batch_dim
-from fxdp.passes.per_sample import batch_source, one_sample_layouts, site_layouts
+from fxdp.passes.per_sample import one_sample_layouts, site_layouts
 from fxdp.runtime.guards import (GUARD_ATTR, AnalysedLayouts, BatchGuard, ExportShapeGuard, batch_size_of,
                                  input_signature)
 from fxdp.runtime.structure import StructureWatch
@@ -89,7 +90,7 @@ class GraphReanalysis:
                                  "not seen: fxdp re-ran it for them)")
         refuse_if_not_private([result.report], when)
         problems, layouts, changes = site_layouts(self.analysed, guard, self.batch_dim)
-        index, dim = batch_source([n for n in self.analysed.graph.nodes if n.op == "placeholder"], self.batch_dim)
+        index, dim = meta.batch_source([n for n in self.analysed.graph.nodes if n.op == "placeholder"], self.batch_dim)
         if problems and isinstance(inputs[index], torch.Tensor) and inputs[index].shape[dim] == 1:
             # a batch of one leaves layouts ambiguous ((N*T, d) with N = 1 is also (T, d)), but every tensor
             # then is the one sample's: each site reads its tensors whole

@@ -13,11 +13,17 @@ Per node, with the user's source line:
   more than once per forward.
 
 The graph is not changed.
+
+The module rules (which layer types DP-SGD cannot train as they are) come in as ``validator_class``:
+the compiler passes ``fxdp.validators.ModuleValidator`` (a subclass brings rules of its own).
+The pass does not import the validators: ``ModuleValidator`` is the user's tool above the pipeline (its
+``fix(remove_inplace_ops=True)`` runs the front end and the inplace pass), so the imports go one way,
+validators -> passes, and the pass reads the rules through the small :class:`ModuleRules` interface.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple, Type
+from typing import Dict, List, Optional, Protocol, Tuple
 
 import torch
 import torch.fx
@@ -25,15 +31,24 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import Node
 
-from fxdp.diagnostics import ROOT_NAME, Finding, Kind, PassReport, PassResult, Severity, SourceLocation, UnsupportedModuleError, error_from_finding, op_name
+from fxdp.diagnostics import (ROOT_NAME, Finding, IllegalModuleConfigurationError, Kind, PassReport, PassResult,
+                              Severity, SourceLocation, UnsupportedError, UnsupportedModuleError, error_from_finding,
+                              op_name)
 from fxdp.grad_sample.recurrent import recurrent_rule_applies
 from fxdp.grad_sample.transformer import transformer_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler, parametrized_grad_sampler
 from fxdp.passes.inplace import alias_root, attribute_kind, find_inplace_op
-from fxdp.tracing import DPTracer, source_location
-from fxdp.validators.module_validator import ModuleValidator, model_not_training_error
+from fxdp.frontends.fx import DPTracer, source_location
 
 PASS_NAME = "validate"
+
+
+class ModuleRules(Protocol):
+    """What the pass reads of the module rules (``fxdp.validators.ModuleValidator`` or a subclass)."""
+
+    def module_errors(self, module: nn.Module, *, prefix: str = "") -> List[UnsupportedError]:
+        """What the rules say about ``module`` and its submodules (``prefix``: its qualified name)."""
+
 
 _BUFFER_WRITE_FIX = (
     "do not update buffers or parameters in the forward pass of a model trained with DP-SGD: compute "
@@ -44,12 +59,13 @@ _BUFFER_WRITE_FIX = (
 def validate_graph(
     gm: torch.fx.GraphModule,
     *,
+    validator_class: ModuleRules,
     strict: bool = False,
-    validator_class: Type[ModuleValidator] = ModuleValidator,
 ) -> PassResult:
     """Check every node of ``gm`` (unchanged) and report what stands in the way of DP-SGD.
 
-    ``validator_class`` holds the module rules (a subclass of ModuleValidator brings its own).
+    ``validator_class`` holds the module rules: ``fxdp.validators.ModuleValidator``, or a subclass of it
+    that brings its own.
 
     Raises:
         UnsupportedModuleError: with ``strict=True``, if any finding is an error; its ``errors``
@@ -80,6 +96,17 @@ def validate_graph(
                 header=f"{len(errors)} problem(s) prevent training {type(gm).__name__} with DP-SGD:",
             )
     return PassResult(gm, PassReport(PASS_NAME, (), tuple(findings)))
+
+
+def model_not_training_error(module: nn.Module) -> IllegalModuleConfigurationError:
+    """The model is in eval mode (this pass and ``ModuleValidator.validate`` both say so)."""
+    return IllegalModuleConfigurationError(
+        "the model is in eval mode; DP-SGD trains it, and layers such as Dropout and the per-sample "
+        "gradient computation need training mode.",
+        module_name=ROOT_NAME,
+        module_type=type(module),
+        fix="call model.train() before making it private.",
+    )
 
 
 def _finding(node: str, op: str, kind: Kind, severity: Severity, message: str, fix: str = "",

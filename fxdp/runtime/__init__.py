@@ -5,6 +5,8 @@ ops deliver what they see in backward to the model's gradient sink, which each s
 model's batch guard (:mod:`~fxdp.runtime.guards`) checks at every forward that the layouts the sites hold
 were analysed for these input shapes, and asks its :class:`~fxdp.runtime.guards.Reanalysis` for the
 layouts of new ones.
+The compiled model's class (:mod:`~fxdp.runtime.module`) runs them before every forward and keeps
+what the compiler attached through deepcopy, pickle and ``torch.save``.
 """
 
 from fxdp.runtime.guards import (GUARD_ATTR, AnalysedLayouts, BatchGuard, FrozenUse, Reanalysis, batch_size,

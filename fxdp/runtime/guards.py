@@ -99,7 +99,7 @@ class SymbolicBatch:
     assumed of the batch size: its range and the conditions it recorded (``Eq(Mod(7*s0, s1), 0)``,
     ``Eq(s1, s0)``, a divisibility a reshape needs), over the symbols that stand for it. A batch size that
     meets them runs the very ops the graph holds, every size computed from it by the same formula
-    (``fxdp.export_capture.symbolic_batch`` finds it)."""
+    (``fxdp.frontends.export.symbolic_batch`` finds it)."""
 
     inputs: Tuple[bool, ...]
     symbols: Tuple[Any, ...]  # sympy symbols of the batch size
@@ -138,7 +138,7 @@ class BatchGuard:
     _seen: "OrderedDict[Any, Tuple[AnalysedLayouts, Optional[tuple]]]" = field(default_factory=OrderedDict,
                                                                                  repr=False)
     # What the graph was compiled from (its layers and parameters, which frozen parameters it cannot train),
-    # checked before every forward (fxdp.tracing.CompiledGraphModule.__call__); on a change,
+    # checked before every forward (fxdp.runtime.module.CompiledGraphModule.__call__); on a change,
     # ``reanalysis.rebuild`` compiles the model again in place, or raises.
     watch: Optional[StructureWatch] = field(default=None, repr=False)
 
@@ -316,7 +316,7 @@ def forward_call(site) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# The guards of a graph torch.export captured (fxdp.export_capture puts them in its graph)
+# The guards of a graph torch.export captured (fxdp.frontends.export puts them in its graph)
 # ------------------------------------------------------------------------------------------------
 
 

@@ -11,6 +11,10 @@ copy. Default rules live one family per module; importing this package registers
   them the types of :mod:`fxdp.layers` (as Opacus's ``fix`` does), nothing else changes
 
 Add rules for your own types with :func:`register_module_validator` / :func:`register_module_fixer`.
+
+The compiler's validate pass applies the same rules to each layer the graph calls; it receives them from
+the compiler rather than importing this package, which itself uses the front end and the inplace pass
+(``fix(remove_inplace_ops=True)``): validators -> passes, one way.
 """
 
 from fxdp.diagnostics import (

@@ -11,11 +11,7 @@ from typing import List
 
 from torch import nn
 
-
-def has_inplace_flag(module: nn.Module) -> bool:
-    """True for any module with a true boolean ``inplace`` attribute."""
-    flag = getattr(module, "inplace", None)
-    return isinstance(flag, bool) and flag
+from fxdp.passes.inplace import has_inplace_flag  # the inplace pass swaps such modules in a graph
 
 
 def disable_inplace_flags(model: nn.Module) -> List[str]:

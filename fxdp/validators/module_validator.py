@@ -16,6 +16,11 @@ if it takes ``**kwargs``), so a fixer written ``def fix(module)`` works too.
 ``ModuleValidator.VALIDATORS`` and ``ModuleValidator.FIXERS`` show the registries as dicts from module
 type to rule (Opacus's class attributes): ``VALIDATORS[nn.BatchNorm2d]`` is the rule ``validate`` uses
 for that type (found along its MRO), and ``FIXERS[MyLayer] = fix`` registers a fixer.
+
+The validators sit above the compiler's passes and use them: ``fix(remove_inplace_ops=True)`` traces the
+model with the front end and rewrites its in-place ops with the inplace pass. The validate pass does not
+import this module; the compiler hands it ``ModuleValidator`` as its module rules, so the imports go
+one way (validators -> passes, never back).
 """
 
 from __future__ import annotations
@@ -35,13 +40,16 @@ from torch.nn.parameter import UninitializedTensorMixin
 from fxdp.registry import TypeRegistry, find_in
 from fxdp.diagnostics import (
     ROOT_NAME,
-    IllegalModuleConfigurationError,
     ModuleFixWarning,
+    Severity,
     UnsupportedError,
     UnsupportedModuleError,
     expect_module,
     op_name,
 )
+from fxdp.frontends.fx import trace
+from fxdp.passes.inplace import remove_inplace_ops
+from fxdp.passes.validate import model_not_training_error
 from fxdp.validators.inplace_flags import disable_inplace_flags
 
 Validator = Callable[..., List[UnsupportedError]]
@@ -268,16 +276,6 @@ def record_input_shapes(module: nn.Module, example_inputs: Any) -> Dict[str, Tup
     return {name: tuple(calls) for name, calls in shapes.items()}
 
 
-def model_not_training_error(module: nn.Module) -> IllegalModuleConfigurationError:
-    return IllegalModuleConfigurationError(
-        "the model is in eval mode; DP-SGD trains it, and layers such as Dropout and the per-sample "
-        "gradient computation need training mode.",
-        module_name=ROOT_NAME,
-        module_type=type(module),
-        fix="call model.train() before making it private.",
-    )
-
-
 def _deepcopy(module: nn.Module) -> nn.Module:
     # Uninitialised parameters of lazy modules refuse deepcopy; fresh ones are equivalent copies.
     memo = {}
@@ -372,9 +370,28 @@ def _repr_items(module: nn.Module) -> List[str]:
 
 
 def _rewrite_inplace_ops(model: nn.Module) -> Tuple[nn.Module, str]:
-    from fxdp.rewrite_inplace import rewrite_inplace_ops  # the inplace pass's graph rewrite, traced
-
-    return rewrite_inplace_ops(model)
+    """``model`` traced with its in-place ops rewritten out of place by the inplace pass (a GraphModule), and
+    a warning for the user; ``(model, "")`` when it cannot be traced."""
+    traced = trace(model)
+    if not traced.ok:
+        where = f" at {traced.location}" if traced.location is not None else ""
+        logging.getLogger("fxdp").info(
+            "ModuleValidator.fix(remove_inplace_ops=True): %s cannot be traced (%s%s); returning it "
+            "with the module-level fixes only, its in-place ops are left as they are",
+            type(model).__name__, traced.reason, where,
+        )
+        return model, ""
+    result = remove_inplace_ops(traced.graph_module)
+    warning = (
+        f"ModuleValidator.fix(remove_inplace_ops=True) returns a torch.fx.GraphModule, not a "
+        f"{type(model).__name__}: isinstance checks, methods defined on {type(model).__name__} and "
+        f"pickling by class see the GraphModule type ({len(result.report.changes)} in-place op(s) "
+        f"rewritten)."
+    )
+    kept = [f for f in result.report.findings if f.severity is not Severity.INFO]
+    if kept:
+        warning += " Not rewritten: " + "; ".join(f"{f.node} at {f.where}: {f.message}" for f in kept)
+    return result.graph_module, warning
 
 
 def register_module_validator(

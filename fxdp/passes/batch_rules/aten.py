@@ -1,4 +1,4 @@
-"""ATen ops, as the graphs torch.export captures call them (:mod:`fxdp.export_capture`).
+"""ATen ops, as the graphs torch.export captures call them (:mod:`fxdp.frontends.export`).
 
 Most ATen ops take their arguments in the order of the torch function or Tensor method of the same
 name (``aten.transpose.int(x, 1, 2)`` is ``x.transpose(1, 2)``): :func:`aten_rule` looks the rule up by

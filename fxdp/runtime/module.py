@@ -1,0 +1,177 @@
+"""The compiled module class: what ``compile_for_dp`` returns when it compiles the graph.
+
+A compiled model is a ``torch.fx.GraphModule`` whose class derives from :class:`CompiledGraphModule`
+(:func:`make_copyable`): it runs the guards' checks before every forward, answers Opacus's
+``_module``, and survives deepcopy, pickle and ``torch.save`` with its report, its sink and its forward
+hooks (:class:`OutputType` gives the output the type the model's own forward returns).
+
+Like the rest of the runtime this imports no pass and no front end: the compiler hands it graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import copyreg
+import pickle
+import warnings
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxdp.grad_sample.model_methods import OpacusModelMethods
+from fxdp.runtime.guards import GUARD_ATTR, run_eagerly
+
+
+class OutputType:
+    """A forward hook giving a compiled model's output the type the model's own forward returns."""
+
+    def __init__(self, cls: type):
+        self.cls = cls
+
+    def __call__(self, module, args, output):
+        if isinstance(output, dict) and type(output) is not self.cls:
+            try:
+                return self.cls(**output)
+            except TypeError:
+                return self.cls(output)
+        return None
+
+
+# -- compiled graphs survive deepcopy, pickle and torch.save ------------------------------------------
+#
+# torch.fx rebuilds a GraphModule from its code on load and on deepcopy, keeping only the attributes
+# the graph uses: a compiled model's report, its sink and its forward hooks (the analysis on the first
+# batch) would be lost. A compiled model's class is a subclass of CompiledGraphModule, which carries them.
+
+
+def _op_overload(namespace: str, name: str, overload: str):
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+
+def _reduce_op_overload(op):
+    return _op_overload, (op.namespace, op._opname, op._overloadname)
+
+
+# a captured graph's sites hold the ATen ops they call; pickle names them (torch's OpOverload has no reduce)
+copyreg.pickle(torch._ops.OpOverload, _reduce_op_overload)
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+class CompiledGraphModule(OpacusModelMethods, torch.fx.GraphModule):
+    """A GraphModule whose copies (deepcopy, pickle, torch.save) keep every attribute and forward hook.
+    ``_module`` and :meth:`to_standard_module` give the model it was compiled from (the same parameters)."""
+
+    def _standard_module(self) -> nn.Module:
+        guard = self.__dict__.get(GUARD_ATTR)
+        original = getattr(getattr(guard, "reanalysis", None), "original", None)
+        return original if original is not None else self
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_module":  # Opacus's name for the wrapped model; a submodule of that name comes first
+                return self._standard_module()
+            raise
+
+    def __call__(self, *args, **kwargs):
+        # a model changed since it was compiled (a layer replaced, a parameter unfrozen) is compiled again
+        # before its forward runs (fxdp.runtime.structure): the graph's code calls what it was compiled with
+        guard = self.__dict__.get(GUARD_ATTR)
+        if guard is not None:
+            run_eagerly(guard.before_forward, self, args, kwargs)  # (also under torch.compile)
+        return super().__call__(*args, **kwargs)
+
+    # torch.fx saves the code and re-traces it on load, which renames the nodes (the DP-aware ops'
+    # sites refer to them by name): the graph itself is saved instead.
+    def __reduce__(self):
+        body = self.__dict__.copy()
+        original = body.pop("_graph")
+        graph = torch.fx.Graph()
+        with _quiet_pytree_specs():
+            graph._codegen = copy.deepcopy(original._codegen)  # torch.export's: flattens inputs, rebuilds outputs
+        graph.output(graph.graph_copy(original, {}))
+        for node in graph.nodes:  # analysis results (fake tensors) are not needed to run, nor picklable
+            node.meta = {k: v for k, v in node.meta.items() if _picklable(v)}
+        return (_rebuild_compiled, (body, graph, type(self).__mro__[1].__name__))
+
+    def __deepcopy__(self, memo):
+        with _quiet_pytree_specs():
+            res = super().__deepcopy__(memo)
+            copied = copy.deepcopy(self.__dict__, memo)  # the objects the copy already holds, via memo
+        for key, value in copied.items():
+            if key in _HOOK_DICTS or key not in res.__dict__:
+                res.__dict__[key] = value
+        res.training = self.training
+        _relink(res)
+        return res
+
+
+@contextlib.contextmanager
+def _quiet_pytree_specs():
+    """Copying torch.export's pytree specs (in a captured graph's code generator) warns about a check
+    torch itself makes (``isinstance(treespec, LeafSpec)``, deprecated); the user can do nothing about it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
+        yield
+
+
+def _picklable(value) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - anything pickle refuses
+        return False
+    return True
+
+
+def _rebuild_compiled(body, graph, class_name):
+    with _quiet_pytree_specs():
+        return _rebuild(body, graph, class_name)
+
+
+def _rebuild(body, graph, class_name):
+    holder = nn.Module()
+    holder.__dict__.update(body)
+    gm = make_copyable(torch.fx.GraphModule(holder, graph, class_name))
+    for key, value in body.items():  # what the graph does not use (report, sink, hooks, ...)
+        if key in _HOOK_DICTS or key not in gm.__dict__:
+            gm.__dict__[key] = value
+    _relink(gm)
+    return gm
+
+
+def _relink(gm: torch.fx.GraphModule) -> None:
+    """Attributes that refer back to their model (an ``fxdp_relink(model)`` method) point at the copy."""
+    for value in list(gm.__dict__.values()):
+        relink = getattr(value, "fxdp_relink", None)
+        if callable(relink):
+            relink(gm)
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule running a copy of ``gm``'s graph on the same parameters and layers, with what the
+    graph's code reads besides them (torch.export's input and output specs); it copies and pickles as
+    compiled models do."""
+    with _quiet_pytree_specs():
+        graph = copy.deepcopy(gm.graph)
+    copied = torch.fx.GraphModule(gm, graph, type(gm).__name__)
+    for attr in ("_in_spec", "_out_spec"):
+        if hasattr(gm, attr):
+            setattr(copied, attr, getattr(gm, attr))
+    return make_copyable(copied)
+
+
+def make_copyable(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Give ``gm`` (in place) a class derived from :class:`CompiledGraphModule`; returns ``gm``."""
+    if not isinstance(gm, CompiledGraphModule):
+        # GraphModule gives each instance a class of its own (its forward is set on the class)
+        impl = type("GraphModuleImpl", (CompiledGraphModule,), {})
+        impl.__qualname__ = "GraphModuleImpl"
+        gm.__class__ = impl
+        gm.recompile()
+    return gm
