@@ -30,7 +30,13 @@ from torch.nn.utils.rnn import PackedSequence
 
 from fxdp import export_capture, meta
 from fxdp.diagnostics.errors import UnsupportedInputError
-from fxdp.diagnostics.source import SourceLocation, location_from_stack_trace, location_from_traceback
+from fxdp.diagnostics.source import (
+    SourceLocation,
+    build_location,
+    called_by_torch,
+    location_from_stack_trace,
+    location_from_traceback,
+)
 from fxdp.grad_sample.model_methods import OpacusModelMethods
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.runtime.guards import run_eagerly
@@ -108,8 +114,16 @@ class DPTracer(torch.fx.Tracer):
     def create_proxy(self, *args, **kwargs):
         proxy = super().create_proxy(*args, **kwargs)
         node = proxy.node
-        node.meta[meta.SOURCE] = location_from_stack_trace(node.stack_trace)
+        node.meta[meta.SOURCE] = self._source(node)
         return proxy
+
+    def _source(self, node: torch.fx.Node) -> Optional[SourceLocation]:
+        # a layer torch's code calls (nn.Sequential's forward) is located where the user's code built it
+        if node.op == "call_module" and called_by_torch(node.stack_trace):
+            built = build_location(self.root, node.target)
+            if built is not None:
+                return built
+        return location_from_stack_trace(node.stack_trace)
 
 
 @dataclass(frozen=True)

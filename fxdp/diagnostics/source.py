@@ -1,17 +1,25 @@
 """Source locations: the line of the user's code behind a graph node, a traceback or an error.
 
-Library frames (torch's and fxdp's own) are skipped, so a location points at the user's code.
+Library frames (torch's and fxdp's own) are skipped, so a location points at the user's code. A layer
+that torch's own code calls (each layer of an ``nn.Sequential``) is located where the user's code built
+it instead (:func:`build_location`).
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import linecache
 import os
 import re
+import textwrap
 import traceback
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
+from torch import nn
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 # the fxdp package: this file is fxdp/diagnostics/source.py
@@ -26,9 +34,15 @@ class SourceLocation:
     line: int
     function: str = ""
     code: str = ""
+    built: bool = False  # the line that constructed a layer, not the line that called it
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}"
+
+    @property
+    def where(self) -> str:
+        """``file:line`` (relative, see :attr:`relative`); ``built at file:line`` for a construction line."""
+        return f"built at {self.relative}" if self.built else self.relative
 
     @property
     def short(self) -> str:
@@ -93,3 +107,145 @@ def location_of_caller() -> Optional[SourceLocation]:
         if not is_library_file(frame.filename):
             user = SourceLocation(frame.filename, frame.lineno, frame.name, (frame.line or "").strip())
     return user
+
+
+# -- where a layer was built ---------------------------------------------------------------------------
+#
+# nn.Sequential's forward calls its layers, so their call site is torch's own line. The user's line is
+# the one that built the layer: found in the __init__ source of the nearest ancestor whose class is the
+# user's, following `self.<attr> = nn.Sequential(...)` (and ModuleList / ModuleDict) down to the layer.
+# Every step is checked against the module tree; anything not certain gives None, never a guess.
+
+_FX_DIR = os.path.join(_TORCH_DIR, "fx")
+
+
+def called_by_torch(stack_trace: Optional[str]) -> bool:
+    """Whether the innermost frame of ``stack_trace`` outside the tracer (torch.fx's and fxdp's frames) is
+    torch's own code: a layer called by ``nn.Sequential.forward``."""
+    for m in reversed(list(_FRAME_RE.finditer(stack_trace or ""))):
+        path = os.path.abspath(m["file"])
+        if not (_under(path, _FX_DIR) or _under(path, _FXDP_DIR)):
+            return _under(path, _TORCH_DIR)
+    return False
+
+
+def build_location(root: nn.Module, qualname: str) -> Optional[SourceLocation]:
+    """The line of the user's code that constructed the submodule ``qualname`` of ``root`` (``built``
+    set), or None when it cannot be told for sure. Never raises."""
+    try:
+        path = qualname.split(".")
+        chain = [root]
+        for name in path:
+            chain.append(chain[-1]._modules[name])
+        for k in range(len(path) - 1, -1, -1):
+            if _is_user_class(type(chain[k])):
+                return _built_in_init(chain[k:], path[k:])
+    except Exception:  # noqa: BLE001 - a location is a courtesy: any failure leaves it unknown
+        return None
+    return None
+
+
+def _is_user_class(cls: type) -> bool:
+    try:
+        return not is_library_file(inspect.getsourcefile(cls))
+    except (TypeError, OSError):
+        return False
+
+
+def _built_in_init(chain: List[nn.Module], path: List[str]) -> Optional[SourceLocation]:
+    """``chain[0]`` is a module of the user's class; ``path`` leads from it down to ``chain[-1]``."""
+    for klass in type(chain[0]).__mro__:  # the __init__ that built the attribute may be a base class's
+        if "__init__" not in vars(klass) or not _is_user_class(klass):
+            continue
+        parsed = _parsed_init(vars(klass)["__init__"])
+        if parsed is None:
+            continue
+        tree, file, first_line = parsed
+        found = _unique(_follow(expr, chain[1:], path[1:]) for expr in _assigned(tree, chain[0], path[0]))
+        if found is not None:
+            line = found.lineno + first_line - 1
+            return SourceLocation(file, line, klass.__init__.__name__,
+                                  linecache.getline(file, line).strip(), built=True)
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed_init(init):
+    try:
+        lines, first_line = inspect.getsourcelines(init)
+        return ast.parse(textwrap.dedent("".join(lines))), inspect.getsourcefile(init), first_line
+    except (TypeError, OSError, SyntaxError):
+        return None
+
+
+def _unique(nodes) -> Optional[ast.AST]:
+    lines = {n.lineno: n for n in nodes if n is not None}
+    return next(iter(lines.values())) if len(lines) == 1 else None
+
+
+def _is_self(node) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _assigned(tree: ast.AST, module: nn.Module, name: str):
+    """The expressions ``__init__`` gives the attribute ``name``: ``self.name = ...``,
+    ``self.add_module("name", ...)``, and for a container subclass ``super().__init__(...)``."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Attribute) and _is_self(t.value) and t.attr == name for t in targets):
+                yield node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if (node.func.attr == "add_module" and _is_self(node.func.value) and len(node.args) == 2
+                    and isinstance(node.args[0], ast.Constant) and node.args[0].value == name):
+                yield node.args[1]
+            elif (node.func.attr == "__init__" and isinstance(node.func.value, ast.Call)
+                  and getattr(node.func.value.func, "id", None) == "super"):
+                yield _child(node, module, name)
+
+
+def _callee(node) -> Optional[str]:
+    if not isinstance(node, ast.Call):
+        return None
+    func = node.func
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+
+
+def _follow(expr, chain: Sequence[nn.Module], path: Sequence[str]) -> Optional[ast.AST]:
+    """The node of ``expr`` that built ``chain[-1]``, where ``expr`` built ``chain[0]`` (checked by the
+    name it calls) and ``path`` leads from ``chain[0]`` to ``chain[-1]``."""
+    if isinstance(expr, ast.IfExp):  # `nn.ReLU() if relu else nn.GELU()`: the branch that fits
+        return _unique([_follow(expr.body, chain, path), _follow(expr.orelse, chain, path)])
+    name = _callee(expr)
+    if name is None or not chain:
+        return None
+    if name != type(chain[0]).__name__ and (name[:1].isupper() or path):
+        return None  # another class; or a factory function, whose insides this cannot see
+    if not path:
+        return expr
+    child = _child(expr, chain[0], path[0])
+    return None if child is None else _follow(child, chain[1:], path[1:])
+
+
+def _child(call: ast.Call, container: nn.Module, key: str) -> Optional[ast.AST]:
+    """The argument of ``call`` (which built ``container``) that built its child ``key``."""
+    args = call.args
+    if call.keywords or any(isinstance(a, ast.Starred) for a in args):
+        return None
+    if isinstance(container, nn.Sequential) and len(args) == len(container) and key.isdigit():
+        return args[int(key)]
+    if len(args) != 1:
+        return None
+    arg = args[0]
+    if isinstance(container, nn.ModuleList) and key.isdigit():
+        if isinstance(arg, (ast.List, ast.Tuple)) and len(arg.elts) == len(container):
+            return None if any(isinstance(e, ast.Starred) for e in arg.elts) else arg.elts[int(key)]
+        if isinstance(arg, (ast.ListComp, ast.GeneratorExp)):
+            return arg.elt  # every element is built by this expression
+    if isinstance(container, nn.ModuleDict):
+        if isinstance(arg, ast.Dict) and all(isinstance(k, ast.Constant) for k in arg.keys):
+            values = [v for k, v in zip(arg.keys, arg.values) if k.value == key]
+            return values[0] if len(values) == 1 else None
+        if isinstance(arg, ast.DictComp):
+            return arg.value
+    return None
