@@ -36,6 +36,7 @@ from fxdp.diagnostics.source import (
     called_by_torch,
     location_from_stack_trace,
     location_from_traceback,
+    location_of_caller,
 )
 from fxdp.grad_sample.model_methods import OpacusModelMethods
 from fxdp.grad_sample.registry import find_grad_sampler
@@ -99,6 +100,7 @@ class DPTracer(torch.fx.Tracer):
         return _InplaceRecordingProxy(node, self)
 
     _depth = 0
+    _caller_file: Optional[str] = None  # the user's file that called fxdp, found once per trace
     last_value_type: Optional[type] = None  # after trace: the type of what forward returned
 
     def create_arg(self, a):
@@ -120,7 +122,10 @@ class DPTracer(torch.fx.Tracer):
     def _source(self, node: torch.fx.Node) -> Optional[SourceLocation]:
         # a layer torch's code calls (nn.Sequential's forward) is located where the user's code built it
         if node.op == "call_module" and called_by_torch(node.stack_trace):
-            built = build_location(self.root, node.target)
+            if self._caller_file is None:
+                caller = location_of_caller()
+                self._caller_file = caller.file if caller is not None else ""
+            built = build_location(self.root, node.target, self._caller_file)
             if built is not None:
                 return built
         return location_from_stack_trace(node.stack_trace)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
-import linecache
 import os
 import re
 import textwrap
@@ -34,10 +33,12 @@ class SourceLocation:
     line: int
     function: str = ""
     code: str = ""
-    built: bool = False  # the line that constructed a layer, not the line that called it
+    # the line that constructed a layer, not the line that called it (``code`` stays empty: messages that
+    # quote the calling line must not quote a constructor as if it were the call)
+    built: bool = False
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}"
+        return f"{self.file}:{self.line}" + (" (where the layer was built)" if self.built else "")
 
     @property
     def where(self) -> str:
@@ -129,9 +130,14 @@ def called_by_torch(stack_trace: Optional[str]) -> bool:
     return False
 
 
-def build_location(root: nn.Module, qualname: str) -> Optional[SourceLocation]:
+def build_location(root: nn.Module, qualname: str, caller_file: Optional[str] = None) -> Optional[SourceLocation]:
     """The line of the user's code that constructed the submodule ``qualname`` of ``root`` (``built``
-    set), or None when it cannot be told for sure. Never raises."""
+    set), or None when it cannot be told for sure. Never raises.
+
+    Found in the ``__init__`` of the nearest ancestor whose class is the user's. When there is none (the
+    root is an ``nn.Sequential`` a function built), in ``caller_file`` (the user's code that called
+    fxdp), only if exactly one call there builds a container matching the root in every layer's class
+    and every literal argument."""
     try:
         path = qualname.split(".")
         chain = [root]
@@ -140,16 +146,86 @@ def build_location(root: nn.Module, qualname: str) -> Optional[SourceLocation]:
         for k in range(len(path) - 1, -1, -1):
             if _is_user_class(type(chain[k])):
                 return _built_in_init(chain[k:], path[k:])
+        return _built_in_file(caller_file, chain, path) if caller_file else None
     except Exception:  # noqa: BLE001 - a location is a courtesy: any failure leaves it unknown
         return None
-    return None
+
+
+def _built_in_file(file: str, chain: List[nn.Module], path: List[str]) -> Optional[SourceLocation]:
+    if is_library_file(file):
+        return None
+    tree = _parsed_file(file, os.path.getmtime(file))
+    if tree is None:
+        return None
+    calls = [n for n in ast.walk(tree) if _matches(n, chain[0])]
+    found = _follow(calls[0], chain, path) if len(calls) == 1 else None
+    if found is None:
+        return None
+    return SourceLocation(file, found.lineno, built=True)
+
+
+@functools.lru_cache(maxsize=32)
+def _parsed_file(file: str, mtime: float):
+    try:
+        with open(file, encoding="utf-8") as f:
+            return ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+def _matches(expr, module: nn.Module) -> bool:
+    """Whether ``expr`` certainly built ``module``: it calls the module's class with arguments that agree
+    with its attributes, and (for a container) each of its arguments built the matching layer."""
+    if _callee(expr) != type(module).__name__ or not _literals_agree(expr, module):
+        return False
+    if not isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+        return True
+    return all(_matches(_child(expr, module, key), child) for key, child in module._modules.items())
+
+
+_UNKNOWN = object()
+
+
+def _literal(node):
+    try:
+        return ast.literal_eval(node)
+    except Exception:  # noqa: BLE001 - not a literal
+        pass
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv)):
+        left, right = _literal(node.left), _literal(node.right)
+        if type(left) is int and type(right) is int:  # `16 * 4 * 4`
+            ops = {ast.Add: int.__add__, ast.Sub: int.__sub__, ast.Mult: int.__mul__, ast.FloorDiv: int.__floordiv__}
+            return ops[type(node.op)](left, right)
+    return _UNKNOWN
+
+
+def _literals_agree(call: ast.Call, module: nn.Module) -> bool:
+    """No literal argument of ``call`` contradicts the attribute of ``module`` of the same name."""
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+        return False
+    try:
+        bound = inspect.signature(type(module)).bind_partial(
+            *map(_literal, call.args), **{k.arg: _literal(k.value) for k in call.keywords})
+    except (TypeError, ValueError):
+        return False
+    for name, value in bound.arguments.items():
+        attr = getattr(module, name, _UNKNOWN)
+        if value is _UNKNOWN or not isinstance(attr, (int, float, str, tuple)):
+            continue
+        if isinstance(attr, tuple) and not isinstance(value, tuple):
+            value = (value,) * len(attr)  # kernel_size=3 is stored as (3, 3)
+        if attr != value:
+            return False
+    return True
 
 
 def _is_user_class(cls: type) -> bool:
     try:
-        return not is_library_file(inspect.getsourcefile(cls))
-    except (TypeError, OSError):
-        return False
+        file = inspect.getsourcefile(cls)
+    except TypeError:  # its module is not in sys.modules (loaded from a path): its methods know their file
+        codes = [v.__code__ for v in vars(cls).values() if hasattr(v, "__code__")]
+        file = codes[0].co_filename if codes else None
+    return file is not None and not is_library_file(file)
 
 
 def _built_in_init(chain: List[nn.Module], path: List[str]) -> Optional[SourceLocation]:
@@ -163,9 +239,7 @@ def _built_in_init(chain: List[nn.Module], path: List[str]) -> Optional[SourceLo
         tree, file, first_line = parsed
         found = _unique(_follow(expr, chain[1:], path[1:]) for expr in _assigned(tree, chain[0], path[0]))
         if found is not None:
-            line = found.lineno + first_line - 1
-            return SourceLocation(file, line, klass.__init__.__name__,
-                                  linecache.getline(file, line).strip(), built=True)
+            return SourceLocation(file, found.lineno + first_line - 1, "__init__", built=True)
     return None
 
 
