@@ -1,7 +1,7 @@
 """The package's shape: every module imports, the import graph has no cycle, no module is too long,
 and the one-way import rules hold through any chain of imports, lazy ones too (diagnostics, layout and
 accounting reach nothing else in fxdp, the runtime no pass, the engines not the compiler, the optimizer
-only the gradient-sink contract; the validators name no pass)."""
+only the gradient-sink contract; the validators name no pass), and the README reads at a glance."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import ast
 import importlib
 import os
 import pkgutil
+import re
 from typing import Dict, Set
 
 import networkx as nx
@@ -133,3 +134,18 @@ def test_no_module_is_over_700_lines():
         if lines > MAX_LINES:
             too_long[relative] = lines
     assert not too_long, f"modules over {MAX_LINES} lines: {too_long}"
+
+
+README_MAX_LINES = 150
+
+
+def test_the_readme_reads_at_a_glance():
+    # the details (the speed analysis, the pipeline's files, every option) live in docs/; the README links them
+    root = os.path.dirname(os.path.dirname(fxdp.__file__))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    lines = readme.count("\n")
+    assert lines < README_MAX_LINES, f"README.md has {lines} lines; move details to docs/ (at most {README_MAX_LINES - 1})"
+    linked = set(re.findall(r"docs/[\w./-]+\.md", readme))
+    missing = sorted(d for d in linked if not os.path.exists(os.path.join(root, d)))
+    assert linked and not missing, f"the README links documents that do not exist: {missing}"
