@@ -115,7 +115,9 @@ def location_of_caller() -> Optional[SourceLocation]:
 # nn.Sequential's forward calls its layers, so their call site is torch's own line. The user's line is
 # the one that built the layer: found in the __init__ source of the nearest ancestor whose class is the
 # user's, following `self.<attr> = nn.Sequential(...)` (and ModuleList / ModuleDict) down to the layer.
-# Every step is checked against the module tree; anything not certain gives None, never a guess.
+# A root nn.Sequential has no such ancestor: its build is looked for in the file that called fxdp, and
+# taken only when exactly one call there matches every layer. Each step is checked against the module
+# tree (class names, literal arguments); anything uncertain gives None: no line rather than a wrong one.
 
 _FX_DIR = os.path.join(_TORCH_DIR, "fx")
 
@@ -174,8 +176,8 @@ def _parsed_file(file: str, mtime: float):
 
 
 def _matches(expr, module: nn.Module) -> bool:
-    """Whether ``expr`` certainly built ``module``: it calls the module's class with arguments that agree
-    with its attributes, and (for a container) each of its arguments built the matching layer."""
+    """Whether ``expr`` matches ``module``: it calls the module's class with arguments that agree with its
+    attributes, and (for a container) each of its arguments matches the corresponding layer."""
     if _callee(expr) != type(module).__name__ or not _literals_agree(expr, module):
         return False
     if not isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
