@@ -121,7 +121,7 @@ class DPTracer(torch.fx.Tracer):
 
     def _source(self, node: torch.fx.Node) -> Optional[SourceLocation]:
         # a layer torch's code calls (nn.Sequential's forward) is located where the user's code built it
-        if node.op == "call_module" and called_by_torch(node.stack_trace):
+        if node.op == "call_module" and hasattr(self, "root") and called_by_torch(node.stack_trace):
             if self._caller_file is None:
                 caller = location_of_caller()
                 self._caller_file = caller.file if caller is not None else ""
