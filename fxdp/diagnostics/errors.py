@@ -202,7 +202,7 @@ class UnsupportedError(NotPrivateError):
         """One line: which module, where, what is wrong, how to fix it."""
         head = f"`{self.module_name}` ({self.type_name})" if self.module_name else self.type_name
         if self.location is not None:
-            head += f" {'built at' if self.location.built else 'at'} {self.location}"
+            head += f" at {self.location}"
         text = f"{head}: {self.message}"
         if self.fix:
             text += f" How to fix: {self.fix}"
