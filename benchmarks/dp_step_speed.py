@@ -22,7 +22,7 @@ user trains one model per process. In one shared process a model's times depende
 before it: the C library's allocator raises its thresholds each time a large block is freed (up to 32 MiB)
 and then serves large blocks without new pages, which helps an engine that allocates much each step. Opacus's
 ExpandedWeights on the transformer measured 1.31-1.47x a plain step after the other four models and 1.66-1.83x
-alone (see the README's Speed section), fxdp 1.37-1.44 and 1.38-1.40.
+alone (see docs/performance.md), fxdp 1.37-1.44 and 1.38-1.40.
 
 Usage: python benchmarks/dp_step_speed.py [--repeats 20] [--threads 2] [--models mlp,cnn,resnet,transformer,torch-transformer,lstm]
        [--engines fxdp,opacus-ghost] [--cpu-time] [--same-process]

@@ -6,6 +6,7 @@ frames into fxdp's message) before fxdp's error.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import subprocess
@@ -42,15 +43,21 @@ def test_what_is_not_a_model_is_a_type_error_naming_it(entry, call, given, descr
     assert str(info.value) == f"{call} expects a torch.nn.Module, got {described}"
 
 
-WRONG_SHAPE = (
-    "fxdp batch_dim: running nn.Linear (node _0) on the example inputs' shapes failed: RuntimeError: a and b "
-    "must have same reduction dim, but got [8, 5] X [4, 3].\n"
-    "  node: %_0 : [num_users=1] = call_module[target=0](args = (%input_1,), kwargs = {})\n"
-    "Check that example_inputs have the shapes and dtypes the model is trained with.")
+def wrong_shape(at: str = "") -> str:
+    return (
+        f"fxdp batch_dim: running nn.Linear (node _0){at} on the example inputs' shapes failed: RuntimeError: a "
+        "and b must have same reduction dim, but got [8, 5] X [4, 3].\n"
+        "  node: %_0 : [num_users=1] = call_module[target=0](args = (%input_1,), kwargs = {})\n"
+        "Check that example_inputs have the shapes and dtypes the model is trained with.")
 
 
 def mlp():
     return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+# called from this file, the layer is located where this file built it; from `python -c`, nowhere
+WRONG_SHAPE = wrong_shape(f" at {os.path.abspath(__file__)}:{inspect.getsourcelines(mlp)[1] + 1} "
+                          "(where the layer was built)")
 
 
 class Recorder(logging.Handler):
@@ -116,4 +123,4 @@ def test_what_the_terminal_shows_for_wrong_shaped_inputs():
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.stderr == ""
-    assert result.stdout == 2 * f"BatchDimAnalysisError: {WRONG_SHAPE}\n"
+    assert result.stdout == 2 * f"BatchDimAnalysisError: {wrong_shape()}\n"

@@ -3,7 +3,7 @@ packages: ``fxdp.<first component>``), no module is too long, and the one-way im
 hold through any chain of imports, lazy ones too: diagnostics, layout and accounting reach nothing else in
 fxdp (meta only layout), the front ends no pass, the runtime no pass and no front end, the engines neither
 the compiler nor a pass, the passes no validator (the validators use the passes), the optimizer only the
-gradient-sink contract."""
+gradient-sink contract; and the README reads at a glance."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import ast
 import importlib
 import os
 import pkgutil
+import re
 from typing import Dict, Set
 
 import networkx as nx
@@ -183,3 +184,18 @@ def test_every_fxdp_error_is_defined_in_diagnostics_errors():
     assert not elsewhere, f"FxdpError subclasses defined outside fxdp/diagnostics/errors.py: {sorted(elsewhere)}"
     assert {c.__name__ for c in _subclasses(FxdpError) if c.__module__ == "fxdp.diagnostics.errors"} \
         <= set(fxdp.errors.__all__)
+
+
+README_MAX_LINES = 150
+
+
+def test_the_readme_reads_at_a_glance():
+    # the details (the speed analysis, the pipeline's files, every option) live in docs/; the README links them
+    root = os.path.dirname(os.path.dirname(fxdp.__file__))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    lines = readme.count("\n")
+    assert lines < README_MAX_LINES, f"README.md has {lines} lines; move details to docs/ (at most {README_MAX_LINES - 1})"
+    linked = set(re.findall(r"docs/[\w./-]+\.md", readme))
+    missing = sorted(d for d in linked if not os.path.exists(os.path.join(root, d)))
+    assert linked and not missing, f"the README links documents that do not exist: {missing}"

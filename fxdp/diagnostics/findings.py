@@ -51,8 +51,9 @@ class Finding:
 
     @property
     def where(self) -> str:
-        """``file:line``, relative to the working directory where possible."""
-        return self.location.relative if self.location is not None else "?"
+        """``file:line``, relative to the working directory where possible (``built at file:line`` for the
+        line that constructed a layer torch's code calls)."""
+        return self.location.where if self.location is not None else "?"
 
 
 @dataclass(frozen=True)

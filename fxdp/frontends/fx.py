@@ -28,7 +28,14 @@ from torch.nn.utils.rnn import PackedSequence
 from fxdp import meta
 from fxdp.frontends import export
 from fxdp.diagnostics.errors import UnsupportedInputError
-from fxdp.diagnostics.source import SourceLocation, location_from_stack_trace, location_from_traceback
+from fxdp.diagnostics.source import (
+    SourceLocation,
+    build_location,
+    called_by_torch,
+    location_from_stack_trace,
+    location_from_traceback,
+    location_of_caller,
+)
 from fxdp.grad_sample.registry import find_grad_sampler
 
 
@@ -90,6 +97,7 @@ class DPTracer(torch.fx.Tracer):
         return _InplaceRecordingProxy(node, self)
 
     _depth = 0
+    _caller_file: Optional[str] = None  # the user's file that called fxdp, found once per trace
     last_value_type: Optional[type] = None  # after trace: the type of what forward returned
 
     def create_arg(self, a):
@@ -105,8 +113,19 @@ class DPTracer(torch.fx.Tracer):
     def create_proxy(self, *args, **kwargs):
         proxy = super().create_proxy(*args, **kwargs)
         node = proxy.node
-        node.meta[meta.SOURCE] = location_from_stack_trace(node.stack_trace)
+        node.meta[meta.SOURCE] = self._source(node)
         return proxy
+
+    def _source(self, node: torch.fx.Node) -> Optional[SourceLocation]:
+        # a layer torch's code calls (nn.Sequential's forward) is located where the user's code built it
+        if node.op == "call_module" and hasattr(self, "root") and called_by_torch(node.stack_trace):
+            if self._caller_file is None:
+                caller = location_of_caller()
+                self._caller_file = caller.file if caller is not None else ""
+            built = build_location(self.root, node.target, self._caller_file)
+            if built is not None:
+                return built
+        return location_from_stack_trace(node.stack_trace)
 
 
 @dataclass(frozen=True)
