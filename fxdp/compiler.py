@@ -48,13 +48,13 @@ from fxdp.export_capture import FRONT_END, ExportShapeError, ExportShapeGuard, f
 from fxdp.engines.wrappers import AlreadyCompiledError, unwrap_or_refuse  # noqa: F401  (re-exported)
 from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.moe import describe_moe_blocks
-from fxdp.grad_sample.bookkeeping import BookkeepingSink, describe_plans, plan_graph
-from fxdp.grad_sample.sink import GradientSink, GradSampleSink, sink_of
 from fxdp.layout import PACKED, BatchLayout
 from fxdp.passes.batch_dim import batched_input_names, bind_inputs, propagate_batch_dim
 from fxdp.passes.inplace import remove_inplace_ops
 from fxdp.passes.per_sample import batch_source, insert_per_sample_ops, one_sample_layouts, update_site_layouts
 from fxdp.passes.validate import validate_graph
+from fxdp.sinks.bookkeeping import BookkeepingSink, describe_plans, plan_graph
+from fxdp.sinks.contract import GradientSink, GradSampleSink, sink_of
 from fxdp.tracing import OutputType, copy_graph_module, make_copyable, trace
 from fxdp.diagnostics.errors import expect_module
 
@@ -171,8 +171,8 @@ def compile_for_dp(
     ``p`` has ``p.grad_sample`` of shape ``(N, *p.shape)``, row i being sample i's own gradient.
 
     ``sink``: where the model's DP-aware ops deliver in backward (``model.fxdp_sink``). By default a
-    :class:`~fxdp.grad_sample.sink.GradSampleSink`, which writes ``p.grad_sample``; a
-    :class:`~fxdp.grad_sample.bookkeeping.BookkeepingSink` keeps per-sample norms and clipped sums
+    :class:`~fxdp.sinks.contract.GradSampleSink`, which writes ``p.grad_sample``; a
+    :class:`~fxdp.sinks.bookkeeping.BookkeepingSink` keeps per-sample norms and clipped sums
     instead (no ``p.grad_sample``, no ``p.grad`` for the layers it book-keeps: the DP optimizer writes it).
 
     Returns a ``torch.fx.GraphModule`` sharing the model's parameters, or — when the model cannot be

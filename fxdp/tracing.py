@@ -31,9 +31,9 @@ from torch.nn.utils.rnn import PackedSequence
 from fxdp import export_capture, meta
 from fxdp.diagnostics.errors import UnsupportedInputError
 from fxdp.diagnostics.source import SourceLocation, location_from_stack_trace, location_from_traceback
-from fxdp.grad_sample.model_methods import OpacusModelMethods
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.runtime.guards import run_eagerly
+from fxdp.sinks.model_methods import OpacusModelMethods
 
 def source_location(node: torch.fx.Node) -> Optional[SourceLocation]:
     """Where in the user's code ``node`` was created, if known."""

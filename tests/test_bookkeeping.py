@@ -17,10 +17,9 @@ from torch import nn
 
 import fxdp
 from fxdp.grad_sample import compute_grad_samples, register_grad_sampler
-from fxdp.grad_sample.bookkeeping import (
-    BookkeepingSink, call_without_param_grads, describe_plans, plan_graph, plan_layer,
-)
-from fxdp.grad_sample.sink import GradSampleSink, LayerCapture, PerSampleError, sink_of
+from fxdp.runtime.bookkeeping_calls import call_without_param_grads
+from fxdp.sinks.bookkeeping import BookkeepingSink, describe_plans, plan_graph, plan_layer
+from fxdp.sinks.contract import GradSampleSink, LayerCapture, PerSampleError, sink_of
 from per_sample_reference import batch_loss, expected_grad_samples
 
 def attach(model, sinks, loss_reduction):

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 import fxdp
-from fxdp.grad_sample.bookkeeping import BookkeepingSink
-from fxdp.grad_sample.bookkeeping import uses as bookkeeping_uses
-from fxdp.grad_sample.sink import GradSampleSink
 from fxdp.optim import DPOptimizer
 from fxdp.optim.noise import NOISE_CHUNK, add_gaussian_noise_, gaussian_noise
+from fxdp.sinks.bookkeeping import BookkeepingSink
+from fxdp.sinks.bookkeeping import uses as bookkeeping_uses
+from fxdp.sinks.contract import GradSampleSink
 
 SIZES = [5, 17, NOISE_CHUNK - 1, NOISE_CHUNK, NOISE_CHUNK + 1, NOISE_CHUNK + 15, NOISE_CHUNK + 16,
          NOISE_CHUNK + 17, 2 * NOISE_CHUNK + 8, 3 * NOISE_CHUNK + 100]

@@ -18,11 +18,11 @@ from torch.utils import _pytree as pytree
 
 from fxdp import meta
 from fxdp.engines.base import ParameterWatch
-from fxdp.grad_sample.model_methods import OpacusModelMethods
-from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
 from fxdp.layout import UNKNOWN, BatchLayout
 from fxdp.passes.per_sample import batch_source
 from fxdp.runtime.ops import PerSampleSite, per_sample_call
+from fxdp.sinks.contract import SINK_ATTR, GradientSink, GradSampleSink
+from fxdp.sinks.model_methods import OpacusModelMethods
 
 
 class PerSampleModel(OpacusModelMethods, nn.Module):

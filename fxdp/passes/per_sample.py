@@ -31,8 +31,8 @@ from fxdp.diagnostics import Finding, Kind, PassReport, PassResult, Severity, op
 from fxdp.grad_sample.recurrent import recurrent_rule_applies
 from fxdp.grad_sample.registry import rule_name
 from fxdp.grad_sample.transformer import transformer_rule_applies
-from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
 from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED, UNKNOWN, BatchLayout, parse_layout
+from fxdp.sinks.contract import SINK_ATTR, GradientSink, GradSampleSink
 from fxdp.tracing import source_location
 
 PASS_NAME = "per_sample"
@@ -126,7 +126,7 @@ def _site_layout_strings(node, default, reached, inputs=None) -> Tuple[List[str]
 def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "mean", batch_dim: int = 0,
                           sink: Optional[GradientSink] = None) -> PassResult:
     """Make every parametrised call a DP-aware op delivering to ``sink`` (a new
-    :class:`~fxdp.grad_sample.sink.GradSampleSink` if not given), stored as ``gm.fxdp_sink``."""
+    :class:`~fxdp.sinks.contract.GradSampleSink` if not given), stored as ``gm.fxdp_sink``."""
     graph = gm.graph
     sink = sink if sink is not None else GradSampleSink()
     setattr(gm, SINK_ATTR, sink)

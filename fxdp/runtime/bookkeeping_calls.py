@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fxdp.grad_sample.bookkeeping.plans import _CONVS, _own_rule
 from fxdp.grad_sample.conv import _pad_activations, conv_grad_sample
 from fxdp.grad_sample.embedding import embedding_grad_sample
 from fxdp.grad_sample.linear import is_transformers_conv1d, linear_grad_sample
+from fxdp.sinks.bookkeeping.plans import _CONVS, _own_rule  # (temporary)
 
 
 class _PositionalFunction(torch.autograd.Function):

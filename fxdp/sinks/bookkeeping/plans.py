@@ -12,8 +12,6 @@ import torch.fx
 from torch import nn
 
 from fxdp import meta
-from fxdp.grad_sample.bookkeeping.recurrent import plan_recurrent
-from fxdp.grad_sample.bookkeeping.transformer import plan_transformer
 from fxdp.grad_sample.broadcast import added_parameter_sign, summed_dims
 from fxdp.grad_sample.conv import conv_grad_sample
 from fxdp.grad_sample.embedding import embedding_grad_sample
@@ -22,6 +20,8 @@ from fxdp.grad_sample.recurrent import recurrent_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.grad_sample.transformer import batch_at, bind_block_call, inputs_fit, transformer_rule_applies
 from fxdp.layout import BATCHED, BROADCAST, BatchLayout, parse_layout
+from fxdp.sinks.bookkeeping.recurrent import plan_recurrent
+from fxdp.sinks.bookkeeping.transformer import plan_transformer
 
 METHODS = ("outer", "ghost", "per_sample", "index", "summed", "materialise")
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)

@@ -1,7 +1,7 @@
 """The book-keeping sink: keeps each layer's uses during backward, computes norms when a backward pass
 ends, and answers the optimizer's squared_norms / clipped_sums / clear.
 
-One row per sample (see :mod:`fxdp.grad_sample.sink`): a parameter's uses in every forward call and every
+One row per sample (see :mod:`fxdp.sinks.contract`): a parameter's uses in every forward call and every
 backward pass of one step are one record (:class:`_Segment`), whose norms are those of the per-sample sum
 of its uses (the tied path when there are several)."""
 
@@ -14,14 +14,14 @@ import torch
 from torch import nn
 
 from fxdp.diagnostics.errors import PerSampleError
-from fxdp.grad_sample.bookkeeping.plans import _CONVS, LayerPlan, plan_layer
-from fxdp.grad_sample.bookkeeping.uses import (
+from fxdp.grad_sample.linear import is_transformers_conv1d
+from fxdp.grad_sample.recurrent import RecurrentProjection
+from fxdp.sinks.bookkeeping.plans import _CONVS, LayerPlan, plan_layer
+from fxdp.sinks.bookkeeping.uses import (
     _ConvWeight, _EmbeddingWeight, _LinearWeight, _Materialised, _Segment, _Summed, _Use, _same_batch,
     _tied_squared_norms, memory_key, shared_clipped_sums, shared_ghost_norms, shared_input_ghost_norms,
 )
-from fxdp.grad_sample.linear import is_transformers_conv1d
-from fxdp.grad_sample.recurrent import RecurrentProjection
-from fxdp.grad_sample.sink import (GradientSink, LayerCapture, StepCalls, batch_size_problem, check_grad_sample,
+from fxdp.sinks.contract import (GradientSink, LayerCapture, StepCalls, batch_size_problem, check_grad_sample,
                                    pending_of_this_backward, wide)
 
 

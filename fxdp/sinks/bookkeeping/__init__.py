@@ -2,7 +2,7 @@
 output gradient ``G``, without a per-sample gradient per parameter where a cheaper form exists
 (Bu et al., "Differentially Private Optimization on Large Model at Small Cost", 2023).
 
-During backward every DP-aware op hands the sink a :class:`~fxdp.grad_sample.sink.LayerCapture`. The sink
+During backward every DP-aware op hands the sink a :class:`~fxdp.sinks.contract.LayerCapture`. The sink
 keeps ``A`` and ``G`` (not per-sample gradients) and, when the backward pass ends, computes each
 parameter's per-sample squared norms. What reads only ``G`` is formed as ``G`` arrives, while backward has
 just written it and it is still in the CPU's cache: a bias's per-sample sums, and the Gram blocks of ``G``
@@ -48,9 +48,7 @@ Ghost-norm Linear weights whose A is one tensor (an attention layer's query, key
 gated MLP's gate and up projections) form the Gram blocks of A once (:attr:`BookkeepingSink.shared_inputs`).
 """
 
-from fxdp.grad_sample.bookkeeping.calls import call_without_param_grads
-from fxdp.grad_sample.bookkeeping.plans import METHODS, LayerPlan, describe_plans, plan_graph, plan_layer
-from fxdp.grad_sample.bookkeeping.sink import BookkeepingSink
+from fxdp.sinks.bookkeeping.plans import METHODS, LayerPlan, describe_plans, plan_graph, plan_layer
+from fxdp.sinks.bookkeeping.sink import BookkeepingSink
 
-__all__ = ["BookkeepingSink", "LayerPlan", "plan_layer", "plan_graph", "describe_plans", "METHODS",
-           "call_without_param_grads"]
+__all__ = ["BookkeepingSink", "LayerPlan", "plan_layer", "plan_graph", "describe_plans", "METHODS"]
