@@ -17,12 +17,17 @@ Which subclasses a registration covers is the registry's choice, made once, here
 - a registry made without it (validators, fixers) covers every subclass: a check on what a module
   *is* (a BatchNorm keeps running statistics) stays true when a subclass changes ``forward``.
 
+A class of a library fxdp does not import (transformers' ``Conv1D``) is registered by its dotted path,
+``register_by_path("transformers.pytorch_utils.Conv1D")``: the registration takes effect once that module
+has been imported (a class of it can exist only then), so fxdp never imports the library itself.
+
 This module imports nothing from fxdp.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Generic, List, Optional, Sequence, Set, TypeVar
+import sys
+from typing import Callable, Dict, Generic, List, Optional, Sequence, Set, Tuple, TypeVar
 
 V = TypeVar("V")
 
@@ -82,7 +87,8 @@ class TypeRegistry(Generic[V]):
     ``unless_overridden``: a method name (``"forward"``); a registration then serves a subclass only
     if no class between the two defines that method (nor the instance itself), unless it was
     registered with ``subclasses=True``. ``None``: every subclass is served.
-    ``entries`` is the plain dict underneath (class -> value), in registration order.
+    ``entries`` is the plain dict underneath (class -> value), in registration order; ``by_path`` holds
+    the registrations of classes by dotted path (path -> (value, subclasses)) not yet imported.
     """
 
     def __init__(self, base: Optional[type] = None,
@@ -98,6 +104,8 @@ class TypeRegistry(Generic[V]):
         self._found: Dict[type, tuple] = {}  # class -> (value, the method it resolved then)
         self._found_at = None
         self._changes = 0  # for_subclasses changes (register, restore)
+        self.by_path: Dict[str, Tuple[V, bool]] = {}
+        self._scanned = None  # (modules imported, paths, entries' changes) at the last look for them
 
     def register(self, types, *, subclasses: bool = False) -> Callable[[V], V]:
         """Decorator: register the decorated value for ``types`` (a class or a collection of them).
@@ -118,6 +126,28 @@ class TypeRegistry(Generic[V]):
 
         return decorator
 
+    def register_by_path(self, path: str, *, subclasses: bool = False) -> Callable[[V], V]:
+        """Decorator: register the decorated value for the class ``path`` ("module.ClassName") as soon as
+        that module has been imported, without importing it. A registration of the class itself (with
+        :meth:`register`) takes precedence."""
+        def decorator(value: V) -> V:
+            self.by_path[path] = (value, subclasses)
+            return value
+
+        return decorator
+
+    def _register_imported(self) -> None:
+        """Register the classes of ``by_path`` whose module has been imported since the last look."""
+        state = (len(sys.modules), len(self.by_path), getattr(self.entries, "changes", None))
+        if not self.by_path or (state == self._scanned and state[2] is not None):
+            return
+        self._scanned = state
+        for path, (value, subclasses) in self.by_path.items():
+            module_name, _, class_name = path.rpartition(".")
+            cls = getattr(sys.modules.get(module_name), class_name, None)
+            if isinstance(cls, type) and cls not in self.entries:
+                self.register(cls, subclasses=subclasses)(value)
+
     def serves(self, klass: type, obj) -> bool:
         """Whether the registration of ``klass`` (in ``obj``'s MRO) applies to ``obj``."""
         method = self.unless_overridden
@@ -137,6 +167,7 @@ class TypeRegistry(Generic[V]):
         per class until the registrations change or the class's method does (an instance that replaced
         the method is looked up afresh each time)."""
         method = self.unless_overridden
+        self._register_imported()
         if method is not None and not isinstance(obj, type) and method in getattr(obj, "__dict__", {}):
             return find_in((self,), obj)
         at = (getattr(self.entries, "changes", None), self._changes)
@@ -156,6 +187,7 @@ class TypeRegistry(Generic[V]):
 
     def owner(self, obj) -> Optional[type]:
         """The class (in ``obj``'s MRO) whose registration applies, or ``None``."""
+        self._register_imported()
         for klass in _class_of(obj).__mro__:
             if klass in self.entries and self.serves(klass, obj):
                 return klass
@@ -179,6 +211,8 @@ class TypeRegistry(Generic[V]):
 def find_in(registries: Sequence[TypeRegistry], obj) -> Optional[V]:
     """The first value for ``obj``'s class: most specific class first, then the registries in order
     (each registration only where its registry says it serves ``obj``)."""
+    for registry in registries:
+        registry._register_imported()
     for klass in _class_of(obj).__mro__:
         for registry in registries:
             value = registry.entries.get(klass)

@@ -231,7 +231,7 @@ def per_sample_call(module: nn.Module, site: PerSampleSite, n: int, *args, **kwa
     out = None
     if getattr(site.sink, "skips_param_grads", False) and not arg_params:
         # the sink forms each parameter's gradient itself (book-keeping): only input gradients flow
-        out = call_without_param_grads(module, args, kwargs)
+        out = call_without_param_grads(site.sink, module, args, kwargs)
     if out is None:
         out = module(*args, **kwargs)
     outputs = _output_tensors(out)

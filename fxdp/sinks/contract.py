@@ -86,11 +86,21 @@ class GradientSink(abc.ABC):
     #: DP-aware ops deliver is dropped and parameters get their ordinary gradient (a DP optimizer refuses it)
     enabled = True
 
+    #: True for a sink that forms the parameters' gradients itself from the captures (book-keeping): the
+    #: optimizer writes ``p.grad`` from its clipped sums, so the DP-aware ops may leave them out of backward
+    skips_param_grads = False
+
     # -- write side: called from backward -------------------------------------------------------------
 
     @abc.abstractmethod
     def add(self, capture: LayerCapture) -> None:
         """Take one layer's capture (called from a backward hook)."""
+
+    def functional_forward(self, module: nn.Module, x: torch.Tensor):
+        """For a layer whose parameter gradients this sink forms itself: ``(fn, params)`` with ``fn(x, *params)``
+        equal to ``module(x)``, so that the DP-aware op can call the layer with backward computing the input
+        gradient alone (fxdp/runtime/bookkeeping_calls.py). ``None``: the layer is called as usual."""
+        return None
 
     # -- read side: called by the optimizer after backward ---------------------------------------------
 
