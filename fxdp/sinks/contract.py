@@ -6,12 +6,17 @@ whole-model op) hands its model's sink one :class:`LayerCapture`: the layer's sa
 output gradient ``G``, both batch first and for a *summed* loss (the mean's ``1/N`` already undone),
 and a function that materialises the layer's per-sample gradients from them. When the backward pass
 ends the autograd engine calls :meth:`GradientSink.finish` (queued by the first ``add`` of that pass).
+A sink that forms the parameters' gradients itself (book-keeping) says so (``skips_param_grads``) and
+tells the DP-aware ops, through :meth:`GradientSink.functional_forward`, how to run a layer so that
+backward computes its input gradient only: the runtime reaches every sink through this module alone.
 
 Read side. After ``loss.backward()`` the optimizer asks for each parameter's per-sample squared norms
 and, given one clip factor per sample, each parameter's clipped sum ``sum_i c_i g_i``. It never reads
 ``p.grad_sample`` itself, so where the answers come from — materialised per-sample gradients
 (:class:`GradSampleSink`, the default) or norms and re-weighted products from ``A`` and ``G``
-(book-keeping) — is the sink's business.
+(book-keeping) — is the sink's business. The materialising :class:`GradSampleSink` is defined here, with
+the contract: it is the optimizer's default reading (``p.grad_sample``, as any engine writes it), and the
+optimizer imports this module alone.
 
 One row per sample. Between two clears (one optimizer step), "sample i" is row i of the batch, in
 every sink and engine: the uses of a parameter in several forward calls (two views of a batch) and in

@@ -66,9 +66,10 @@ def _recorder(suffix_views, rows: _Rows, deliver: Callable[[LayerCapture], None]
 
 def recurrent_forward(module: nn.Module, input, hx=None, *, deliver: Optional[Callable[[LayerCapture], None]] = None,
                       loss_reduction: str = "mean", param_grads: bool = True):
-    """``module(input, hx)`` for a module :func:`~fxdp.grad_sample.recurrent.recurrent_rule_applies` to, with a batched input (a
-    ``(N, T, d)`` / ``(T, N, d)`` tensor or a ``PackedSequence``). In backward, each projection's capture
-    goes to ``deliver``; ``param_grads=False`` leaves the parameters' ``.grad`` to the sink."""
+    """``module(input, hx)`` for a module :func:`~fxdp.grad_sample.recurrent.recurrent_rule_applies` to, with a
+    batched input (a ``(N, T, d)`` / ``(T, N, d)`` tensor or a ``PackedSequence``). In backward, each
+    projection's capture goes to ``deliver``; ``param_grads=False`` leaves the parameters' ``.grad`` to the
+    sink."""
     packed = isinstance(input, PackedSequence)
     lstm = module.mode == "LSTM"
     if packed:

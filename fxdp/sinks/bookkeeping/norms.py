@@ -1,6 +1,7 @@
 """Book-keeping of the normalisation layers with per-sample statistics (LayerNorm, RMSNorm, GroupNorm,
-InstanceNorm): their per-sample gradients, ``(N, C)`` sums of ``g * x_hat`` and of ``g`` (:mod:`fxdp.grad_sample.norms`),
-are as small as their parameters, so they are formed by the layer's rule in backward and read as they are."""
+InstanceNorm): their per-sample gradients, ``(N, C)`` sums of ``g * x_hat`` and of ``g``
+(:mod:`fxdp.grad_sample.norms`), are as small as their parameters, so they are formed by the layer's rule in
+backward and read as they are."""
 
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.registry import TypeRegistry, as_types
+from fxdp.sinks.bookkeeping.uses import Use
 
 METHODS = ("outer", "ghost", "per_sample", "index", "summed", "materialise")
 
@@ -100,9 +101,9 @@ class LayerBookkeeping:
         argument (``"ghost"`` / ``"per_sample"``), for layers with a choice (:func:`pick`)."""
         return LayerPlan(type(module).__name__, "materialise", NO_FORM)
 
-    def uses(self, captured: Captured, sink) -> Optional[Dict[nn.Parameter, Any]]:
+    def uses(self, captured: Captured, sink) -> Optional[Dict[nn.Parameter, Use]]:
         """``{p: use}`` for each of ``captured.params``: a :class:`~fxdp.sinks.bookkeeping.uses.Use` that
-        answers ``squared_norms()``, ``clipped_sum(c)`` and ``grad_samples()``. ``sink``: the
+        answers ``squared_norms()``, ``clipped_sum(c)`` and ``grad_samples()`` from A and G. ``sink``: the
         :class:`~fxdp.sinks.bookkeeping.BookkeepingSink` (its :meth:`bias_sum` shares work between uses of one
         G). ``None``: materialise through the rule."""
         return None
