@@ -58,7 +58,7 @@ from fxdp.sinks.bookkeeping.registry import (METHODS, Captured, LayerBookkeeping
 from fxdp.sinks.bookkeeping.sink import BookkeepingSink
 from fxdp.sinks.bookkeeping.uses import Materialised, Summed, Use
 # the built-in registrations, one file per family (importing them registers them)
-from fxdp.sinks.bookkeeping import (broadcast, conv, embedding, linear, norms, recurrent,  # noqa: F401, E402
+from fxdp.sinks.bookkeeping import (broadcast, conv, embedding, linear, norms, recurrent,  # noqa: F401
                                     transformer, transformers_conv1d)
 
 __all__ = ["BookkeepingSink", "LayerPlan", "plan_layer", "plan_graph", "describe_plans", "METHODS",
