@@ -34,8 +34,8 @@ import models  # noqa: E402
 from dp_step_speed import BATCH, CLIP, LR, NOISE  # noqa: E402
 
 import fxdp  # noqa: E402
-from fxdp.grad_sample.bookkeeping import BookkeepingSink  # noqa: E402
 from fxdp.optim import DPOptimizer  # noqa: E402
+from fxdp.sinks.bookkeeping import BookkeepingSink  # noqa: E402
 
 
 CLOCK = time.perf_counter
@@ -153,7 +153,7 @@ def main():
     for k in order:
         print(f"{k:28s} {p.get(k, float('nan')):9.2f} {d.get(k, float('nan')):9.2f} {d.get(k, 0) / base:9.3f} "
               f"{dm.get(k, 0) / base_min:9.3f}")
-    for plan_line in fxdp.grad_sample.bookkeeping.describe_plans(
+    for plan_line in fxdp.sinks.bookkeeping.describe_plans(
             (type(m).__name__, plan) for m, plan in sink.plans.items()):
         print(plan_line)
 

@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
 
 import fxdp  # noqa: E402
-from fxdp.grad_sample.bookkeeping import BookkeepingSink  # noqa: E402
+from fxdp.sinks.bookkeeping import BookkeepingSink  # noqa: E402
 
 # name -> batch size; the sizes the issue names
 BATCH = {"mlp": 256, "cnn": 256, "resnet": 64, "transformer": 32, "torch-transformer": 32, "lstm": 32}

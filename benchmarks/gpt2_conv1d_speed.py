@@ -24,8 +24,8 @@ from dp_step_speed import peak_memory_mb  # noqa: E402
 
 import fxdp  # noqa: E402
 from fxdp.grad_sample import registry  # noqa: E402
-from fxdp.grad_sample.bookkeeping import BookkeepingSink  # noqa: E402
 from fxdp.optim import DPOptimizer  # noqa: E402
+from fxdp.sinks.bookkeeping import BookkeepingSink  # noqa: E402
 
 import transformers  # noqa: E402
 from transformers.pytorch_utils import Conv1D  # noqa: E402

@@ -38,7 +38,7 @@ from fxdp.diagnostics.errors import EmptyBatchError, SelfCheckError
 from fxdp.engines import GradSampleModuleBase, PerSampleModel, check_grad_sample_mode
 from fxdp.engines.selfcheck import batch_of_one_gradients, cross_sample_dependence, preserved_state
 from fxdp.grad_sample.accumulate import zero_grad_sample
-from fxdp.grad_sample.sink import LOSS_REDUCTIONS
+from fxdp.sinks.contract import LOSS_REDUCTIONS
 
 Inputs = Union[torch.Tensor, Sequence[torch.Tensor]]
 

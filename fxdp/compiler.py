@@ -34,10 +34,7 @@ from fxdp.engines.hooks import fallback_self_check
 from fxdp.engines.whole_model import whole_model_op
 from fxdp.frontends.export import FRONT_END
 from fxdp.engines.wrappers import unwrap_or_refuse
-from fxdp.grad_sample.generic import check_loss_reduction
 from fxdp.grad_sample.moe import describe_moe_blocks
-from fxdp.grad_sample.bookkeeping import BookkeepingSink, describe_plans, plan_graph
-from fxdp.grad_sample.sink import GradientSink, GradSampleSink
 from fxdp.layout import PACKED, BatchLayout
 from fxdp.passes.batch_dim import propagate_batch_dim
 from fxdp.passes.inplace import remove_inplace_ops
@@ -47,6 +44,8 @@ from fxdp.passes.validate import validate_graph
 from fxdp.validators import ModuleValidator  # the module rules the validate pass applies
 from fxdp.frontends.fx import trace
 from fxdp.runtime.module import OutputType, copy_graph_module, make_copyable
+from fxdp.sinks.bookkeeping import BookkeepingSink, describe_plans, plan_graph
+from fxdp.sinks.contract import GradientSink, GradSampleSink, check_loss_reduction
 
 # Errors that already tell the user what is wrong and where (NotPrivateError, BatchDimAnalysisError,
 # ...); anything else from a pass is a PassError.
@@ -139,8 +138,8 @@ def compile_for_dp(
     ``p`` has ``p.grad_sample`` of shape ``(N, *p.shape)``, row i being sample i's own gradient.
 
     ``sink``: where the model's DP-aware ops deliver in backward (``model.fxdp_sink``). By default a
-    :class:`~fxdp.grad_sample.sink.GradSampleSink`, which writes ``p.grad_sample``; a
-    :class:`~fxdp.grad_sample.bookkeeping.BookkeepingSink` keeps per-sample norms and clipped sums
+    :class:`~fxdp.sinks.contract.GradSampleSink`, which writes ``p.grad_sample``; a
+    :class:`~fxdp.sinks.bookkeeping.BookkeepingSink` keeps per-sample norms and clipped sums
     instead (no ``p.grad_sample``, no ``p.grad`` for the layers it book-keeps: the DP optimizer writes it).
 
     Returns a ``torch.fx.GraphModule`` sharing the model's parameters, or — when the model cannot be

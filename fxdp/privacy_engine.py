@@ -45,11 +45,11 @@ from fxdp.data.loader import first_samples_batch, loader_options
 from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer, bucket_bytes_of, check_poisson_group,
                               global_batch_size, split_data_parallel, wrap_like)
 from fxdp.engines import DPLossFastGradientClipping
-from fxdp.grad_sample.bookkeeping import BookkeepingSink
-from fxdp.grad_sample.sink import sink_of
 from fxdp.optim import AdaClipDPOptimizer, DPOptimizer
 from fxdp.optim.noise import secure_seed
 from fxdp.frontends.fx import trace
+from fxdp.sinks.bookkeeping import BookkeepingSink
+from fxdp.sinks.contract import sink_of
 from fxdp.validators import ModuleValidator
 
 # checkpoint keys
@@ -144,7 +144,7 @@ class PrivacyEngine:
         from the loader or any random generator: see :func:`_inputs_from_the_loader`).
         ``noise_generator``: a ``torch.Generator`` for reproducible noise (not in secure mode).
 
-        With ``grad_sample_mode="fx"`` the step is book-kept (:class:`~fxdp.grad_sample.bookkeeping.BookkeepingSink`):
+        With ``grad_sample_mode="fx"`` the step is book-kept (:class:`~fxdp.sinks.bookkeeping.BookkeepingSink`):
         one backward gives each layer's per-sample norms and clipped sum without materialising per-sample
         gradients, and ``fxdp.report(module)`` says per layer how. ``materialise_grad_sample=True`` keeps
         ``p.grad_sample`` instead (the other engines always materialise it).

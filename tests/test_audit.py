@@ -139,7 +139,7 @@ def test_audit_result_reads_well():
 # --------------------------------------------------------------------------- gradient canaries in the sink
 
 from fxdp.audit.canaries import CanaryInputs, CanarySink, StepScores, draw_membership, loss_scores  # noqa: E402
-from fxdp.grad_sample.sink import GradSampleSink  # noqa: E402
+from fxdp.sinks.contract import GradSampleSink  # noqa: E402
 
 
 def _mlp():
@@ -181,7 +181,7 @@ def test_canary_rows_join_the_real_samples_rows():
 
 def test_the_dp_optimizer_clips_each_canary_to_c_and_leaves_the_data_alone():
     import fxdp
-    from fxdp.grad_sample.sink import sink_of
+    from fxdp.sinks.contract import sink_of
     from fxdp.optim import DPOptimizer
 
     x, y = torch.randn(5, 64), torch.randint(0, 10, (5,))

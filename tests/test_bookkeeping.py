@@ -17,10 +17,9 @@ from torch import nn
 
 import fxdp
 from fxdp.grad_sample import compute_grad_samples, register_grad_sampler
-from fxdp.grad_sample.bookkeeping import (
-    BookkeepingSink, call_without_param_grads, describe_plans, plan_graph, plan_layer,
-)
-from fxdp.grad_sample.sink import GradSampleSink, LayerCapture, PerSampleError, sink_of
+from fxdp.runtime.bookkeeping_calls import call_without_param_grads
+from fxdp.sinks.bookkeeping import BookkeepingSink, describe_plans, plan_graph, plan_layer
+from fxdp.sinks.contract import GradSampleSink, LayerCapture, PerSampleError, sink_of
 from per_sample_reference import batch_loss, expected_grad_samples
 
 def attach(model, sinks, loss_reduction):
@@ -434,7 +433,7 @@ def test_layers_called_without_param_grads_give_the_same_output_and_input_gradie
     cotangent = torch.randn_like(want)
     want_dx = torch.autograd.grad(want, x, cotangent)[0] if x.requires_grad else None
     layer.zero_grad(set_to_none=True)
-    got = call_without_param_grads(layer, (x,), {})
+    got = call_without_param_grads(BookkeepingSink(), layer, (x,), {})
     torch.testing.assert_close(got, want)
     seen = []
     got.register_hook(seen.append)  # the output gradient still reaches the op's hook
@@ -481,16 +480,19 @@ def test_the_gram_of_g_is_formed_as_g_is_delivered_except_where_two_projections_
 
 
 def test_layers_without_a_fast_call_are_called_as_usual():
-    assert call_without_param_grads(nn.LayerNorm(3), (torch.randn(2, 3),), {}) is None
-    assert call_without_param_grads(nn.Embedding(4, 2, max_norm=1.0), (torch.tensor([[1]]),), {}) is None
+    sink = BookkeepingSink()
+    assert call_without_param_grads(sink, nn.LayerNorm(3), (torch.randn(2, 3),), {}) is None
+    assert call_without_param_grads(sink, nn.Embedding(4, 2, max_norm=1.0), (torch.tensor([[1]]),), {}) is None
 
     class Shifted(nn.Linear):
         def forward(self, x):
             return super().forward(x) + 1
 
-    assert call_without_param_grads(Shifted(3, 2), (torch.randn(2, 3),), {}) is None
+    assert call_without_param_grads(sink, Shifted(3, 2), (torch.randn(2, 3),), {}) is None
     with torch.no_grad():
-        assert call_without_param_grads(nn.Linear(3, 2), (torch.randn(2, 3),), {}) is None
+        assert call_without_param_grads(sink, nn.Linear(3, 2), (torch.randn(2, 3),), {}) is None
+    # a sink that forms no parameter gradient itself runs every layer as usual
+    assert call_without_param_grads(GradSampleSink(), nn.Linear(3, 2), (torch.randn(2, 3),), {}) is None
 
 
 def test_the_sink_survives_deepcopy_with_its_method_and_nothing_recorded():

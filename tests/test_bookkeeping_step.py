@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import fxdp
-from fxdp.grad_sample.bookkeeping import BookkeepingSink
-from fxdp.grad_sample.sink import GradSampleSink
 from fxdp.optim import DPOptimizer
+from fxdp.sinks.bookkeeping import BookkeepingSink
+from fxdp.sinks.contract import GradSampleSink
 from per_sample_reference import batch_loss, expected_grad_samples
 
 CLIP = 0.05  # far below every per-sample gradient norm here: all samples are clipped
@@ -244,7 +244,7 @@ def test_tied_linear_in_a_compiled_model_both_norm_forms(method, loss_reduction)
 
 
 def test_a_capture_forms_the_summed_loss_gradient_once_when_read():
-    from fxdp.grad_sample.sink import LayerCapture
+    from fxdp.sinks.contract import LayerCapture
 
     g = torch.arange(6.0).view(2, 3)
     capture = LayerCapture(2, dict, backprops=g, backprops_scale=2.0)
@@ -257,7 +257,8 @@ def test_a_capture_forms_the_summed_loss_gradient_once_when_read():
 def test_a_table_tied_as_embedding_and_output_layer_is_never_materialised(monkeypatch):
     """The norm of a tied input/output embedding comes from index norms, ghost dots and their cross terms:
     no (N, V, d) per-sample gradient is formed, and the step equals batches of one."""
-    from fxdp.grad_sample.bookkeeping import uses
+    from fxdp.sinks.bookkeeping.embedding import EmbeddingWeight
+    from fxdp.sinks.bookkeeping.linear import LinearWeight
 
     torch.manual_seed(0)
     model, x = TiedLM(vocab=13, d=6).double(), _ids(4, 13, 6) * (torch.arange(6) < 5)
@@ -266,14 +267,14 @@ def test_a_table_tied_as_embedding_and_output_layer_is_never_materialised(monkey
     def refuse(self):
         raise AssertionError(f"{type(self).__name__} materialised its per-sample gradients")
 
-    monkeypatch.setattr(uses._EmbeddingWeight, "grad_samples", refuse)
+    monkeypatch.setattr(EmbeddingWeight, "grad_samples", refuse)
     want, _ = clipped_reference(expected, "flat", "mean", len(x))
     for method in ("ghost", "per_sample"):  # the output layer's use: ghost dots, or its own kept per-sample gradient
         if method == "ghost":
-            monkeypatch.setattr(uses._LinearWeight, "grad_samples", refuse)
+            monkeypatch.setattr(LinearWeight, "grad_samples", refuse)
         else:
             monkeypatch.undo()
-            monkeypatch.setattr(uses._EmbeddingWeight, "grad_samples", refuse)
+            monkeypatch.setattr(EmbeddingWeight, "grad_samples", refuse)
         sink = BookkeepingSink(method=method)
         got, _ = private_grads(copy.deepcopy(model), x, R, sink=sink, clipping="flat", loss_reduction="mean",
                                n_params=len(expected))

@@ -375,7 +375,7 @@ def private_run(max_physical, noise_multiplier, *, q=0.3, steps=4, seed=0, grad_
     fed whole (max_physical=None) or cut by the memory manager. Sampling and noise are seeded, so two
     runs see the same logical batches and (noise once per logical step) the same noise."""
     import fxdp
-    from fxdp.grad_sample.sink import sink_of
+    from fxdp.sinks.contract import sink_of
     from fxdp.optim import DPOptimizer
 
     model = small_classifier(bias)

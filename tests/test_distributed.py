@@ -101,7 +101,7 @@ def _rank_main(rank: int, out_dir: str, store: str) -> None:
 
     import fxdp
     from fxdp.data import BatchMemoryManager
-    from fxdp.grad_sample.sink import sink_of
+    from fxdp.sinks.contract import sink_of
     from fxdp.privacy_engine import PrivacyEngine
 
     torch.set_num_threads(1)

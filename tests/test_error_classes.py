@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxdp
-from fxdp.grad_sample.sink import sink_of
 from fxdp.optim import DPOptimizer
+from fxdp.sinks.contract import sink_of
 
 
 def test_per_sample_error_is_an_fxdp_error_and_a_runtime_error():

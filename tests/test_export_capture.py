@@ -13,8 +13,9 @@ from torch import nn
 import fxdp
 from fxdp.diagnostics import Kind
 from fxdp.errors import ExportShapeError
-from fxdp.grad_sample.bookkeeping import BookkeepingSink
+from fxdp.sinks.bookkeeping import BookkeepingSink
 from fxdp.passes.batch_rules import keeps_layout, restore_batch_rules, snapshot_batch_rules
+from fxdp.sinks.bookkeeping import BookkeepingSink
 
 
 def _line_of(fn, text: str) -> int:

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxdp
-from fxdp.grad_sample.sink import sink_of
 from fxdp.diagnostics import FxdpError
 from fxdp.layout import BatchLayout
 from fxdp.runtime.guards import BatchGuard, Reanalysis
+from fxdp.sinks.contract import sink_of
 
 
 def reference(model, inputs, batched, batch_dim=0, seed=0):

@@ -83,7 +83,7 @@ for _source, _target in GRAPH.edges:
         PACKAGES.add_edge(_package(_source), _package(_target))
 
 # The gradient-sink contract: all the optimizer may reach in fxdp besides the diagnostics.
-SINK_CONTRACT = "fxdp.grad_sample.sink"
+SINK_CONTRACT = "fxdp.sinks.contract"
 
 
 def test_the_walk_finds_the_packages_modules():
@@ -139,6 +139,8 @@ def test_the_leaves_import_nothing_else_from_fxdp(prefix, allowed):
     ("fxdp.passes", "fxdp.compiler"),
     ("fxdp.passes", "fxdp.validators"),  # ModuleValidator.fix uses the passes; the validate pass gets its rules
     ("fxdp.accounting", "fxdp"),  # pure math
+    ("fxdp.grad_sample", "fxdp.sinks"),  # the sinks read the rules, never the other way round
+    ("fxdp.runtime", "fxdp.sinks.bookkeeping"),  # DP-aware ops reach a sink through the contract alone
 ])
 def test_one_way_imports(importer, forbidden):
     """What a module reaches through any chain of imports (lazy ones too), not only what it names."""

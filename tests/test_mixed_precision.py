@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxdp
-from fxdp.grad_sample.bookkeeping import BookkeepingSink
-from fxdp.grad_sample.sink import sink_of
 from fxdp.optim import DPOptimizer
+from fxdp.sinks.bookkeeping import BookkeepingSink
+from fxdp.sinks.contract import sink_of
 
 U_BF16 = 2.0 ** -8  # bfloat16's unit roundoff (8 significant bits)
 RTOL = 16 * U_BF16  # see the module docstring

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import fxdp
-from fxdp.grad_sample.bookkeeping import BookkeepingSink
+from fxdp.sinks.bookkeeping import BookkeepingSink
 
 C = 0.5  # small enough that most samples are clipped
 LR = 1.0
@@ -245,7 +245,7 @@ def _compile(model, mode):
 
 def _sink_rows(dp, params, n):
     """Per-sample squared norms from the sink (the book-keeping sink materialises no p.grad_sample)."""
-    norms = fxdp.grad_sample.sink.sink_of(dp).squared_norms(params)
+    norms = fxdp.sinks.contract.sink_of(dp).squared_norms(params)
     return [norms[p] for p in params]
 
 
@@ -268,7 +268,7 @@ def test_compile_for_dp_a_parameter_unfrozen_after_compiling_gets_per_sample_gra
     model.fc.requires_grad_(False)
     dp = _compile(model, mode)
     loss_of(dp(batch(1)[0]), batch(1)[1]).backward()
-    fxdp.grad_sample.sink.sink_of(dp).clear(list(model.parameters()))
+    fxdp.sinks.contract.sink_of(dp).clear(list(model.parameters()))
     model.w.requires_grad_(True)
     model.fc.requires_grad_(True)
     with pytest.warns(UserWarning, match="parameter 'w'.* was unfrozen"):
@@ -283,13 +283,13 @@ def test_compile_for_dp_a_replaced_layer_gets_per_sample_gradients(mode, on):
     dp = _compile(model, mode)
     loss_of(dp(batch(1)[0]), batch(1)[1]).backward()
     old = list(model.head.parameters())
-    fxdp.grad_sample.sink.sink_of(dp).clear(list(model.parameters()))
+    fxdp.sinks.contract.sink_of(dp).clear(list(model.parameters()))
     new = _replace_head(model, dp, "model" if on == "model" else "returned model")
     with pytest.warns(UserWarning, match="layer 'head' of the .* was replaced"):
         dp(batch(2)[0])  # compiled (hooked) again, the model you passed holds the new layer too
     assert model.head is new
     _assert_per_sample(model, dp, mode, *batch(2), list(model.parameters()))
-    sink = fxdp.grad_sample.sink.sink_of(dp)
+    sink = fxdp.sinks.contract.sink_of(dp)
     assert all("layer 'head'" in sink.retired_reason(p) for p in old)
     assert all(sink.retired_reason(p) is None for p in model.parameters())
 

@@ -18,8 +18,8 @@ from fxdp.engines import (
     NoOpGradSampleModule,
     get_gsm_class,
 )
-from fxdp.grad_sample.sink import sink_of
 from fxdp.optim import DPOptimizer
+from fxdp.sinks.contract import sink_of
 
 MODES = ["fx", "hooks", "functorch", "ew", "no_op"]
 

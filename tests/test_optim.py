@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 import fxdp
-from fxdp.grad_sample.sink import GradSampleSink, sink_of
 from fxdp.optim import DPOptimizer
 from fxdp.optim.noise import SECURE_DRAWS, gaussian_noise, secure_standard_normal
+from fxdp.sinks.contract import GradSampleSink, sink_of
 
 ENGINES = ("fx", "hooks")
 DTYPE = torch.float64
@@ -538,7 +538,7 @@ def test_load_state_dict_takes_the_checkpoints_noise_and_bounds_with_a_warning()
 
 
 def test_optim_imports_nothing_from_fxdp_but_the_sink_contract():
-    """fxdp/optim depends only on fxdp/grad_sample/sink.py, so any sink (materialising, book-keeping)
+    """fxdp/optim depends only on fxdp/sinks/contract.py, so any sink (materialising, book-keeping)
     serves it and the engines can change freely."""
     package = pathlib.Path(fxdp.__file__).parent / "optim"
     for path in package.glob("*.py"):
@@ -552,5 +552,5 @@ def test_optim_imports_nothing_from_fxdp_but_the_sink_contract():
                 continue
             for name in names:
                 if name == "fxdp" or name.startswith("fxdp."):
-                    allowed = name == "fxdp.grad_sample.sink" or name.startswith("fxdp.optim")
+                    allowed = name == "fxdp.sinks.contract" or name.startswith("fxdp.optim")
                     assert allowed, f"{path.name} imports {name}"

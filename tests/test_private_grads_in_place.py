@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 import fxdp
-from fxdp.grad_sample.bookkeeping import BookkeepingSink
-from fxdp.grad_sample.bookkeeping import uses as bookkeeping_uses
-from fxdp.grad_sample.sink import GradSampleSink
 from fxdp.optim import DPOptimizer
 from fxdp.optim.noise import NOISE_CHUNK, add_gaussian_noise_, gaussian_noise
+from fxdp.sinks.bookkeeping import BookkeepingSink
+from fxdp.sinks.bookkeeping.linear import LinearWeight
+from fxdp.sinks.contract import GradSampleSink
 
 SIZES = [5, 17, NOISE_CHUNK - 1, NOISE_CHUNK, NOISE_CHUNK + 1, NOISE_CHUNK + 15, NOISE_CHUNK + 16,
          NOISE_CHUNK + 17, 2 * NOISE_CHUNK + 8, 3 * NOISE_CHUNK + 100]
@@ -99,7 +99,7 @@ def test_bookkeeping_frees_each_layers_records_once_its_sums_are_formed():
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=1.0, max_grad_norm=1.0,
                       expected_batch_size=6, sink=sink)
     held_when = {}
-    original = bookkeeping_uses._LinearWeight.clipped_sum
+    original = LinearWeight.clipped_sum
 
     def recording(use, c):
         held_when[use.g.shape[-1]] = {id(p) for p in sink._segments}
@@ -107,11 +107,11 @@ def test_bookkeeping_frees_each_layers_records_once_its_sums_are_formed():
 
     opt.zero_grad()
     dp(x).sum().backward()
-    bookkeeping_uses._LinearWeight.clipped_sum = recording
+    LinearWeight.clipped_sum = recording
     try:
         opt.step()
     finally:
-        bookkeeping_uses._LinearWeight.clipped_sum = original
+        LinearWeight.clipped_sum = original
     first = held_when[model.a.out_features]
     assert id(model.a.weight) in first
     assert not {id(p) for p in (*model.b.parameters(), *model.c.parameters())} & first

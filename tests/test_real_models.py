@@ -537,7 +537,7 @@ class PackedLastState(nn.Module):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_a_loss_on_the_last_state_of_a_packed_rnn_gets_correct_per_sample_gradients(reduction):
-    # the hooks engine runs stock recurrent layers step by step (fxdp.grad_sample.recurrent): every output,
+    # the hooks engine runs stock recurrent layers step by step (fxdp.runtime.recurrent): every output,
     # the last state too, reaches the per-sample gradients (before, a loss on it was refused)
     torch.manual_seed(15)
     compiled = assert_grad_samples_match(PackedLastState(), (torch.randn(N, 5, 3), torch.tensor([2, 5, 3, 4])),

@@ -1,5 +1,5 @@
 """Recurrent layers (nn.LSTM, nn.GRU, nn.RNN) run step by step as Linear-like projections
-(fxdp.grad_sample.recurrent): outputs and gradients equal the stock module's, per-sample gradients equal
+(fxdp.runtime.recurrent): outputs and gradients equal the stock module's, per-sample gradients equal
 batches of one, and the book-keeping sink's norms and clipped sums equal the materialising sink's, for
 every configuration: batch_first either way, one or two layers, one or two directions, with and without
 bias, padded or packed (sorted or not) inputs, initial states given or not. Float64, small sizes."""
@@ -16,9 +16,10 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 import fxdp
-from fxdp.grad_sample.bookkeeping import BookkeepingSink
-from fxdp.grad_sample.recurrent import LSTMProjection, recurrent_forward
-from fxdp.grad_sample.sink import GradSampleSink
+from fxdp.grad_sample.recurrent import LSTMProjection
+from fxdp.runtime.recurrent import recurrent_forward
+from fxdp.sinks.bookkeeping import BookkeepingSink
+from fxdp.sinks.contract import GradSampleSink
 from per_sample_reference import expected_grad_samples
 
 N, T, D, H = 3, 4, 3, 4

@@ -13,9 +13,9 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import fxdp
-from fxdp.grad_sample.bookkeeping import BookkeepingSink
-from fxdp.grad_sample.bookkeeping import sink as sink_module
-from fxdp.grad_sample.recurrent import recurrent_forward
+from fxdp.runtime.recurrent import recurrent_forward
+from fxdp.sinks.bookkeeping import BookkeepingSink
+from fxdp.sinks.bookkeeping import shared as shared_module
 from per_sample_reference import expected_grad_samples
 
 N, T, D, H = 3, 5, 3, 4
@@ -34,13 +34,13 @@ def float64():
 def shared_products(monkeypatch):
     """How many uses each call of the shared clipped-sum product served."""
     calls = []
-    original = sink_module.shared_clipped_sums
+    original = shared_module.shared_clipped_sums
 
     def counting(uses, c):
         calls.append(len(uses))
         return original(uses, c)
 
-    monkeypatch.setattr(sink_module, "shared_clipped_sums", counting)
+    monkeypatch.setattr(shared_module, "shared_clipped_sums", counting)
     return calls
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import fxdp
-from fxdp.grad_sample.sink import GradSampleSink, sink_of
+from fxdp.sinks.contract import GradSampleSink, sink_of
 from per_sample_reference import batch_loss, expected_grad_samples
 
 

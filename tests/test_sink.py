@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fxdp
-from fxdp.grad_sample.sink import GradSampleSink, LayerCapture, SINK_ATTR, sink_of
+from fxdp.sinks.contract import GradSampleSink, LayerCapture, SINK_ATTR, sink_of
 from per_sample_reference import batch_loss, expected_grad_samples
 
 TIMEOUT = 60  # seconds a thread waits for the other at the barrier before the test fails

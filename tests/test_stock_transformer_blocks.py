@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxdp
-import fxdp.runtime.ops as ops
-from fxdp.grad_sample.bookkeeping import BookkeepingSink
 from fxdp.grad_sample.transformer import InProjection, transformer_rule_applies
+import fxdp.runtime.ops as ops
+from fxdp.sinks.bookkeeping import BookkeepingSink
 from per_sample_reference import expected_grad_samples
 
 N, L, S, E, H, FF = 3, 4, 5, 8, 2, 12

@@ -108,7 +108,7 @@ def test_inductor_takes_the_same_steps_as_eager():
 
 
 def _dp_layers(private) -> int:
-    return sum(1 for n in private.graph.nodes if n.op == "call_function" and "per_sample" in n.target.__name__)
+    return sum(1 for n in private.graph.nodes if n.op == "call_function" and n.target.__name__.startswith("dp_aware_"))
 
 
 @pytest.mark.parametrize("name", list(MODELS))

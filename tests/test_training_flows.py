@@ -18,10 +18,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fxdp
 from fxdp.data import BatchMemoryManager
-from fxdp.grad_sample.bookkeeping import BookkeepingSink
-from fxdp.grad_sample.sink import sink_of
 from fxdp.optim import DPOptimizer
 from fxdp.privacy_engine import PrivacyEngine
+from fxdp.sinks.bookkeeping import BookkeepingSink
+from fxdp.sinks.contract import sink_of
 
 ENGINES = ("fx-bookkeeping", "fx", "hooks", "ew", "functorch")
 C = 0.05  # small enough that every sample here is clipped

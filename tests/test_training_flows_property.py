@@ -23,9 +23,9 @@ from torch import nn
 import fxdp
 from fxdp.accounting import create_accountant
 from fxdp.engines import ExpandedWeightsGradSampleModule
-from fxdp.grad_sample.bookkeeping import BookkeepingSink
-from fxdp.grad_sample.sink import sink_of
 from fxdp.optim import DPOptimizer
+from fxdp.sinks.bookkeeping import BookkeepingSink
+from fxdp.sinks.contract import sink_of
 
 X = torch.randn(6, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 R = torch.randn(2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)

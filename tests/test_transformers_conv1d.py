@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 import fxdp
-from fxdp.grad_sample.bookkeeping import BookkeepingSink, plan_layer
 from fxdp.grad_sample.registry import GRAD_SAMPLERS, find_grad_sampler, register_grad_sampler_by_path, rule_name
-from fxdp.grad_sample.sink import GradSampleSink
 from fxdp.layout import BatchLayout
 from fxdp.optim import DPOptimizer
+from fxdp.sinks.bookkeeping import BookkeepingSink, plan_layer
+from fxdp.sinks.contract import GradSampleSink
 
 transformers = pytest.importorskip("transformers")
 from transformers.pytorch_utils import Conv1D  # noqa: E402
@@ -99,7 +99,7 @@ def test_a_rule_registered_by_class_path_waits_for_its_module():
 
 def test_fxdp_imports_without_transformers():
     code = ("import sys; sys.modules['transformers'] = None; import fxdp, torch; "
-            "from fxdp.grad_sample.bookkeeping import BookkeepingSink; "
+            "from fxdp.sinks.bookkeeping import BookkeepingSink; "
             "m = fxdp.compile_for_dp(torch.nn.Sequential(torch.nn.Linear(2, 2)), example_inputs=torch.randn(3, 2), "
             "sink=BookkeepingSink()); m(torch.randn(3, 2)).sum().backward(); "
             "assert not [m for m in sys.modules if m.startswith('transformers.')]; print('ok')")

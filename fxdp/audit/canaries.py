@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from fxdp.diagnostics import PerSampleError
-from fxdp.grad_sample.sink import GradientSink, LayerCapture
+from fxdp.sinks.contract import GradientSink, LayerCapture
 
 
 def draw_membership(m: int, generator: torch.Generator) -> torch.Tensor:

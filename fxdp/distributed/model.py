@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fxdp.distributed.optimizer import DEFAULT_BUCKET_BYTES
-from fxdp.grad_sample.sink import sink_of
+from fxdp.sinks.contract import sink_of
 
 
 class DPDistributedDataParallel(nn.Module):
@@ -75,7 +75,7 @@ class DPDistributedDataParallel(nn.Module):
 
     @property
     def fxdp_sink(self):
-        """The compiled model's gradient sink (what ``fxdp.grad_sample.sink.sink_of`` looks for)."""
+        """The compiled model's gradient sink (what ``fxdp.sinks.contract.sink_of`` looks for)."""
         return sink_of(self.module)
 
     @property

@@ -12,11 +12,13 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
-from fxdp.grad_sample.accumulate import layer_capture, zero_grad_sample
-from fxdp.grad_sample.generic import autocast_state, check_loss_reduction, summed_loss_backprops
-from fxdp.grad_sample.model_methods import OpacusModelMethods
-from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink, LayerCapture
+from fxdp.grad_sample.accumulate import zero_grad_sample
+from fxdp.grad_sample.generic import autocast_state, summed_loss_backprops
+from fxdp.sinks.contract import check_loss_reduction
 from fxdp.layout import BatchLayout
+from fxdp.sinks.capture import layer_capture
+from fxdp.sinks.contract import SINK_ATTR, GradientSink, GradSampleSink, LayerCapture
+from fxdp.sinks.model_methods import OpacusModelMethods
 
 
 def trainable_own_params(module: nn.Module) -> List[nn.Parameter]:
@@ -143,8 +145,8 @@ class ParameterWatch:
 
 class GradSampleModuleBase(OpacusModelMethods, nn.Module):
     """The base of every engine's wrapper. ``sink`` receives the per-sample gradients (a fresh
-    :class:`~fxdp.grad_sample.sink.GradSampleSink`, which writes ``p.grad_sample``, by default);
-    :func:`fxdp.grad_sample.sink.sink_of` finds it as attribute ``fxdp_sink``."""
+    :class:`~fxdp.sinks.contract.GradSampleSink`, which writes ``p.grad_sample``, by default);
+    :func:`fxdp.sinks.contract.sink_of` finds it as attribute ``fxdp_sink``."""
 
     def __init__(self, model: nn.Module, *, batch_first: bool = True, loss_reduction: str = "mean",
                  sink: Optional[GradientSink] = None):

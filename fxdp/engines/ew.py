@@ -3,7 +3,7 @@ the layers it knows, batch first.
 
 ExpandedWeights writes ``p.grad_sample`` itself (the uses of the forward calls one backward pass reaches
 summed per sample), so this engine delivers no captures to its sink: it hands each backward pass's rows to
-the sink's :meth:`~fxdp.grad_sample.sink.GradSampleSink.add_rows`, which adds them per sample to the step's
+the sink's :meth:`~fxdp.sinks.contract.GradSampleSink.add_rows`, which adds them per sample to the step's
 (one row per sample), and the sink's read side reads ``p.grad_sample``.
 """
 
@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from fxdp.diagnostics import PerSampleError, location_from_traceback
 from fxdp.engines.base import GradSampleModuleBase, ParameterWatch, trainable_own_params
-from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, batch_size_problem
+from fxdp.sinks.contract import SINK_ATTR, GradientSink, batch_size_problem
 
 # The layers whose functional ops ExpandedWeights implements (F.linear, F.conv*, F.embedding,
 # F.group_norm, F.instance_norm, F.layer_norm). Its RNN support is partial, so RNNs are not listed.
@@ -43,7 +43,7 @@ class ExpandedWeightsGradSampleModule(GradSampleModuleBase):
 
     A backward pass's rows go to the sink as the other engines' do: this wrapper sets the step's earlier
     rows aside when a backward pass starts, and hands the new ones with the forward calls the pass reached
-    to :meth:`~fxdp.grad_sample.sink.GradSampleSink.add_rows` when it ends.
+    to :meth:`~fxdp.sinks.contract.GradSampleSink.add_rows` when it ends.
     """
 
     def __init__(self, model: nn.Module, batch_first: bool = True, loss_reduction: str = "mean", *,

@@ -1,7 +1,7 @@
 """Opacus's fast gradient (ghost) clipping classes, served by fxdp's book-keeping sink.
 
 In Opacus, ghost clipping takes two backward passes: one for per-sample norms, one on the loss re-weighted
-by the clip factors. fxdp's :class:`~fxdp.grad_sample.bookkeeping.BookkeepingSink` gets the per-sample norms
+by the clip factors. fxdp's :class:`~fxdp.sinks.bookkeeping.BookkeepingSink` gets the per-sample norms
 and each layer's clipped sum from ONE backward pass (the compiled graph's default, ``make_private``'s
 ``grad_sample_mode="fx"``), so these classes are thin:
 
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from fxdp.engines.hooks import GradSampleHooks, GradSampleModule
-from fxdp.grad_sample.bookkeeping import BookkeepingSink
-from fxdp.grad_sample.sink import SINK_ATTR, sink_of
+from fxdp.sinks.bookkeeping import BookkeepingSink
+from fxdp.sinks.contract import SINK_ATTR, sink_of
 
 
 class _FastGradientClipping:

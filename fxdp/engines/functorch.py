@@ -23,7 +23,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_sequence, pad_packed_sequenc
 
 from fxdp.engines.base import GradSampleModuleBase, ParameterWatch
 from fxdp.grad_sample.generic import summed_loss_backprops
-from fxdp.grad_sample.sink import SINK_ATTR, LayerCapture
+from fxdp.sinks.contract import SINK_ATTR, LayerCapture
 
 
 class FunctorchGradSampleModule(GradSampleModuleBase):

@@ -58,10 +58,11 @@ from fxdp.engines.base import (
     remove_handles,
     trainable_own_params,
 )
-from fxdp.grad_sample.recurrent import recurrent_forward, recurrent_rule_applies
+from fxdp.grad_sample.recurrent import recurrent_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler
-from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
+from fxdp.runtime.recurrent import recurrent_forward
 from fxdp.runtime.structure import StructureWatch
+from fxdp.sinks.contract import SINK_ATTR, GradientSink, GradSampleSink
 
 
 def first_tensor_output(module_name: str, module: nn.Module, output: Any):
@@ -82,7 +83,7 @@ class GradSampleModule(GradSampleModuleBase):
 
     ``p.grad_sample[i]`` is the gradient sample ``i`` alone would give; uses of a parameter add up per
     sample over the forward calls and backward passes of one batch (tied weights, a module called twice,
-    two views, two losses) until :meth:`zero_grad` (see :mod:`fxdp.grad_sample.sink`). Every call of the
+    two views, two losses) until :meth:`zero_grad` (see :mod:`fxdp.sinks.contract`). Every call of the
     model, through this wrapper or not, is a forward call of its own.
 
     ``strict=True`` raises instead of using the generic rule for a module without a registered
@@ -217,7 +218,7 @@ class GradSampleModule(GradSampleModuleBase):
 
     def _hook_recurrent(self, name: str, module: nn.Module) -> None:
         """A stock LSTM / GRU / RNN: its output is computed again step by step with its own parameters (the
-        same values; :mod:`fxdp.grad_sample.recurrent`) and replaces the stock one, so that backward hands the
+        same values; :mod:`fxdp.runtime.recurrent`) and replaces the stock one, so that backward hands the
         sink one Linear-like capture per projection, and the loss may use every output (the last state too).
         Where the batch is not where the layer keeps it, the layer gets the generic rule as before."""
         owner = weakref.ref(self)  # the hooks must not keep the wrapper alive

@@ -18,8 +18,8 @@ from torch.utils import _pytree as pytree
 
 from fxdp import meta
 from fxdp.engines.base import ParameterWatch
-from fxdp.grad_sample.model_methods import OpacusModelMethods
-from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
+from fxdp.sinks.model_methods import OpacusModelMethods
+from fxdp.sinks.contract import SINK_ATTR, GradientSink, GradSampleSink
 from fxdp.layout import UNBATCHED_LAYOUT, UNKNOWN, BatchLayout
 from fxdp.runtime.ops import PerSampleSite, dp_aware_layer
 

@@ -1,17 +1,19 @@
-"""Per-sample gradient rules ("grad samplers"), the generic rule, and the gradient sinks.
+"""Per-sample gradient rules ("grad samplers") and the generic rule.
 
 - ``registry``: the one registry, :func:`register_grad_sampler` / :func:`find_grad_sampler`;
 - one module per layer family with hand-written rules: ``linear``, ``conv``, ``embedding``, ``norms``;
 - ``moe``: sparse mixture-of-experts blocks as one unit, each sample re-run alone (:func:`register_moe_block`);
-- ``recurrent``: stock LSTM / GRU / RNN run step by step, one Linear-like capture per projection;
+- ``recurrent``: stock LSTM / GRU / RNN as Linear-like projections over time steps (run step by step by
+  :mod:`fxdp.runtime.recurrent`, one capture per projection);
 - ``transformer``: stock attention, transformer layers and stacks run as torch runs them with gradients, each
   projection, feed-forward layer and norm a capture of its own (the packed in-projection a Linear view);
 - ``broadcast``: a parameter added to per-sample data (a position table): the output gradient, summed;
 - ``generic``: THE generic rule for everything else (vmap of a vjp, a loop where vmap cannot run);
 - ``accumulate``: :func:`compute_grad_samples` (rule lookup, generic fallback, loss reduction),
-  :func:`zero_grad_sample`, and the captures engines hand their sink;
-- ``sink``: the gradient-sink contract (:class:`~fxdp.grad_sample.sink.LayerCapture`, the materialising
-  :class:`~fxdp.grad_sample.sink.GradSampleSink`, :func:`~fxdp.grad_sample.sink.sink_of`).
+  :func:`zero_grad_sample`.
+
+The gradient sinks, which receive what the rules compute, are :mod:`fxdp.sinks`; this package imports
+nothing from them (book-keeping there reads the rules registered here).
 
 Importing this package registers the built-in rules (the imports below are what registers them).
 """
@@ -23,7 +25,6 @@ from fxdp.grad_sample.accumulate import compute_grad_samples, zero_grad_sample
 from fxdp.grad_sample import conv, embedding, linear, moe, norms  # noqa: F401  (registers the built-in rules)
 from fxdp.grad_sample.generic import functional_grad_samples, generic_grad_sampler
 from fxdp.grad_sample.moe import moe_block_grad_sampler, register_moe_block
-from fxdp.grad_sample.sink import GradientSink, GradSampleSink, LayerCapture, sink_of
 
 __all__ = [
     "register_grad_sampler",
@@ -35,8 +36,4 @@ __all__ = [
     "functional_grad_samples",
     "moe_block_grad_sampler",
     "register_moe_block",
-    "GradientSink",
-    "GradSampleSink",
-    "LayerCapture",
-    "sink_of",
 ]

@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence
 import torch
 
 _SIGNS = {operator.add: 1.0, torch.add: 1.0, "add": 1.0, operator.sub: -1.0, torch.sub: -1.0, "sub": -1.0}
+ADDITIONS = tuple(_SIGNS)  # the functions and Tensor methods (by name) that add or subtract their arguments
 
 
 def added_parameter_sign(fn, position: int, n_args: int, has_kwargs: bool) -> Optional[float]:

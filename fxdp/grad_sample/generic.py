@@ -30,7 +30,6 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxdp.diagnostics.errors import PerSampleError
-from fxdp.grad_sample.sink import LOSS_REDUCTIONS
 from fxdp.layout import PACKED, BatchLayout
 
 Position = Union[int, str]
@@ -63,11 +62,6 @@ def under_autocast(state: Optional[AutocastState], call: Callable) -> Callable:
             return call(*args, **kwargs)
 
     return run
-
-
-def check_loss_reduction(loss_reduction: str) -> None:
-    if loss_reduction not in LOSS_REDUCTIONS:
-        raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
 
 
 def summed_loss_scale(loss_reduction: str, batch_size: int) -> float:

@@ -1,5 +1,5 @@
 """The DP optimizer: per-sample clipping, noise once per logical step, accumulation over physical
-batches, over the gradient-sink contract (:mod:`fxdp.grad_sample.sink`) only; schedules of its noise and
+batches, over the gradient-sink contract (:mod:`fxdp.sinks.contract`) only; schedules of its noise and
 clipping bound (:mod:`fxdp.optim.schedulers`)."""
 
 from fxdp.optim.adaclip import AdaClipDPOptimizer

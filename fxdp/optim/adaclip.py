@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from fxdp.grad_sample.sink import PrivacySettingError
 from fxdp.optim.dp_optimizer import DPOptimizer
 from fxdp.optim.noise import gaussian_noise
+from fxdp.sinks.contract import PrivacySettingError
 
 
 class AdaClipDPOptimizer(DPOptimizer):

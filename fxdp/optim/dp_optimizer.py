@@ -13,10 +13,10 @@ One optimizer step of DP-SGD, as this class runs it::
 (The sums are read with ``sink.take_clipped_sums``, which frees each layer's records as its sums form;
 the noise is added into the sums' own buffers, see ``_write_private_grads``.)
 
-The per-sample gradients come from the model's gradient sink (:mod:`fxdp.grad_sample.sink`): the
+The per-sample gradients come from the model's gradient sink (:mod:`fxdp.sinks.contract`): the
 optimizer never reads ``p.grad_sample`` itself, so a sink that computes norms and clipped sums without
 materialising per-sample gradients (book-keeping) serves it unchanged. Without a sink, a fresh
-:class:`~fxdp.grad_sample.sink.GradSampleSink` reads ``p.grad_sample`` as any engine writes it.
+:class:`~fxdp.sinks.contract.GradSampleSink` reads ``p.grad_sample`` as any engine writes it.
 
 Clipping:
 
@@ -29,7 +29,7 @@ Clipping:
 
 One step is one private step, or an error before anything moves (parameters, optimizer state, the
 accountant's steps): the settings are checked by their setters and again at every step; the sink refuses
-records of more than one batch (:mod:`fxdp.grad_sample.sink`); the data loader, when it reports to
+records of more than one batch (:mod:`fxdp.sinks.contract`); the data loader, when it reports to
 :meth:`DPOptimizer.observe_batch`, says how many logical batches a step covers (exactly one: none means the
 batch came from elsewhere) and whether its batch was empty; a step with no per-sample gradient is refused unless that batch was empty (noise only, as Poisson
 sampling requires) — a gradient without per-sample gradients means the original model was run.
@@ -50,9 +50,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from fxdp.grad_sample.sink import LOSS_REDUCTIONS, GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError
+from fxdp.sinks.contract import LOSS_REDUCTIONS, GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError
 from fxdp.optim.extension_points import OpacusExtensionPoints
 from fxdp.optim.noise import add_gaussian_noise_
+from fxdp.sinks.contract import GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError
 
 CLIPPING_MODES = ("flat", "per_layer")
 _EPS = 1e-6  # in the clip factor C / (norm + eps): a zero gradient gets factor 1, never a division by 0
@@ -81,7 +82,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
             divided by it, not by the batch's actual size, which would leak that size.
         loss_reduction: ``"mean"`` or ``"sum"``, as the training loss reduces over the batch.
         clipping: ``"flat"`` or ``"per_layer"``.
-        sink: the model's gradient sink (``fxdp.grad_sample.sink.sink_of(model)``); ``None`` reads
+        sink: the model's gradient sink (``fxdp.sinks.contract.sink_of(model)``); ``None`` reads
             ``p.grad_sample``.
         secure_mode: draw noise from the OS's cryptographic source, guarded against the floating-point
             attack (see :mod:`fxdp.optim.noise`); no ``generator`` then.

@@ -31,7 +31,7 @@ from fxdp.diagnostics import WHOLE_MODEL, Finding, Kind, PassReport, PassResult,
 from fxdp.grad_sample.recurrent import recurrent_rule_applies
 from fxdp.grad_sample.registry import rule_name
 from fxdp.grad_sample.transformer import transformer_rule_applies
-from fxdp.grad_sample.sink import SINK_ATTR, GradientSink, GradSampleSink
+from fxdp.sinks.contract import SINK_ATTR, GradientSink, GradSampleSink
 from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED, UNKNOWN, BatchLayout
 from fxdp.frontends.fx import source_location
 
@@ -127,7 +127,7 @@ def _recorded_layouts(node, default, reached,
 def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "mean", batch_dim: int = 0,
                           sink: Optional[GradientSink] = None) -> PassResult:
     """Make every parametrised call a DP-aware op delivering to ``sink`` (a new
-    :class:`~fxdp.grad_sample.sink.GradSampleSink` if not given), stored as ``gm.fxdp_sink``."""
+    :class:`~fxdp.sinks.contract.GradSampleSink` if not given), stored as ``gm.fxdp_sink``."""
     graph = gm.graph
     sink = sink if sink is not None else GradSampleSink()
     setattr(gm, SINK_ATTR, sink)

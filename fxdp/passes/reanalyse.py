@@ -32,7 +32,7 @@ from fxdp.diagnostics import (BatchDimAnalysisError, ExportShapeError, FxdpError
                               PassReport, Severity)
 from fxdp.diagnostics.report import REPORT_ATTR, refuse_if_not_private
 from fxdp.frontends.export import flat_inputs, symbolic_batch
-from fxdp.grad_sample.sink import sink_of
+from fxdp.sinks.contract import sink_of
 from fxdp.passes.batch_dim import batched_input_names, bind_inputs, propagate_batch_dim
 from fxdp.passes.per_sample import one_sample_layouts, site_layouts
 from fxdp.runtime.guards import (GUARD_ATTR, AnalysedLayouts, BatchGuard, ExportShapeGuard, batch_size_of,

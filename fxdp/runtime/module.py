@@ -20,7 +20,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from fxdp.grad_sample.model_methods import OpacusModelMethods
+from fxdp.sinks.model_methods import OpacusModelMethods
 from fxdp.runtime.guards import GUARD_ATTR, run_eagerly
 
 

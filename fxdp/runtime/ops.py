@@ -7,7 +7,7 @@ A compiled model's code reads, for a Linear layer ``fc``::
 
 The forward is the ordinary one. What differs is backward: a hook on the layer's output receives the
 output gradient G, and together with the saved input A (both moved to batch first with the layouts
-the batch_dim pass recorded in the *site*) it becomes one :class:`~fxdp.grad_sample.sink.LayerCapture`
+the batch_dim pass recorded in the *site*) it becomes one :class:`~fxdp.sinks.contract.LayerCapture`
 for the model's gradient sink (``site.sink``, the compiled model's ``fxdp_sink``): the layer, A and G
 when a hand-written rule applies, and always a function that materialises the per-sample gradients.
 The same (A, G, layout) is what book-keeping clipping needs.
@@ -24,18 +24,20 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxdp.diagnostics.errors import PerSampleError
-from fxdp.grad_sample.accumulate import layer_capture, trainable_parameters
-from fxdp.grad_sample.bookkeeping import call_without_param_grads
+from fxdp.grad_sample.accumulate import trainable_parameters
 from fxdp.grad_sample.broadcast import added_parameter_grad_samples, added_parameter_sign, summed_dims
 from fxdp.grad_sample.generic import (autocast_state, layout_grad_samples, summed_loss_backprops, summed_loss_scale,
                                      under_autocast)
-from fxdp.grad_sample.recurrent import recurrent_forward, recurrent_rule_applies
+from fxdp.grad_sample.recurrent import recurrent_rule_applies
 from fxdp.grad_sample.registry import find_grad_sampler, rule_name
-from fxdp.grad_sample.sink import GradientSink, LayerCapture
 from fxdp.grad_sample.transformer import (bind_block_call, block_forward, encoder_would_nest, has_hooks,
                                           inputs_fit, transformer_rule_applies)
 from fxdp.layout import BATCHED, BROADCAST, BatchLayout
+from fxdp.runtime.bookkeeping_calls import call_without_param_grads
 from fxdp.runtime.guards import BatchGuard, forward_call, run_eagerly
+from fxdp.runtime.recurrent import recurrent_forward
+from fxdp.sinks.capture import layer_capture
+from fxdp.sinks.contract import GradientSink, LayerCapture
 
 
 @dataclass
@@ -231,7 +233,7 @@ def dp_aware_layer(module: nn.Module, site: PerSampleSite, n: int, *args, **kwar
     out = None
     if getattr(site.sink, "skips_param_grads", False) and not arg_params:
         # the sink forms each parameter's gradient itself (book-keeping): only input gradients flow
-        out = call_without_param_grads(module, args, kwargs)
+        out = call_without_param_grads(site.sink, module, args, kwargs)
     if out is None:
         out = module(*args, **kwargs)
     outputs = _output_tensors(out)
@@ -273,7 +275,7 @@ def dp_aware_layer(module: nn.Module, site: PerSampleSite, n: int, *args, **kwar
 
 def _recurrent_call(module: nn.Module, site: PerSampleSite, n: int, leaves, layouts, args, kwargs):
     """A stock LSTM / GRU / RNN run step by step with its own parameters (the same output), delivering one
-    Linear-like capture per projection (:mod:`fxdp.grad_sample.recurrent`). ``None`` where the batch is not
+    Linear-like capture per projection (:mod:`fxdp.runtime.recurrent`). ``None`` where the batch is not
     where the layer keeps it (then the generic rule decides)."""
     call = dict(zip(("input", "hx"), args), **kwargs)
     x = call.get("input")

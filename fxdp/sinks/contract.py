@@ -6,12 +6,17 @@ whole-model op) hands its model's sink one :class:`LayerCapture`: the layer's sa
 output gradient ``G``, both batch first and for a *summed* loss (the mean's ``1/N`` already undone),
 and a function that materialises the layer's per-sample gradients from them. When the backward pass
 ends the autograd engine calls :meth:`GradientSink.finish` (queued by the first ``add`` of that pass).
+A sink that forms the parameters' gradients itself (book-keeping) says so (``skips_param_grads``) and
+tells the DP-aware ops, through :meth:`GradientSink.functional_forward`, how to run a layer so that
+backward computes its input gradient only: the runtime reaches every sink through this module alone.
 
 Read side. After ``loss.backward()`` the optimizer asks for each parameter's per-sample squared norms
 and, given one clip factor per sample, each parameter's clipped sum ``sum_i c_i g_i``. It never reads
 ``p.grad_sample`` itself, so where the answers come from — materialised per-sample gradients
 (:class:`GradSampleSink`, the default) or norms and re-weighted products from ``A`` and ``G``
-(book-keeping) — is the sink's business.
+(book-keeping) — is the sink's business. The materialising :class:`GradSampleSink` is defined here, with
+the contract: it is the optimizer's default reading (``p.grad_sample``, as any engine writes it), and the
+optimizer imports this module alone.
 
 One row per sample. Between two clears (one optimizer step), "sample i" is row i of the batch, in
 every sink and engine: the uses of a parameter in several forward calls (two views of a batch) and in
@@ -43,6 +48,11 @@ from fxdp.diagnostics.errors import PerSampleError, PrivacySettingError, StepRef
 
 # How a training loss reduces over the batch; a sink is always handed G of the summed loss.
 LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def check_loss_reduction(loss_reduction: str) -> None:
+    if loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
 
 
 @dataclass
@@ -89,11 +99,21 @@ class GradientSink(abc.ABC):
     #: DP-aware ops deliver is dropped and parameters get their ordinary gradient (a DP optimizer refuses it)
     enabled = True
 
+    #: True for a sink that forms the parameters' gradients itself from the captures (book-keeping): the
+    #: optimizer writes ``p.grad`` from its clipped sums, so the DP-aware ops may leave them out of backward
+    skips_param_grads = False
+
     # -- write side: called from backward -------------------------------------------------------------
 
     @abc.abstractmethod
     def add(self, capture: LayerCapture) -> None:
         """Take one layer's capture (called from a backward hook)."""
+
+    def functional_forward(self, module: nn.Module, x: torch.Tensor):
+        """For a layer whose parameter gradients this sink forms itself: ``(fn, params)`` with ``fn(x, *params)``
+        equal to ``module(x)``, so that the DP-aware op can call the layer with backward computing the input
+        gradient alone (fxdp/runtime/bookkeeping_calls.py). ``None``: the layer is called as usual."""
+        return None
 
     # -- read side: called by the optimizer after backward ---------------------------------------------
 

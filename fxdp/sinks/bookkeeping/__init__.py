@@ -2,7 +2,7 @@
 output gradient ``G``, without a per-sample gradient per parameter where a cheaper form exists
 (Bu et al., "Differentially Private Optimization on Large Model at Small Cost", 2023).
 
-During backward every DP-aware op hands the sink a :class:`~fxdp.grad_sample.sink.LayerCapture`. The sink
+During backward every DP-aware op hands the sink a :class:`~fxdp.sinks.contract.LayerCapture`. The sink
 keeps ``A`` and ``G`` (not per-sample gradients) and, when the backward pass ends, computes each
 parameter's per-sample squared norms. What reads only ``G`` is formed as ``G`` arrives, while backward has
 just written it and it is still in the CPU's cache: a bias's per-sample sums, and the Gram blocks of ``G``
@@ -10,6 +10,10 @@ for a ghost norm. After backward the optimizer asks for the norms and, with one 
 factor ``c_i`` per sample, for each parameter's clipped sum ``sum_i c_i g_i``: that is the layer's ordinary
 weight-gradient product with ``G`` scaled by ``c_i`` row by row, so no ``(N, *p.shape)`` tensor is needed.
 
+Each layer type that has a cheaper form than its per-sample gradient has ONE registration, in one file per
+family (:func:`register_bookkeeping`, :mod:`~fxdp.sinks.bookkeeping.registry`): how it is planned, how its
+uses form norms and clipped sums, and how it runs forward without parameter gradients. A layer joins the fast
+path by one registration (docs/bookkeeping_a_new_layer.md); one without any is materialised by its rule.
 How each layer's norms are computed is chosen from static shapes (:func:`plan_layer`; the sink keeps the
 plan of every layer it saw in :attr:`BookkeepingSink.plans` so a report can say which and why):
 
@@ -48,9 +52,15 @@ Ghost-norm Linear weights whose A is one tensor (an attention layer's query, key
 gated MLP's gate and up projections) form the Gram blocks of A once (:attr:`BookkeepingSink.shared_inputs`).
 """
 
-from fxdp.grad_sample.bookkeeping.calls import call_without_param_grads
-from fxdp.grad_sample.bookkeeping.plans import METHODS, LayerPlan, describe_plans, plan_graph, plan_layer
-from fxdp.grad_sample.bookkeeping.sink import BookkeepingSink
+from fxdp.sinks.bookkeeping.plans import describe_plans, plan_graph, plan_layer
+from fxdp.sinks.bookkeeping.registry import (METHODS, Captured, LayerBookkeeping, LayerPlan, find_bookkeeping,
+                                             pick, register_bookkeeping)
+from fxdp.sinks.bookkeeping.sink import BookkeepingSink
+from fxdp.sinks.bookkeeping.uses import Materialised, Summed, Use
+# the built-in registrations, one file per family (importing them registers them)
+from fxdp.sinks.bookkeeping import (broadcast, conv, embedding, linear, norms, recurrent,  # noqa: F401
+                                    transformer, transformers_conv1d)
 
 __all__ = ["BookkeepingSink", "LayerPlan", "plan_layer", "plan_graph", "describe_plans", "METHODS",
-           "call_without_param_grads"]
+           "LayerBookkeeping", "register_bookkeeping", "find_bookkeeping", "Captured", "pick", "Use", "Materialised",
+           "Summed"]

@@ -1,7 +1,7 @@
 """Opacus's ``GradSampleModule`` methods, on every model fxdp returns, whatever its engine (the compiled
 graph, the hooks engine, ew, functorch, no_op, the whole-model op).
 
-They act through the model's gradient sink (:mod:`fxdp.grad_sample.sink`), the one place every engine
+They act through the model's gradient sink (:mod:`fxdp.sinks.contract`), the one place every engine
 delivers to, so each behaves the same under every engine:
 
 - :meth:`disable_hooks` makes the sink drop what the engine delivers: backward then gives the ordinary
@@ -9,7 +9,7 @@ delivers to, so each behaves the same under every engine:
   be unclipped), so switching the hooks off never lets a non-private step through;
 - :meth:`forbid_grad_accumulation` / :meth:`allow_grad_accumulation` are recorded: fxdp refuses, in
   either case, an optimizer step over the backward passes of two batches (see
-  :class:`~fxdp.grad_sample.sink.StepCalls`); accumulate with the optimizer's skip steps instead.
+  :class:`~fxdp.sinks.contract.StepCalls`); accumulate with the optimizer's skip steps instead.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 from torch import nn
 
 from fxdp.grad_sample.accumulate import zero_grad_sample
-from fxdp.grad_sample.sink import SINK_ATTR
+from fxdp.sinks.contract import SINK_ATTR
 
 
 class OpacusModelMethods:

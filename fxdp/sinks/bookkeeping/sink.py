@@ -1,9 +1,13 @@
 """The book-keeping sink: keeps each layer's uses during backward, computes norms when a backward pass
 ends, and answers the optimizer's squared_norms / clipped_sums / clear.
 
-One row per sample (see :mod:`fxdp.grad_sample.sink`): a parameter's uses in every forward call and every
-backward pass of one step are one record (:class:`_Segment`), whose norms are those of the per-sample sum
-of its uses (the tied path when there are several)."""
+How a layer's uses are formed is its type's registration's business (:mod:`~fxdp.sinks.bookkeeping.registry`);
+this module only dispatches: a layer without a registration, or whose plan is ``materialise``, has its
+per-sample gradients formed by its rule.
+
+One row per sample (see :mod:`fxdp.sinks.contract`): a parameter's uses in every forward call and every
+backward pass of one step are one record (:class:`~fxdp.sinks.bookkeeping.uses.Segment`), whose norms are
+those of the per-sample sum of its uses (the tied path when there are several)."""
 
 from __future__ import annotations
 
@@ -14,22 +18,21 @@ import torch
 from torch import nn
 
 from fxdp.diagnostics.errors import PerSampleError
-from fxdp.grad_sample.bookkeeping.plans import _CONVS, LayerPlan, plan_layer
-from fxdp.grad_sample.bookkeeping.uses import (
-    _ConvWeight, _EmbeddingWeight, _LinearWeight, _Materialised, _Segment, _Summed, _Use, _same_batch,
-    _tied_squared_norms, memory_key, shared_clipped_sums, shared_ghost_norms, shared_input_ghost_norms,
-)
-from fxdp.grad_sample.linear import is_transformers_conv1d
-from fxdp.grad_sample.recurrent import RecurrentProjection
-from fxdp.grad_sample.sink import (GradientSink, LayerCapture, StepCalls, batch_size_problem, check_grad_sample,
-                                   pending_of_this_backward, wide)
-
+from fxdp.sinks.bookkeeping.plans import plan_with
+from fxdp.sinks.bookkeeping.registry import Captured, LayerPlan, find_bookkeeping
+from fxdp.sinks.bookkeeping.shared import (clipped_sums_of_shared_g, ghost_groups, shared_ghost_norms,
+                                           shared_input_ghost_norms)
+from fxdp.sinks.bookkeeping.tied import tied_squared_norms
+from fxdp.sinks.bookkeeping.uses import Materialised, Segment, Use, memory_key, same_batch
+from fxdp.sinks.contract import (GradientSink, LayerCapture, StepCalls, batch_size_problem, check_grad_sample,
+                                 pending_of_this_backward, wide)
 
 class BookkeepingSink(GradientSink):
     """Per-sample norms and clipped sums from (A, G), with per-sample gradients only where they are small.
 
-    ``method``: ``None`` picks per layer from shapes (:func:`plan_layer`); ``"ghost"`` or ``"per_sample"``
-    forces that method for every Linear layer on sequences and every Conv layer (tests, benchmarks).
+    ``method``: ``None`` picks per layer from shapes (:func:`~fxdp.sinks.bookkeeping.plans.plan_layer`);
+    ``"ghost"`` or ``"per_sample"`` forces that method for every Linear layer on sequences and every Conv layer
+    (tests, benchmarks).
     """
 
     def __init__(self, method: Optional[str] = None):
@@ -46,16 +49,20 @@ class BookkeepingSink(GradientSink):
         self.shared_inputs: Dict[nn.Parameter, int] = {}
         self._last_bias_sum = None  # (G, its per-sample sum): a recurrent layer's two biases share it
         self._lock = threading.Lock()
-        self._pending: Dict[int, Dict[nn.Parameter, List[_Use]]] = {}  # graph task -> uses in that pass
+        self._pending: Dict[int, Dict[nn.Parameter, List[Use]]] = {}  # graph task -> uses in that pass
         self._pending_calls: Dict[int, Dict[int, int]] = {}  # graph task -> forward call -> its batch size
-        self._segments: Dict[nn.Parameter, _Segment] = {}  # each parameter's record of this step
+        self._segments: Dict[nn.Parameter, Segment] = {}  # each parameter's record of this step
         self._step = StepCalls()
 
     # Layers it can book-keep run without their weight gradient in backward (only input gradients
-    # flow, see :func:`call_without_param_grads`): the optimizer writes ``p.grad`` from the clipped sums.
+    # flow, see fxdp/runtime/bookkeeping_calls.py): the optimizer writes ``p.grad`` from the clipped sums.
     @property
     def skips_param_grads(self) -> bool:
         return self.enabled  # switched off (disable_hooks): the layers compute their ordinary gradient
+
+    def functional_forward(self, module, x):
+        registration = find_bookkeeping(module)
+        return None if registration is None else registration.functional_forward(module, x)
 
     # A copied or pickled model (copy.deepcopy, torch.save) gets a fresh sink: what is recorded belongs
     # to backward passes of the original, and a lock cannot be copied.
@@ -78,24 +85,19 @@ class BookkeepingSink(GradientSink):
             calls = self._pending_calls.setdefault(torch._C._current_graph_task_id(), {})
             calls[capture.call] = capture.batch_size
 
-    def _uses(self, capture: LayerCapture) -> Dict[nn.Parameter, _Use]:
+    def _uses(self, capture: LayerCapture) -> Dict[nn.Parameter, Use]:
         # G as delivered and the factor that makes it the summed loss's (folded into norms and clip factors
-        # below, not multiplied into a copy of G); capture.backprops would form the product
+        # by the uses, not multiplied into a copy of G); capture.backprops would form the product
         module, unscaled, scale = capture.module, capture.backprops_unscaled, capture.backprops_scale
         acts = [a for a in capture.activations if isinstance(a, torch.Tensor)]
-        shape = None if unscaled is None else unscaled.shape
-        plan = plan_layer(module, [a.shape for a in acts], shape, self.method)
+        registration = find_bookkeeping(module)
+        plan = plan_with(registration, module, [a.shape for a in acts], None if unscaled is None else unscaled.shape,
+                         self.method)
         if module is not None:
             self.plans[module] = plan
-        params = [p for p in capture.params if p.requires_grad]
-        bias = getattr(module, "bias", None)
-        if plan.method == "materialise" or any(p is not module.weight and p is not bias for p in params):
-            out = {}
-            for p, gs in capture.grad_samples().items():
-                if p.requires_grad:
-                    check_grad_sample(p, gs, capture.batch_size, module)
-                    out[p] = _Materialised(wide(gs.detach()))
-            return out
+        params = tuple(p for p in capture.params if p.requires_grad)
+        if plan.method == "materialise" or _uncovered(registration, module, params):
+            return _materialised(capture, module)
         # norms and clipped sums in at least float32 (see wide); A and G of hand-written rules come widened already
         a, g_raw = wide(acts[0].detach()), wide(unscaled.detach())
         if a.shape[0] != capture.batch_size or g_raw.shape[0] != capture.batch_size:
@@ -103,30 +105,17 @@ class BookkeepingSink(GradientSink):
                 f"fxdp: {plan.layer} delivered input {tuple(a.shape)} and output gradient {tuple(g_raw.shape)} for "
                 f"a batch of {capture.batch_size}; where the batch sits was recorded wrongly"
             )
-        out: Dict[nn.Parameter, _Use] = {}
-        conv1d = is_transformers_conv1d(module)
-        for p in params:
-            if p is bias and (isinstance(module, nn.Linear) or conv1d):  # summed over the middle positions
-                out[p] = _Summed(self._bias_sum(g_raw), scale)  # (G itself on (N, p))
-            elif p is bias:  # a Conv: summed over the spatial positions
-                out[p] = _Summed(g_raw.flatten(2).sum(2), scale)
-            elif isinstance(module, nn.Linear):
-                out[p] = _LinearWeight(a, g_raw, plan.method, scale)
-                if not isinstance(module, RecurrentProjection):  # (a recurrent layer's two projections share
-                    out[p].gram_of_g()  # one G, whose full Gram they form once: see shared_ghost_norms)
-            elif conv1d:  # weight (in, out): its per-sample gradient A_i^T G_i is a Linear one with A and G
-                out[p] = _LinearWeight(g_raw, a.to(g_raw.dtype), plan.method, scale)  # swapped (norms unchanged)
-            elif isinstance(module, _CONVS):
-                out[p] = _ConvWeight(module, a, g_raw, plan.method, scale)
-            else:  # an Embedding's G is (N, T, D), small next to its table: scaled once here
-                out[p] = _EmbeddingWeight(module, a, g_raw * scale if scale != 1.0 else g_raw)
+        out = registration.uses(Captured(module, params, a, g_raw, scale, plan.method), self)
+        if out is None:  # the registration has no form for this call after all
+            return _materialised(capture, module)
+        for p, use in out.items():
             if plan.method == "per_sample" and p.numel() <= a[0].numel() + g_raw[0].numel():
                 # its per-sample gradient is formed for the norm anyway and is smaller than A and G: keep it
                 # now (A and G are freed as backward goes on) and clip by a weighted sum, not a product
-                out[p] = _Materialised(out[p].grad_samples())
+                out[p] = Materialised(use.grad_samples())
         return out
 
-    def _bias_sum(self, g: torch.Tensor) -> torch.Tensor:
+    def bias_sum(self, g: torch.Tensor) -> torch.Tensor:
         """A Linear bias's per-sample gradient, G summed over the middle positions; the same tensor for a G
         delivered again (an LSTM's or RNN's two biases both get the sum of its one tensor of gate gradients).
         The cache holds G itself, so its memory cannot be reused by another tensor while the key is kept."""
@@ -138,17 +127,17 @@ class BookkeepingSink(GradientSink):
         self._last_bias_sum = (g, summed)
         return summed
 
-    def _shared_norms(self, pending: Dict[nn.Parameter, List[_Use]]) -> Dict[nn.Parameter, torch.Tensor]:
+    def _shared_norms(self, pending: Dict[nn.Parameter, List[Use]]) -> Dict[nn.Parameter, torch.Tensor]:
         """Ghost norms of the Linear weights used once whose G is one tensor (a recurrent layer's two
         projections), or else whose A is, with that tensor's Gram matrix formed once per group; weights used
         several times take the tied path."""
         out = {}
-        for params in _ghost_groups(pending, lambda use: memory_key(use.g)):
+        for params in ghost_groups(pending, lambda use: memory_key(use.g)):
             out.update(zip(params, shared_ghost_norms([pending[p][0] for p in params])))
             self.shared.update((p, len(params)) for p in params)
         # the others whose A is one tensor (the query, key and value projections of an attention layer, a
         # gated MLP's gate and up projections): the Gram blocks of A formed once per group
-        for params in _ghost_groups(pending, lambda use: memory_key(use.a), taken=out):
+        for params in ghost_groups(pending, lambda use: memory_key(use.a), taken=out):
             out.update(zip(params, shared_input_ghost_norms([pending[p][0] for p in params])))
             self.shared_inputs.update((p, len(params)) for p in params)
         return out
@@ -173,19 +162,19 @@ class BookkeepingSink(GradientSink):
         with torch.no_grad():
             shared = self._shared_norms({p: uses for p, uses in pending.items() if p not in earlier})
             for p, uses in pending.items():
-                _same_batch(p, uses)
+                same_batch(p, uses)
                 if len(uses) > 1:
                     self.tied[p] = len(uses)
                 if p in earlier:  # (the same path as tied uses: the norm of the per-sample sum)
                     uses = earlier[p].uses + uses
-                    _same_batch(p, uses)
+                    same_batch(p, uses)
                 if p in shared:
                     norms = shared[p]
                 elif len(uses) == 1:
                     norms = uses[0].squared_norms()
                 else:
-                    norms = _tied_squared_norms(uses, self.method)
-                segments[p] = _Segment(norms, uses)
+                    norms = tied_squared_norms(uses, self.method)
+                segments[p] = Segment(norms, uses)
         with self._lock:
             self._step.add(calls, segments)
             self._segments.update(segments)
@@ -201,7 +190,7 @@ class BookkeepingSink(GradientSink):
         params = list(params)
         with torch.no_grad():
             uses = self._uses_with_factors(params, factors)
-            shared = _shared_clipped_sums(uses)
+            shared = clipped_sums_of_shared_g(uses)
             sums = {p: _clipped_sum(uses[p], shared) for p in params if uses.get(p)}
         return {p: s.reshape(p.shape) for p, s in sums.items()}
 
@@ -217,7 +206,7 @@ class BookkeepingSink(GradientSink):
         out = {}
         with torch.no_grad():
             uses = self._uses_with_factors(params, factors)
-            shared = _shared_clipped_sums(uses)
+            shared = clipped_sums_of_shared_g(uses)
             for p in reversed(params):
                 if uses.get(p):
                     out[p] = _clipped_sum(uses.pop(p), shared).reshape(p.shape)
@@ -272,32 +261,17 @@ def _clipped_sum(uses: List[tuple], shared: Dict[int, torch.Tensor]) -> torch.Te
     return total
 
 
-def _shared_clipped_sums(uses: Dict[nn.Parameter, List[tuple]]) -> Dict[int, torch.Tensor]:
-    """``{id(use): its clipped sum}`` for the Linear weight uses that share one G and equal clip factors
-    (a recurrent layer's two projections under flat clipping), formed together by
-    :func:`shared_clipped_sums`. Every other use is left to its own ``clipped_sum``."""
-    groups: Dict[tuple, list] = {}
-    for pairs in uses.values():
-        for use, c in pairs:
-            if isinstance(use, _LinearWeight):
-                groups.setdefault(memory_key(use.g), []).append((use, c))
+def _uncovered(registration, module: nn.Module, params) -> bool:
+    """A trainable parameter the registration's uses do not cover (then the capture is materialised whole)."""
+    covered = registration.params(module)
+    return any(all(p is not q for q in covered) for p in params)
+
+
+def _materialised(capture: LayerCapture, module: Optional[nn.Module]) -> Dict[nn.Parameter, Use]:
+    """The capture's per-sample gradients, from the layer's rule (or the generic rule), as uses."""
     out = {}
-    for members in groups.values():
-        if len(members) < 2:
-            continue
-        use, c = members[0]
-        same = [u for u, c_u in members
-                if c_u is c or (c_u.dtype == c.dtype and c_u.device == c.device and torch.equal(c_u, c))]
-        if len(same) > 1:
-            out.update(zip(map(id, same), shared_clipped_sums(same, c)))
+    for p, gs in capture.grad_samples().items():
+        if p.requires_grad:
+            check_grad_sample(p, gs, capture.batch_size, module)
+            out[p] = Materialised(wide(gs.detach()))
     return out
-
-
-def _ghost_groups(pending: Dict[nn.Parameter, List[_Use]], key, taken=()) -> List[List[nn.Parameter]]:
-    """The parameters not in ``taken`` whose one use is a ghost-norm Linear weight, grouped by ``key(use)``:
-    the groups of two or more (their uses read one tensor, whose Gram matrix serves them all)."""
-    groups: Dict[tuple, List[nn.Parameter]] = {}
-    for p, uses in pending.items():
-        if p not in taken and len(uses) == 1 and isinstance(uses[0], _LinearWeight) and uses[0].method == "ghost":
-            groups.setdefault(key(uses[0]), []).append(p)
-    return [params for params in groups.values() if len(params) > 1]
