@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxdp
-from per_sample_reference import assert_grad_samples_match, batch_loss, expected_grad_samples
+from tests.support.per_sample_reference import assert_grad_samples_match, batch_loss, expected_grad_samples
 
 REDUCTIONS = ["mean", "sum"]
 
@@ -300,7 +300,7 @@ def test_batches_of_another_size_than_the_example(case, n):
 
 
 def test_without_example_inputs_a_mixing_model_is_refused_on_the_first_batch():
-    from test_tracing_and_report import Centre  # x - x.mean(0)
+    from tests.frontends.test_fx import Centre  # x - x.mean(0)
 
     compiled = fxdp.compile_for_dp(Centre())
     for _ in range(2):  # and it stays refused

@@ -19,7 +19,7 @@ from torch import nn
 import fxdp
 from fxdp.passes.batch_dim import BatchDimAnalysisError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"  # what printed the traceback
 
 

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("sklearn", reason='the example needs the examples extra: pip install -e ".[examples]"')
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("transformers", reason='the example needs: pip install -e ".[examples,transformers]"')
 pytest.importorskip("peft", reason='the example needs: pip install -e ".[examples,transformers]"')
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_lora_example_trains_privately_and_prints_epsilon_and_accuracy(capsys):

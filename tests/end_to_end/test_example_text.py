@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers", reason='the example needs the examples extra: pip install -e ".[examples]"')
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(name: str):

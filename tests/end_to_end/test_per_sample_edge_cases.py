@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import fxdp
-from per_sample_reference import assert_grad_samples_match, batch_loss, expected_grad_samples
+from tests.support.per_sample_reference import assert_grad_samples_match, batch_loss, expected_grad_samples
 
 
 class SlicedPositions(nn.Module):

@@ -24,8 +24,8 @@ from fxdp.grad_sample.linear import linear_grad_sample
 from fxdp.grad_sample.registry import PARAMETRIZED, find_grad_sampler, register_grad_sampler, rule_name
 from fxdp.passes.batch_rules import find_batch_rule
 from fxdp.tracing import is_leaf_layer
-from tests.per_sample_reference import assert_grad_samples_match, batch_loss, expected_grad_samples
-from tests.torchvision_like import TINY, ShiftedWindowAttention, StochasticDepth, tiny_convnext, tv_ops, tv_swin
+from tests.support.per_sample_reference import assert_grad_samples_match, batch_loss, expected_grad_samples
+from tests.support.torchvision_like import TINY, ShiftedWindowAttention, StochasticDepth, tiny_convnext, tv_ops, tv_swin
 
 N = 4
 

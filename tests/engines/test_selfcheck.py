@@ -23,7 +23,7 @@ from fxdp.compiler import AlreadyCompiledError
 from fxdp.engines import GradSampleModule
 from fxdp.engines.base import engine_hooks
 from fxdp.engines.selfcheck import LayerBatchError, SampleMixingError, UnverifiedModelError
-from per_sample_reference import assert_grad_samples_match, batch_loss, expected_grad_samples
+from tests.support.per_sample_reference import assert_grad_samples_match, batch_loss, expected_grad_samples
 
 
 def x_of(*shape):

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import fxdp
 from fxdp.grad_sample.moe import moe_block_grad_sampler
 from fxdp.grad_sample.registry import find_grad_sampler
-from per_sample_reference import batch_loss, expected_grad_samples
+from tests.support.per_sample_reference import batch_loss, expected_grad_samples
 
 transformers = pytest.importorskip("transformers")
 

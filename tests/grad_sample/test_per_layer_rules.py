@@ -21,7 +21,7 @@ from fxdp.grad_sample import (
 from fxdp.grad_sample import generic_grad_sampler as functorch_grad_sampler
 from fxdp.grad_sample.conv import conv_grad_sample
 from fxdp.grad_sample.linear import linear_grad_sample
-from grad_sample_harness import assert_rule_matches_loop, fixed_cotangent, loss_backprops
+from tests.support.grad_sample_harness import assert_rule_matches_loop, fixed_cotangent, loss_backprops
 
 SWEEP = settings(max_examples=20, deadline=None)
 REDUCTIONS = st.sampled_from(["sum", "mean"])

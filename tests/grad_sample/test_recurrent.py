@@ -19,7 +19,7 @@ import fxdp
 from fxdp.grad_sample.bookkeeping import BookkeepingSink
 from fxdp.grad_sample.recurrent import LSTMProjection, recurrent_forward
 from fxdp.grad_sample.sink import GradSampleSink
-from per_sample_reference import expected_grad_samples
+from tests.support.per_sample_reference import expected_grad_samples
 
 N, T, D, H = 3, 4, 3, 4
 KINDS = {"lstm": (nn.LSTM, {}), "gru": (nn.GRU, {}), "rnn": (nn.RNN, {}),

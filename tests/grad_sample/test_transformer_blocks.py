@@ -19,7 +19,7 @@ import fxdp
 import fxdp.runtime.ops as ops
 from fxdp.grad_sample.bookkeeping import BookkeepingSink
 from fxdp.grad_sample.transformer import InProjection, transformer_rule_applies
-from per_sample_reference import expected_grad_samples
+from tests.support.per_sample_reference import expected_grad_samples
 
 N, L, S, E, H, FF = 3, 4, 5, 8, 2, 12
 

@@ -22,7 +22,7 @@ from fxdp.optim import DPOptimizer
 transformers = pytest.importorskip("transformers")
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
-from test_transformers_models import (  # noqa: E402  (the tiny GPT-2 and its loss, shared)
+from tests.end_to_end.test_hugging_face_models import (  # noqa: E402  (the tiny GPT-2 and its loss, shared)
     _assert_per_sample_gradients, _build, _causal_lm_loss, _gpt2, _padded_mask, _token_ids,
 )
 

@@ -15,7 +15,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 import fxdp
 from fxdp.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention, SequenceBias
-from tests.per_sample_reference import assert_grad_samples_match
+from tests.support.per_sample_reference import assert_grad_samples_match
 
 STOCK = {DPLSTM: nn.LSTM, DPGRU: nn.GRU, DPRNN: nn.RNN}
 

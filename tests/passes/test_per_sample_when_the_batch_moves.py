@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import fxdp
-from batch_models import by_category
-from per_sample_reference import assert_grad_samples_match
+from tests.support.batch_models import by_category
+from tests.support.per_sample_reference import assert_grad_samples_match
 
 MOVES = by_category("moves")
 

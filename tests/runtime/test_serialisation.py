@@ -16,7 +16,7 @@ from torch import nn
 
 import fxdp
 from fxdp.grad_sample.sink import GradSampleSink, sink_of
-from per_sample_reference import batch_loss, expected_grad_samples
+from tests.support.per_sample_reference import batch_loss, expected_grad_samples
 
 
 class Net(nn.Module):

@@ -21,7 +21,7 @@ from fxdp.grad_sample.bookkeeping import (
     BookkeepingSink, call_without_param_grads, describe_plans, plan_graph, plan_layer,
 )
 from fxdp.grad_sample.sink import GradSampleSink, LayerCapture, PerSampleError, sink_of
-from per_sample_reference import batch_loss, expected_grad_samples
+from tests.support.per_sample_reference import batch_loss, expected_grad_samples
 
 def attach(model, sinks, loss_reduction):
     """Every layer with trainable parameters of its own delivers a LayerCapture to each sink in backward,

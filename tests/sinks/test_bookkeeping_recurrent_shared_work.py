@@ -16,7 +16,7 @@ import fxdp
 from fxdp.grad_sample.bookkeeping import BookkeepingSink
 from fxdp.grad_sample.bookkeeping import sink as sink_module
 from fxdp.grad_sample.recurrent import recurrent_forward
-from per_sample_reference import expected_grad_samples
+from tests.support.per_sample_reference import expected_grad_samples
 
 N, T, D, H = 3, 5, 3, 4
 KINDS = {"lstm": nn.LSTM, "rnn": nn.RNN, "gru": nn.GRU}

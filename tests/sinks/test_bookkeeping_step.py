@@ -19,7 +19,7 @@ import fxdp
 from fxdp.grad_sample.bookkeeping import BookkeepingSink
 from fxdp.grad_sample.sink import GradSampleSink
 from fxdp.optim import DPOptimizer
-from per_sample_reference import batch_loss, expected_grad_samples
+from tests.support.per_sample_reference import batch_loss, expected_grad_samples
 
 CLIP = 0.05  # far below every per-sample gradient norm here: all samples are clipped
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import fxdp
 from fxdp.grad_sample.sink import GradSampleSink, LayerCapture, SINK_ATTR, sink_of
-from per_sample_reference import batch_loss, expected_grad_samples
+from tests.support.per_sample_reference import batch_loss, expected_grad_samples
 
 TIMEOUT = 60  # seconds a thread waits for the other at the barrier before the test fails
 

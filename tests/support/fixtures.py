@@ -1,4 +1,4 @@
-"""Shared test fixtures."""
+"""Fixtures every test gets: tests/conftest.py imports them."""
 
 import pytest
 

@@ -1,0 +1,3 @@
+"""Fixtures every test gets (defined in tests/support/fixtures.py)."""
+
+from tests.support.fixtures import _restore_grad_sampler_registry  # noqa: F401  (autouse)
