@@ -1,6 +1,6 @@
 """One error hierarchy: ``except fxdp.NotPrivateError`` catches every "this model cannot be trained
 privately", whatever the engine and whether ``strict`` is on; everything fxdp raises on purpose is an
-``fxdp.FxdpError``."""
+``fxdp.FxdpError``; ``fxdp.PerSampleError`` is also a ``RuntimeError``."""
 
 from __future__ import annotations
 
@@ -71,3 +71,10 @@ def test_errors_are_exported_at_the_top_level():
 def test_analysis_errors_are_batch_dim_analysis_errors():
     with pytest.raises(fxdp.BatchDimAnalysisError, match="contain no tensor"):
         fxdp.compile_for_dp(nn.Linear(3, 2), example_inputs=(3,))
+
+
+def test_per_sample_error_is_an_fxdp_error_and_a_runtime_error():
+    assert issubclass(fxdp.PerSampleError, fxdp.FxdpError)
+    assert issubclass(fxdp.PerSampleError, RuntimeError)  # code catching RuntimeError keeps working
+    assert fxdp.diagnostics.PerSampleError is fxdp.PerSampleError
+    assert "PerSampleError" in fxdp.__all__ and "PerSampleError" in fxdp.diagnostics.__all__

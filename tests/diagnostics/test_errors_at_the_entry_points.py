@@ -1,6 +1,6 @@
 """Errors a person reads at the entry points: what is not a model, example inputs of the wrong shape.
 
-Issue #10: these gave raw AttributeErrors, and torch printed its own logged traceback (and pasted its
+These once gave raw AttributeErrors, and torch printed its own logged traceback (and pasted its
 frames into fxdp's message) before fxdp's error.
 """
 

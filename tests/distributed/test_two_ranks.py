@@ -1,7 +1,7 @@
 """Private training across processes (fxdp.distributed): two processes on localhost with gloo against
 one process on the same global batch.
 
-One launch of two ranks (this file run as a script: ``python tests/test_distributed.py RANK DIR
+One launch of two ranks (this file run as a script: ``python tests/distributed/test_two_ranks.py RANK DIR
 STORE``) runs every scenario below for the compiled graph and the hooks engine and saves what each
 rank ends with; the tests compare that with single-process runs done here. The ranks rendezvous
 through a file store (no port to pick) and talk over the loopback interface; every wait is bounded.

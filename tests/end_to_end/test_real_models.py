@@ -1,4 +1,4 @@
-"""Real-model pieces (issue #11): subclasses of layers that override ``forward``, parametrized layers
+"""Real-model pieces: subclasses of layers that override ``forward``, parametrized layers
 (weight_norm, spectral_norm, a user's parametrization), torchvision's blocks, RNNs over packed sequences.
 
 The checks compare ``p.grad_sample`` with batches of one, in the graph engine (``fx``, not the
@@ -344,7 +344,7 @@ def test_spectral_norm_in_training_uses_this_forwards_power_iteration(mode):
 # --------------------------------------------------------------------------------------------
 # torchvision's blocks
 # --------------------------------------------------------------------------------------------
-# Small re-implementations (tests/torchvision_like.py) stand in for torchvision, which cannot be
+# Small re-implementations (tests/support/torchvision_like.py) stand in for torchvision, which cannot be
 # installed here; the real models are tested further down when torchvision is importable.
 
 

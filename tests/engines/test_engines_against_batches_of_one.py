@@ -509,7 +509,7 @@ def test_ew_failure_at_run_time_names_the_module_and_line():
         dp(x_of(2, 4))
     message = str(info.value)
     assert "grad_sample_mode='ew' (PyTorch ExpandedWeights) failed in module '<model>' (WeightUsedByParent)" in message
-    assert "test_engines.py:" in message and "return x @ self.fc.weight.t()" in message
+    assert "test_engines_against_batches_of_one.py:" in message and "return x @ self.fc.weight.t()" in message
     assert "Expanded Weights encountered but cannot handle function" in message
 
 

@@ -1,4 +1,5 @@
-"""Issue #10, the wrapper and fallback half: each user pattern gives correct per-sample gradients
+"""The wrapper and fallback half of the run-time checks (the compiled graph's half:
+tests/runtime/test_guards.py): each user pattern gives correct per-sample gradients
 (against batches of one) or an fxdp error before any gradient can be used.
 
 Situations 4 (stale hooks of an old wrapper), 5 (an untraceable model that mixes samples or moves the

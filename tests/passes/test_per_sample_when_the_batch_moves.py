@@ -1,4 +1,4 @@
-"""Issue 4, item 4: where a layer receives its input with the batch moved (time-major, merged with
+"""Where a layer receives its input with the batch moved (time-major, merged with
 time, permuted, stacked or concatenated views), the compiled graph still gives each sample its own
 gradient. Every batch-moving model of the catalogue is checked against batches of one."""
 

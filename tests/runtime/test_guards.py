@@ -1,4 +1,4 @@
-"""Issue #10, the compiled graph: what its analysis assumed is checked at run time. Every case runs the
+"""The compiled graph's guards: what its analysis assumed is checked at run time. Every case runs the
 user's pattern and asserts correct per-sample gradients (against batches of one) or an fxdp error
 before any per-sample gradient can be used."""
 

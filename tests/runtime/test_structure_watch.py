@@ -1,4 +1,4 @@
-"""Issue #21, items 8c and 13: a model changed after ``make_private`` / ``compile_for_dp`` (a layer replaced,
+"""The structure watch (fxdp/runtime/structure.py): a model changed after ``make_private`` / ``compile_for_dp`` (a layer replaced,
 a parameter unfrozen or frozen) trains privately, or an fxdp error comes before any parameter moves and
 before the accountant records a step. Every case runs on the fx engine (book-keeping sink, and
 ``materialise_grad_sample=True``) and on the hooks engine; the engines that run the model as it is at each

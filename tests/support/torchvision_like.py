@@ -1,4 +1,4 @@
-"""Small re-implementations of what torchvision's classification models call, for tests/test_real_models.py.
+"""Small re-implementations of what torchvision's classification models call, for tests/end_to_end/test_real_models.py.
 
 torchvision cannot be installed next to the CPU torch here (PyPI's wheel needs CUDA torch), so these
 are small re-implementations made to look like torchvision to fxdp: the functions live in modules
