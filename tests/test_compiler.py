@@ -1,7 +1,9 @@
 """compile_for_dp end to end: every trainable parameter's grad_sample equals the gradient of that
-sample alone, for whole models, both loss reductions, with and without example inputs."""
+sample alone, for whole models, both loss reductions, with and without example inputs; models that mix
+samples or hold batch norm are refused, naming the module and the line."""
 
 import importlib.util
+import inspect as pyinspect
 from pathlib import Path
 
 import pytest
@@ -300,9 +302,62 @@ def test_batches_of_another_size_than_the_example(case, n):
 
 
 def test_without_example_inputs_a_mixing_model_is_refused_on_the_first_batch():
-    from tests.frontends.test_fx import Centre  # x - x.mean(0)
-
     compiled = fxdp.compile_for_dp(Centre())
     for _ in range(2):  # and it stays refused
         with pytest.raises(fxdp.BatchMixingError, match="mixes samples"):
             compiled(torch.randn(3, 4))
+
+
+# -- refusals ------------------------------------------------------------------------------------------------
+
+
+def _line_of(obj, text):
+    lines, start = pyinspect.getsourcelines(obj)
+    return next(start + i for i, line in enumerate(lines) if text in line)
+
+
+class Centre(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x - x.mean(0))
+
+
+def test_compile_refuses_a_model_that_mixes_samples_with_the_findings_table():
+    with pytest.raises(fxdp.BatchMixingError, match="mixes samples across the batch dimension") as info:
+        fxdp.compile_for_dp(Centre(), torch.randn(3, 4))
+    assert any(f.line == _line_of(Centre.forward, "x - x.mean(0)") for f in
+               (finding.location for finding in info.value.findings))
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+def test_compile_refuses_batch_norm_naming_the_module_and_line():
+    with pytest.raises(fxdp.NotPrivateError, match="ModuleValidator.fix") as info:
+        fxdp.compile_for_dp(WithBatchNorm(), torch.randn(2, 3, 6, 6))
+    bn = [f for f in info.value.findings if f.pass_name == "validate"]
+    assert [(f.node, f.op) for f in bn] == [("bn", "nn.BatchNorm2d")]
+    assert bn[0].location.line == _line_of(WithBatchNorm.forward, "self.bn(self.conv(x))")
+
+
+def test_strict_validation_raises_the_validators_error_not_a_pass_error():
+    from fxdp.validators import UnsupportedModuleError
+
+    with pytest.raises(UnsupportedModuleError, match="bn"):
+        fxdp.compile_for_dp(WithBatchNorm(), torch.randn(2, 3, 6, 6), strict=True)
+
+
+def test_fixed_model_compiles():
+    fixed = fxdp.validators.ModuleValidator.fix(WithBatchNorm())
+    compiled = fxdp.compile_for_dp(fixed, torch.randn(2, 3, 6, 6))
+    assert fxdp.report(compiled).errors == ()

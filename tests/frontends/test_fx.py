@@ -1,4 +1,6 @@
-"""Tracing records the user's lines; reports render what the passes found; a failing pass is named."""
+"""The torch.fx front end: tracing records the user's lines, says why a model cannot be traced (and where),
+and traces an input defaulting to None as None; the report renders what the passes found; a failing pass is
+named."""
 
 import inspect as pyinspect
 
@@ -81,53 +83,6 @@ def test_a_failing_pass_is_named_and_keeps_its_cause(monkeypatch):
     with pytest.raises(fxdp.PassError, match="fxdp pass 'inplace' failed: KeyError") as info:
         fxdp.compile_for_dp(Residual(), torch.randn(3, 4))
     assert isinstance(info.value.__cause__, KeyError)
-
-
-class Centre(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.fc(x - x.mean(0))
-
-
-def test_compile_refuses_a_model_that_mixes_samples_with_the_findings_table():
-    with pytest.raises(fxdp.BatchMixingError, match="mixes samples across the batch dimension") as info:
-        fxdp.compile_for_dp(Centre(), torch.randn(3, 4))
-    assert any(f.line == _line_of(Centre.forward, "x - x.mean(0)") for f in
-               (finding.location for finding in info.value.findings))
-
-
-class WithBatchNorm(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3)
-        self.bn = nn.BatchNorm2d(4)
-
-    def forward(self, x):
-        return self.bn(self.conv(x))
-
-
-def test_compile_refuses_batch_norm_naming_the_module_and_line():
-    with pytest.raises(fxdp.NotPrivateError, match="ModuleValidator.fix") as info:
-        fxdp.compile_for_dp(WithBatchNorm(), torch.randn(2, 3, 6, 6))
-    bn = [f for f in info.value.findings if f.pass_name == "validate"]
-    assert [(f.node, f.op) for f in bn] == [("bn", "nn.BatchNorm2d")]
-    assert bn[0].location.line == _line_of(WithBatchNorm.forward, "self.bn(self.conv(x))")
-
-
-def test_strict_validation_raises_the_validators_error_not_a_pass_error():
-    from fxdp.validators import UnsupportedModuleError
-
-    with pytest.raises(UnsupportedModuleError, match="bn"):
-        fxdp.compile_for_dp(WithBatchNorm(), torch.randn(2, 3, 6, 6), strict=True)
-
-
-def test_fixed_model_compiles():
-    fixed = fxdp.validators.ModuleValidator.fix(WithBatchNorm())
-    compiled = fxdp.compile_for_dp(fixed, torch.randn(2, 3, 6, 6))
-    assert fxdp.report(compiled).errors == ()
 
 
 class OptionalMask(nn.Module):
