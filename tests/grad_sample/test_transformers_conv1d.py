@@ -221,7 +221,7 @@ def test_a_conv1d_used_twice_on_vectors_against_batches_of_one():
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
 def test_the_hooks_engine_serves_conv1d_with_its_rule(loss_reduction):
     """The hooks engine looks rules up in the same registry: Conv1D layers get their rule there too."""
-    from per_sample_reference import batch_loss, expected_grad_samples
+    from tests.support.per_sample_reference import batch_loss, expected_grad_samples
 
     torch.manual_seed(0)
     model = nn.Sequential(Conv1D(8, 6), nn.Tanh(), Conv1D(3, 8)).double()
