@@ -5,7 +5,7 @@
 
 One audited run per (sigma, canary kind): MLP 64-32-10 on digits (scikit-learn's, or the stand-in of
 the same size when it is not installed), C = 1, batch 64, 2 epochs, 1000 canaries, delta = 1e-5, 95%
-confidence, seed 0 — the settings of ``fxdp audit`` and of tests/test_audit.py.
+confidence, seed 0 — the settings of ``fxdp audit`` and of tests/audit/test_audit.py.
 """
 
 from __future__ import annotations

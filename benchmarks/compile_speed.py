@@ -12,7 +12,7 @@ warnings.simplefilter("ignore")
 
 
 class Attention(nn.Module):
-    """As in tests/test_torch_compile.py."""
+    """As in tests/runtime/test_torch_compile.py."""
 
     def __init__(self, vocab=20, t=6, d=16):
         super().__init__()

@@ -201,3 +201,61 @@ def test_the_readme_reads_at_a_glance():
     linked = set(re.findall(r"docs/[\w./-]+\.md", readme))
     missing = sorted(d for d in linked if not os.path.exists(os.path.join(root, d)))
     assert linked and not missing, f"the README links documents that do not exist: {missing}"
+
+
+# -- the tests mirror the package -----------------------------------------------------------------------------
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+PACKAGE = os.path.dirname(os.path.abspath(fxdp.__file__))
+# Folders of tests that are not the tests of one package: shared helpers, Opacus's own suite run on fxdp,
+# and whole training runs, examples and real models that cross every package.
+NOT_A_PACKAGE = {"support", "opacus_compat", "end_to_end"}
+# Top-level test files that test no one module of fxdp's top level.
+NOT_A_MODULE = {"test_layout_of_the_package.py"}
+
+
+def _test_folders():
+    """Every folder under tests/, as a path relative to tests/ (``passes/batch_rules``)."""
+    for folder, children, _ in os.walk(TESTS):
+        children[:] = sorted(c for c in children if c != "__pycache__")
+        if folder != TESTS:
+            yield os.path.relpath(folder, TESTS)
+
+
+def test_no_test_file_is_over_700_lines():
+    too_long = {}
+    for folder, _, files in os.walk(TESTS):
+        for name in (f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            with open(path, encoding="utf-8") as f:
+                lines = sum(1 for _ in f)
+            if lines > MAX_LINES:
+                too_long[os.path.relpath(path, TESTS)] = lines
+    assert not too_long, f"test files over {MAX_LINES} lines: {too_long}"
+
+
+def test_every_test_folder_names_a_package():
+    """tests/<package>/... holds the tests of fxdp/<package>/..., so a file's tests are found by its path."""
+    strays = []
+    for relative in _test_folders():
+        parts = relative.split(os.sep)
+        if parts[0] in NOT_A_PACKAGE:
+            continue
+        if not os.path.isdir(os.path.join(PACKAGE, *parts)):
+            strays.append(relative)
+    assert not strays, f"test folders that name no fxdp package (fxdp/<folder>/): {strays}"
+
+
+def test_top_level_test_files_name_a_top_level_module():
+    modules = {name[:-3] for name in os.listdir(PACKAGE) if name.endswith(".py") and name != "__init__.py"}
+    strays = [name for name in sorted(os.listdir(TESTS))
+              if name.startswith("test_") and name.endswith(".py") and name not in NOT_A_MODULE
+              and not any(name == f"test_{m}.py" or name.startswith(f"test_{m}_") for m in modules)]
+    assert not strays, f"top-level test files that name no top-level module of fxdp: {strays}"
+
+
+def test_every_test_folder_is_a_package_so_test_files_may_share_a_name():
+    """Without ``__init__.py`` two ``test_registry.py`` in different folders would be one module to pytest."""
+    missing = [relative for relative in _test_folders()
+               if not os.path.isfile(os.path.join(TESTS, relative, "__init__.py"))]
+    assert not missing, f"test folders without __init__.py: {missing}"

@@ -118,7 +118,7 @@ def add_gaussian_noise_(
     so adding noise to a model's gradients needs no second copy of them. Torch's CPU sampler fills a tensor with uniforms in order and maps
     them to normals 16 at a time, recomputing a tail that is not a multiple of 16 from fresh uniforms;
     chunks that are multiples of 16, with a last chunk of at least 16 values, therefore give the same
-    stream as one draw (checked bitwise by ``tests/test_private_grads_in_place.py``). Elsewhere (secure
+    stream as one draw (checked bitwise by ``tests/optim/test_private_grads_in_place.py``). Elsewhere (secure
     mode, a GPU draw, a non-contiguous ``out``) the noise is drawn whole and added.
     """
     draw_dtype = torch.promote_types(out.dtype, torch.float32)
