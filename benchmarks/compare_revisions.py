@@ -7,7 +7,7 @@ What is compared is each run's ratio (DP step / plain step, and peak memory / pl
 measured in the same process normalises.
 
 Usage: python benchmarks/compare_revisions.py OLD [NEW] [--models mlp,cnn,transformer] [--rounds 3]
-       [--repeats 10] [--threads 2]
+       [--repeats 10] [--threads 2] [--cpu-time]
 OLD and NEW are git revisions (NEW defaults to the working tree as it is, uncommitted changes included).
 """
 
@@ -36,11 +36,11 @@ def export(revision: str, into: str) -> str:
     return tree
 
 
-def fxdp_ratios(tree: str, model: str, repeats: int, threads: int):
+def fxdp_ratios(tree: str, model: str, repeats: int, threads: int, cpu_time: bool):
     """(DP step / plain step, peak memory / plain) of fxdp at ``tree`` on ``model``, in a fresh process."""
     script = os.path.join(tree, "benchmarks", "dp_step_speed.py")
     cmd = [sys.executable, script, "--models", model, "--engines", "fxdp", "--repeats", str(repeats),
-           "--threads", str(threads), "--rows-only"]
+           "--threads", str(threads), "--rows-only"] + (["--cpu-time"] if cpu_time else [])
     env = {**os.environ, "PYTHONPATH": tree}
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, env=env)
     lines = done.stdout.splitlines()
@@ -65,6 +65,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="one thread, each step timed by its CPU time (steadier on a shared machine)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         trees = {args.old: export(args.old, tmp), (args.new or "working tree"): export(args.new, tmp) if args.new else ROOT}
@@ -72,7 +74,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for model in args.models.split(","):
                 for rev, tree in trees.items():
-                    ratios[rev, model].append(fxdp_ratios(tree, model, args.repeats, args.threads))
+                    ratios[rev, model].append(fxdp_ratios(tree, model, args.repeats, args.threads, args.cpu_time))
     (old, new), rows = list(trees), []
     for model in args.models.split(","):
         before = [r[0] for r in ratios[old, model]]
@@ -80,7 +82,7 @@ def main() -> None:
         rows.append([model, spread(before), spread(after), f"{statistics.median(after) / statistics.median(before):.2f}",
                      spread([r[1] for r in ratios[old, model]]), spread([r[1] for r in ratios[new, model]])])
     print(f"fxdp DP step / plain step, {args.rounds} rounds of {args.repeats} steps, revisions taking turns, "
-          f"{args.threads} threads")
+          + ("1 thread, CPU time" if args.cpu_time else f"{args.threads} threads, wall time"))
     print(tabulate(rows, headers=["model", f"time {old}", f"time {new}", "new/old (medians)",
                                   f"memory {old}", f"memory {new}"], tablefmt="github"))
 
