@@ -43,6 +43,7 @@ from fxdp.diagnostics import (
     LayerBatchError,
     PassReport,
     SampleMixingError,
+    SampleMixingModuleError,
     SelfCheckError,
     Severity,
     UnsupportedInputError,
@@ -530,7 +531,13 @@ def fallback_self_check(model: nn.Module, example_inputs, batch_dim: int, strict
         return PassReport(selfcheck.PASS_NAME, findings=(finding,))
     args, kwargs = ((), dict(example_inputs)) if isinstance(example_inputs, dict) else (
         ((example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)), {})
-    engine = GradSampleModule(copy.deepcopy(model), batch_first=batch_dim == 0, require_verified=strict)
+    try:  # a module that mixes samples in its mode (BatchNorm in training) is refused here, before any batch
+        engine = GradSampleModule(copy.deepcopy(model), batch_first=batch_dim == 0, require_verified=strict)
+    except SampleMixingModuleError as exc:
+        if strict:
+            raise
+        return PassReport(selfcheck.PASS_NAME, findings=tuple(
+            dataclasses.replace(f, pass_name=selfcheck.PASS_NAME) for f in exc.findings))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # an unverified model is reported below
