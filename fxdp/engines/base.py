@@ -162,7 +162,8 @@ class ParameterWatch:
 
 
 class GradSampleModuleBase(OpacusModelMethods, nn.Module):
-    """The base of every engine's wrapper. ``sink`` receives the per-sample gradients (a fresh
+    """The base of every engine's wrapper; it refuses a model with a module that mixes samples in the mode it is
+    in (:func:`refuse_sample_mixing_modules`). ``sink`` receives the per-sample gradients (a fresh
     :class:`~fxdp.sinks.contract.GradSampleSink`, which writes ``p.grad_sample``, by default);
     :func:`fxdp.sinks.contract.sink_of` finds it as attribute ``fxdp_sink``."""
 

@@ -88,7 +88,10 @@ class GradSampleModule(GradSampleModuleBase):
     model, through this wrapper or not, is a forward call of its own.
 
     ``strict=True`` raises instead of using the generic rule for a module without a registered
-    rule. :attr:`generic_fallbacks` lists the modules that use it.
+    rule. :attr:`generic_fallbacks` lists the modules that use it. Whatever ``strict`` says, a model with a
+    module that mixes samples in the mode it is in (BatchNorm in training) is refused when the wrapper is built,
+    with :class:`~fxdp.errors.SampleMixingModuleError` (also a ``NotImplementedError``, as in Opacus), as by
+    every engine (:func:`fxdp.engines.base.refuse_sample_mixing_modules`).
 
     The engine checks itself (see :mod:`fxdp.engines.selfcheck`): every hooked layer's inputs and
     output must carry the batch (N rows at the batch dimension; inputs with one row are broadcast, as
