@@ -11,7 +11,8 @@ them:
 - :class:`UnsupportedError` and its validators' taxonomy, each mapping to one :class:`Kind` so that
   validation errors and the validate pass's findings speak the same language:
   :class:`UnsupportedModuleError` (the module cannot be made private, e.g. BatchNorm in training; also
-  what ``strict`` validation raises, carrying every error in ``errors``), :class:`ShouldReplaceModuleError`
+  what ``strict`` validation raises, carrying every error in ``errors``; :class:`SampleMixingModuleError`, also a
+  NotImplementedError, when a per-sample engine is built on a model with BatchNorm in training), :class:`ShouldReplaceModuleError`
   (works once replaced by a drop-in), :class:`IllegalModuleConfigurationError` (its configuration breaks
   DP-SGD), :class:`NotYetSupportedModuleError` (could be supported, is not yet).
 
@@ -291,6 +292,12 @@ class UnsupportedModuleError(UnsupportedError):
         return "\n".join([self.message] + [f"  - {e.describe()}" for e in self._errors])
 
 
+class SampleMixingModuleError(UnsupportedModuleError, NotImplementedError):
+    """A per-sample engine was built on a model with a module that mixes samples in the mode it is in (BatchNorm
+    in training): refused when the engine is built, each such module in ``errors``. Also a NotImplementedError,
+    which Opacus's ``GradSampleModule`` raises there, so code written for Opacus catches it."""
+
+
 class ShouldReplaceModuleError(UnsupportedError):
     """The module works with DP-SGD only once replaced by an equivalent."""
 
@@ -345,6 +352,7 @@ __all__ = [
     "PerSampleError",
     "PrivacySettingError",
     "SampleMixingError",
+    "SampleMixingModuleError",
     "SelfCheckError",
     "ShouldReplaceModuleError",
     "StepRefusedError",

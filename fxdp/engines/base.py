@@ -12,7 +12,9 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from fxdp.diagnostics import ROOT_NAME, SampleMixingModuleError, UnsupportedModuleError
 from fxdp.grad_sample.accumulate import zero_grad_sample
+from fxdp.grad_sample.mixing import sample_mixing_modules
 from fxdp.grad_sample.generic import autocast_state, summed_loss_backprops
 from fxdp.sinks.contract import check_loss_reduction
 from fxdp.layout import BatchLayout
@@ -32,6 +34,22 @@ def has_trainable_params(module: nn.Module) -> bool:
 # -- engine hooks live and die with their wrapper ------------------------------------------------------
 
 _OWNER_ATTR = "_fxdp_engine_owner"  # on each hook an engine puts on a model: weakref to its wrapper
+
+
+def refuse_sample_mixing_modules(model: nn.Module, engine: str) -> None:
+    """Raise :class:`~fxdp.errors.SampleMixingModuleError` naming every module of ``model`` that mixes samples in
+    the mode it is in now (BatchNorm in training; the rule is :mod:`fxdp.grad_sample.mixing`, the validators'),
+    before ``engine`` hooks into the model: no per-sample gradient of such a model is right. One put in training
+    mode later is caught by the hooks engine's self-check on its first batch."""
+    found = sample_mixing_modules(model)
+    if not found:
+        return
+    errors = [UnsupportedModuleError(message, module_name=name or ROOT_NAME, module_type=type(module), fix=fix)
+              for name, module, message, fix in found]
+    raise SampleMixingModuleError.aggregate(errors, (
+        f"fxdp: {engine} cannot compute per-sample gradients of {type(model).__name__}: {len(errors)} module(s) "
+        "mix samples in the mode they are in (fix them, e.g. with fxdp.validators.ModuleValidator.fix(model), "
+        "or put them in eval mode with running statistics):"))
 
 
 class EngineHook:
@@ -144,7 +162,8 @@ class ParameterWatch:
 
 
 class GradSampleModuleBase(OpacusModelMethods, nn.Module):
-    """The base of every engine's wrapper. ``sink`` receives the per-sample gradients (a fresh
+    """The base of every engine's wrapper; it refuses a model with a module that mixes samples in the mode it is
+    in (:func:`refuse_sample_mixing_modules`). ``sink`` receives the per-sample gradients (a fresh
     :class:`~fxdp.sinks.contract.GradSampleSink`, which writes ``p.grad_sample``, by default);
     :func:`fxdp.sinks.contract.sink_of` finds it as attribute ``fxdp_sink``."""
 
@@ -154,6 +173,7 @@ class GradSampleModuleBase(OpacusModelMethods, nn.Module):
         if not isinstance(model, nn.Module):
             raise TypeError(f"fxdp: expected an nn.Module to wrap, got {type(model).__name__}")
         check_loss_reduction(loss_reduction)
+        refuse_sample_mixing_modules(model, type(self).__name__)
         self._module = model
         self.batch_first = batch_first
         self.loss_reduction = loss_reduction

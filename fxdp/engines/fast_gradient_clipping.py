@@ -12,7 +12,9 @@ and each layer's clipped sum from ONE backward pass (the compiled graph's defaul
   the DP optimizer then clips, sums and adds noise in ``step()`` (it reads the module's sink).
 
 ``p.grad`` is written by the optimizer's step; between backward and step it holds nothing for the layers the
-sink book-keeps.
+sink book-keeps. ``p.grad_sample`` is ``None`` on every trainable parameter (set when the class is built, as
+Opacus's ghost clipping leaves it after backward): the per-sample gradients are never materialised, whether
+``use_ghost_clipping`` is on or off; ``get_norm_sample()`` gives their norms.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class _FastGradientClipping:
             raise ValueError(f"fxdp: max_grad_norm must be positive, got {max_grad_norm!r}")
         self.max_grad_norm = float(max_grad_norm)
         self.use_ghost_clipping = use_ghost_clipping
+        for p in self.trainable_parameters:  # as Opacus's ghost clipping leaves it: no per-sample gradient is kept
+            p.grad_sample = None
 
     @property
     def trainable_parameters(self):

@@ -43,6 +43,7 @@ from fxdp.diagnostics import (
     LayerBatchError,
     PassReport,
     SampleMixingError,
+    SampleMixingModuleError,
     SelfCheckError,
     Severity,
     UnsupportedInputError,
@@ -87,7 +88,10 @@ class GradSampleModule(GradSampleModuleBase):
     model, through this wrapper or not, is a forward call of its own.
 
     ``strict=True`` raises instead of using the generic rule for a module without a registered
-    rule. :attr:`generic_fallbacks` lists the modules that use it.
+    rule. :attr:`generic_fallbacks` lists the modules that use it. Whatever ``strict`` says, a model with a
+    module that mixes samples in the mode it is in (BatchNorm in training) is refused when the wrapper is built,
+    with :class:`~fxdp.errors.SampleMixingModuleError` (also a ``NotImplementedError``, as in Opacus), as by
+    every engine (:func:`fxdp.engines.base.refuse_sample_mixing_modules`).
 
     The engine checks itself (see :mod:`fxdp.engines.selfcheck`): every hooked layer's inputs and
     output must carry the batch (N rows at the batch dimension; inputs with one row are broadcast, as
@@ -530,7 +534,13 @@ def fallback_self_check(model: nn.Module, example_inputs, batch_dim: int, strict
         return PassReport(selfcheck.PASS_NAME, findings=(finding,))
     args, kwargs = ((), dict(example_inputs)) if isinstance(example_inputs, dict) else (
         ((example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)), {})
-    engine = GradSampleModule(copy.deepcopy(model), batch_first=batch_dim == 0, require_verified=strict)
+    try:  # a module that mixes samples in its mode (BatchNorm in training) is refused here, before any batch
+        engine = GradSampleModule(copy.deepcopy(model), batch_first=batch_dim == 0, require_verified=strict)
+    except SampleMixingModuleError as exc:
+        if strict:
+            raise
+        return PassReport(selfcheck.PASS_NAME, findings=tuple(
+            dataclasses.replace(f, pass_name=selfcheck.PASS_NAME) for f in exc.findings))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # an unverified model is reported below

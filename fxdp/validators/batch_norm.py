@@ -30,31 +30,17 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import UninitializedParameter
 
 from fxdp.diagnostics import UnsupportedError, UnsupportedModuleError
+from fxdp.grad_sample.mixing import BATCH_NORM_FIX, batch_norm_mixing_message, uses_batch_statistics  # noqa: F401
 from fxdp.validators.module_validator import register_module_fixer, register_module_validator
-
-BATCH_NORM_FIX = (
-    "replace it with GroupNorm: `model = fxdp.validators.ModuleValidator.fix(model)` does it for every "
-    "BatchNorm (num_groups=... to choose the groups); or keep it frozen, in eval mode with running "
-    "statistics from public data."
-)
-
-
-def uses_batch_statistics(module: _BatchNorm) -> bool:
-    """Whether the forward normalises with the current batch's statistics (as ``_BatchNorm.forward``)."""
-    return module.training or (module.running_mean is None and module.running_var is None)
 
 
 @register_module_validator(_BatchNorm)
 def validate_batch_norm(module: _BatchNorm, **kwargs) -> List[UnsupportedError]:
     if not uses_batch_statistics(module):
         return []
-    return [
-        UnsupportedModuleError(
-            f"{type(module).__name__} normalises each sample with statistics of the whole batch, so "
-            f"samples influence each other and their gradients cannot be bounded one by one.",
-            fix=BATCH_NORM_FIX,
-        )
-    ]
+    # the rule (which BatchNorm mixes samples, and what to do) lives in fxdp.grad_sample.mixing: the
+    # per-sample engines, which refuse such a model when they are built, read it there too
+    return [UnsupportedModuleError(batch_norm_mixing_message(module), fix=BATCH_NORM_FIX)]
 
 
 def default_num_groups(num_channels: int) -> int:
