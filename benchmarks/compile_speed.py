@@ -1,6 +1,8 @@
 """One short run: a DP step (make_private, book-keeping, noise) eager vs ``torch.compile`` (inductor) of the
 private model, on a small MLP and a one-head attention model. ``python benchmarks/compile_speed.py``;
 figures in docs/torch_compile.md."""
+import os
+import sys
 import time
 import warnings
 
@@ -9,27 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 warnings.simplefilter("ignore")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import models  # noqa: E402
 
-
-class Attention(nn.Module):
-    """As in tests/runtime/test_torch_compile.py."""
-
-    def __init__(self, vocab=20, t=6, d=16):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(t, d)
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-        self.norm = nn.LayerNorm(d)
-        self.mlp = nn.Linear(d, d)
-        self.head = nn.Linear(d, 3)
-        self.register_buffer("mask", torch.tril(torch.ones(t, t, dtype=torch.bool)))
-
-    def forward(self, idx):
-        n, t = idx.shape
-        h = self.tok(idx) + self.pos(torch.arange(t).expand(n, t))
-        scores = self.q(h) @ self.k(h).transpose(1, 2) / h.shape[-1] ** 0.5
-        att = scores.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(-1)
-        h = self.norm(h + self.o(att @ self.v(h)))
-        return self.head(F.gelu(self.mlp(h)).mean(1))
 
 from torch.utils.data import DataLoader, TensorDataset
 from fxdp.privacy_engine import PrivacyEngine
@@ -49,6 +33,6 @@ def bench(name, make, make_x, compiled, steps=30):
     return (time.perf_counter() - t) / steps * 1e3
 mlp = lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 3))
 for name, make, mx in [("mlp 64-256-256-3, batch 64", mlp, lambda n: torch.randn(n, 64)),
-                       ("attention d=16 T=6, batch 64", Attention, lambda n: torch.randint(0, 20, (n, 6)))]:
+                       ("attention d=16 T=6, batch 64", models.OneHeadAttention, lambda n: torch.randint(0, 20, (n, 6)))]:
     e = bench(name, make, mx, False); c = bench(name, make, mx, True)
     print(f"{name}: eager {e:.2f} ms/step, torch.compile {c:.2f} ms/step ({e / c:.2f}x)")

@@ -156,3 +156,25 @@ def median_ms(steps: Dict[str, Callable[[], None]], repeats: int, warmup: int = 
             step()
             times[name].append(clock() - t0)
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
+class OneHeadAttention(nn.Module):
+    """One head of causal self-attention with a residual, LayerNorm, an MLP and a learned position table
+    (benchmarks/compile_speed.py times it; tests/runtime/test_torch_compile.py checks it)."""
+
+    def __init__(self, vocab=20, t=6, d=16):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(t, d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.norm = nn.LayerNorm(d)
+        self.mlp = nn.Linear(d, d)
+        self.head = nn.Linear(d, 3)
+        self.register_buffer("mask", torch.tril(torch.ones(t, t, dtype=torch.bool)))
+
+    def forward(self, idx):
+        n, t = idx.shape
+        h = self.tok(idx) + self.pos(torch.arange(t).expand(n, t))
+        scores = self.q(h) @ self.k(h).transpose(1, 2) / h.shape[-1] ** 0.5
+        att = scores.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(-1)
+        h = self.norm(h + self.o(att @ self.v(h)))
+        return self.head(F.gelu(self.mlp(h)).mean(1))

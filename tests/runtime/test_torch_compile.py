@@ -9,7 +9,9 @@ inductor's C++ compilation (minutes on this machine's 2 cores); one test runs in
 from __future__ import annotations
 
 import copy
+import importlib.util
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,26 +24,10 @@ from fxdp.privacy_engine import PrivacyEngine
 
 torch._dynamo = pytest.importorskip("torch._dynamo")
 
-
-class Attention(nn.Module):
-    """One head of causal self-attention with a residual, LayerNorm, an MLP and a learned position table."""
-
-    def __init__(self, vocab=20, t=6, d=16):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(t, d)
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-        self.norm = nn.LayerNorm(d)
-        self.mlp = nn.Linear(d, d)
-        self.head = nn.Linear(d, 3)
-        self.register_buffer("mask", torch.tril(torch.ones(t, t, dtype=torch.bool)))
-
-    def forward(self, idx):
-        n, t = idx.shape
-        h = self.tok(idx) + self.pos(torch.arange(t).expand(n, t))
-        scores = self.q(h) @ self.k(h).transpose(1, 2) / h.shape[-1] ** 0.5
-        att = scores.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(-1)
-        h = self.norm(h + self.o(att @ self.v(h)))
-        return self.head(F.gelu(self.mlp(h)).mean(1))
+# the one-head attention model benchmarks/compile_speed.py times
+_spec = importlib.util.spec_from_file_location("fxdp_bench_models", Path(__file__).parents[2] / "benchmarks" / "models.py")
+bench_models = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_models)
 
 
 def _mlp():
@@ -56,7 +42,7 @@ def _cnn():
 MODELS = {
     "mlp": (_mlp, lambda n: torch.randn(n, 10)),
     "cnn": (_cnn, lambda n: torch.randn(n, 1, 8, 8)),
-    "attention": (Attention, lambda n: torch.randint(0, 20, (n, 6))),
+    "attention": (bench_models.OneHeadAttention, lambda n: torch.randint(0, 20, (n, 6))),
 }
 
 
