@@ -30,13 +30,7 @@ from tests.support.torchvision_like import TINY, ShiftedWindowAttention, Stochas
 N = 4
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    """Tight comparisons: every model here is built and run in float64."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")  # tight comparisons (tests/support/fixtures.py)
 
 
 def engine_of(compiled) -> str:

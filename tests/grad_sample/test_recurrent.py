@@ -28,12 +28,7 @@ KINDS = {"lstm": (nn.LSTM, {}), "gru": (nn.GRU, {}), "rnn": (nn.RNN, {}),
 LENGTHS = {"padded": None, "packed_sorted": [4, 3, 1], "packed_unsorted": [2, 4, 3]}
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")  # tight comparisons (tests/support/fixtures.py)
 
 
 def _leaves(value):

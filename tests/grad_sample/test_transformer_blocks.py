@@ -24,12 +24,7 @@ from tests.support.per_sample_reference import expected_grad_samples
 N, L, S, E, H, FF = 3, 4, 5, 8, 2, 12
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")  # tight comparisons (tests/support/fixtures.py)
 
 
 @pytest.fixture

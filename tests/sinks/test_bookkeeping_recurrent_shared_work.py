@@ -22,12 +22,7 @@ N, T, D, H = 3, 5, 3, 4
 KINDS = {"lstm": nn.LSTM, "rnn": nn.RNN, "gru": nn.GRU}
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")  # tight comparisons (tests/support/fixtures.py)
 
 
 @pytest.fixture
