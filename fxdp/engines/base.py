@@ -14,12 +14,11 @@ from torch.nn.utils.rnn import PackedSequence
 
 from fxdp.diagnostics import ROOT_NAME, SampleMixingModuleError, UnsupportedModuleError
 from fxdp.grad_sample.accumulate import zero_grad_sample
-from fxdp.grad_sample.mixing import sample_mixing_modules
 from fxdp.grad_sample.generic import autocast_state, summed_loss_backprops
-from fxdp.sinks.contract import check_loss_reduction
+from fxdp.grad_sample.mixing import sample_mixing_modules
 from fxdp.layout import BatchLayout
 from fxdp.sinks.capture import layer_capture
-from fxdp.sinks.contract import SINK_ATTR, GradientSink, GradSampleSink, LayerCapture
+from fxdp.sinks.contract import SINK_ATTR, GradientSink, GradSampleSink, LayerCapture, check_loss_reduction
 from fxdp.sinks.model_methods import OpacusModelMethods
 
 

@@ -50,10 +50,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from fxdp.sinks.contract import LOSS_REDUCTIONS, GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError
 from fxdp.optim.extension_points import OpacusExtensionPoints
 from fxdp.optim.noise import add_gaussian_noise_
-from fxdp.sinks.contract import GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError
+from fxdp.sinks.contract import LOSS_REDUCTIONS, GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError
 
 CLIPPING_MODES = ("flat", "per_layer")
 _EPS = 1e-6  # in the clip factor C / (norm + eps): a zero gradient gets factor 1, never a division by 0
