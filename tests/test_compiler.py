@@ -3,7 +3,6 @@ sample alone, for whole models, both loss reductions, with and without example i
 samples or hold batch norm are refused, naming the module and the line."""
 
 import importlib.util
-import inspect as pyinspect
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from torch import nn
 
 import fxdp
 from tests.support.per_sample_reference import assert_grad_samples_match, batch_loss, expected_grad_samples
+from tests.support.source_lines import line_of
 
 REDUCTIONS = ["mean", "sum"]
 
@@ -311,11 +311,6 @@ def test_without_example_inputs_a_mixing_model_is_refused_on_the_first_batch():
 # -- refusals ------------------------------------------------------------------------------------------------
 
 
-def _line_of(obj, text):
-    lines, start = pyinspect.getsourcelines(obj)
-    return next(start + i for i, line in enumerate(lines) if text in line)
-
-
 class Centre(nn.Module):
     def __init__(self):
         super().__init__()
@@ -328,7 +323,7 @@ class Centre(nn.Module):
 def test_compile_refuses_a_model_that_mixes_samples_with_the_findings_table():
     with pytest.raises(fxdp.errors.BatchMixingError, match="mixes samples across the batch dimension") as info:
         fxdp.compile_for_dp(Centre(), torch.randn(3, 4))
-    assert any(f.line == _line_of(Centre.forward, "x - x.mean(0)") for f in
+    assert any(f.line == line_of(Centre.forward, "x - x.mean(0)") for f in
                (finding.location for finding in info.value.findings))
 
 
@@ -347,7 +342,7 @@ def test_compile_refuses_batch_norm_naming_the_module_and_line():
         fxdp.compile_for_dp(WithBatchNorm(), torch.randn(2, 3, 6, 6))
     bn = [f for f in info.value.findings if f.pass_name == "validate"]
     assert [(f.node, f.op) for f in bn] == [("bn", "nn.BatchNorm2d")]
-    assert bn[0].location.line == _line_of(WithBatchNorm.forward, "self.bn(self.conv(x))")
+    assert bn[0].location.line == line_of(WithBatchNorm.forward, "self.bn(self.conv(x))")
 
 
 def test_strict_validation_raises_the_validators_error_not_a_pass_error():

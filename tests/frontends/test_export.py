@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import inspect
 import pickle
 
 import pytest
@@ -13,14 +12,9 @@ from torch import nn
 import fxdp
 from fxdp.diagnostics import Kind
 from fxdp.errors import ExportShapeError
-from fxdp.sinks.bookkeeping import BookkeepingSink
 from fxdp.passes.batch_rules import keeps_layout, restore_batch_rules, snapshot_batch_rules
 from fxdp.sinks.bookkeeping import BookkeepingSink
-
-
-def _line_of(fn, text: str) -> int:
-    lines, start = inspect.getsourcelines(fn)
-    return start + next(i for i, line in enumerate(lines) if text in line)
+from tests.support.source_lines import line_of
 
 
 class LoopOverTime(nn.Module):
@@ -66,7 +60,7 @@ def test_a_model_torch_fx_cannot_trace_is_captured_by_torch_export():
     compiled = fxdp.compile_for_dp(model, example_inputs=_x(), loss_reduction="sum")
     report = fxdp.report(compiled)
     assert (report.engine, report.front_end) == ("fx", "torch.export")
-    where = f"{__file__}:{_line_of(LoopOverTime.forward, 'for t in range')}"
+    where = f"{__file__}:{line_of(LoopOverTime.forward, 'for t in range')}"
     assert report.front_end_reason == (f"torch.fx could not trace the model at {where} (TypeError: "
                                        "'_InplaceRecordingProxy' object cannot be interpreted as an integer)")
     assert str(report).splitlines()[1:4] == [
@@ -80,7 +74,7 @@ def test_a_model_torch_fx_cannot_trace_is_captured_by_torch_export():
     assert "aten.mul.Tensor" in rules and rules["aten.mul.Tensor"] == "generic"  # `* self.scale`
     # the per_sample changes point at the user's lines
     mul = next(c for c in report.changes if c.op == "dp_aware_function")
-    assert mul.location.line == _line_of(LoopOverTime.forward, "torch.tanh")
+    assert mul.location.line == line_of(LoopOverTime.forward, "torch.tanh")
     _check_against_batches_of_one(model, compiled, _x())
 
 
@@ -117,7 +111,7 @@ def test_mixing_in_a_captured_graph_is_refused_with_the_users_line():
     with pytest.raises(fxdp.errors.BatchMixingError) as info:
         fxdp.compile_for_dp(LoopOverTime(post=Centre()), example_inputs=_x())
     finding = next(f for f in info.value.findings if f.kind is Kind.MIXES_SAMPLES)
-    assert finding.op == "aten.mean.dim" and finding.location.line == _line_of(Centre.forward, "h.mean(0)")
+    assert finding.op == "aten.mean.dim" and finding.location.line == line_of(Centre.forward, "h.mean(0)")
 
 
 class SpecialOp(nn.Module):
@@ -182,7 +176,7 @@ def test_buffer_writes_in_a_captured_graph_are_refused():
         fxdp.compile_for_dp(CountsCalls(), example_inputs=_x())
     finding = next(f for f in info.value.findings if f.kind is Kind.CANNOT_BE_PRIVATE)
     assert finding.op == "aten.add_.Tensor" and "writes into buffer `calls` in place" in finding.message
-    assert finding.location.line == _line_of(CountsCalls.forward, "self.calls += 1")
+    assert finding.location.line == line_of(CountsCalls.forward, "self.calls += 1")
 
 
 class ReluInPlace(LoopOverTime):
@@ -196,7 +190,7 @@ def test_in_place_aten_ops_are_rewritten_out_of_place():
     compiled = fxdp.compile_for_dp(model, example_inputs=_x(), loss_reduction="sum")
     change = next(c for c in fxdp.report(compiled).changes if c.pass_name == "inplace")
     assert (change.op, change.location.line) == ("aten.relu_.default → aten.relu.default",
-                                                 _line_of(ReluInPlace.forward, "torch.relu_"))
+                                                 line_of(ReluInPlace.forward, "torch.relu_"))
     _check_against_batches_of_one(model, compiled, _x())
 
 

@@ -2,7 +2,6 @@
 and traces an input defaulting to None as None; the report renders what the passes found; a failing pass is
 named."""
 
-import inspect as pyinspect
 
 import pytest
 import torch
@@ -11,11 +10,7 @@ from torch import nn
 import fxdp
 from fxdp import compiler
 from fxdp.frontends.fx import source_location, trace
-
-
-def _line_of(obj, text):
-    lines, start = pyinspect.getsourcelines(obj)
-    return next(start + i for i, line in enumerate(lines) if text in line)
+from tests.support.source_lines import line_of
 
 
 class Residual(nn.Module):
@@ -44,10 +39,10 @@ class DataDependent(nn.Module):
 def test_every_node_knows_the_users_line():
     gm = trace(Residual()).graph_module
     lines = {n.name: source_location(n) for n in gm.graph.nodes if n.op not in ("placeholder", "output")}
-    assert lines["fc"].file == __file__ and lines["fc"].line == _line_of(Residual.forward, "out = self.fc(x)")
-    assert lines["iadd"].line == _line_of(Residual.forward, "out += x")
+    assert lines["fc"].file == __file__ and lines["fc"].line == line_of(Residual.forward, "out = self.fc(x)")
+    assert lines["iadd"].line == line_of(Residual.forward, "out += x")
     assert lines["iadd"].code == "out += x"
-    assert lines["act"].line == _line_of(Residual.forward, "return self.act(out)")
+    assert lines["act"].line == line_of(Residual.forward, "return self.act(out)")
 
 
 def test_an_untraceable_model_gives_the_reason_and_the_line():
@@ -55,7 +50,7 @@ def test_an_untraceable_model_gives_the_reason_and_the_line():
     assert not result.ok
     assert "TraceError" in result.reason and "control flow" in result.reason
     assert result.location.file == __file__
-    assert result.location.line == _line_of(DataDependent.forward, "if x.mean() > 0:")
+    assert result.location.line == line_of(DataDependent.forward, "if x.mean() > 0:")
 
 
 def test_the_report_renders_passes_changes_and_findings():
@@ -64,7 +59,7 @@ def test_the_report_renders_passes_changes_and_findings():
     assert text.startswith("fxdp compile report for Residual\ntraced: yes (torch.fx); engine: fx")
     for name in ("validate", "inplace", "batch_dim"):
         assert name in text
-    line = _line_of(Residual.forward, "out += x")
+    line = line_of(Residual.forward, "out += x")
     assert "`out += x` rewritten as `out = out + x`" in text
     assert [c.location.line for c in rep.pass_report("inplace").changes if c.op.startswith("operator.iadd")] == [line]
 
@@ -72,7 +67,7 @@ def test_the_report_renders_passes_changes_and_findings():
 def test_the_report_of_an_untraceable_model_says_so():
     text = str(fxdp.inspect(DataDependent(), torch.randn(3, 4)))
     assert "traced: no, falling back to the hooks engine (GradSampleModule)" in text
-    assert f"at {__file__}:{_line_of(DataDependent.forward, 'if x.mean() > 0:')}" in text
+    assert f"at {__file__}:{line_of(DataDependent.forward, 'if x.mean() > 0:')}" in text
 
 
 def test_a_failing_pass_is_named_and_keeps_its_cause(monkeypatch):

@@ -3,7 +3,6 @@ user's pattern and asserts correct per-sample gradients (against batches of one)
 before any per-sample gradient can be used."""
 
 import copy
-import inspect as pyinspect
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from fxdp.diagnostics import FxdpError
 from fxdp.layout import BatchLayout
 from fxdp.runtime.guards import BatchGuard, Reanalysis
 from fxdp.sinks.contract import sink_of
+from tests.support.source_lines import line_of
 
 
 def reference(model, inputs, batched, batch_dim=0, seed=0):
@@ -47,11 +47,6 @@ def assert_rows(model, expected):
         if p.requires_grad:
             torch.testing.assert_close(p.grad_sample, expected[name], atol=1e-5, rtol=1e-4,
                                        msg=lambda m: f"{name}: {m}")
-
-
-def line_of(cls, marker):
-    lines, start = pyinspect.getsourcelines(cls)
-    return start + next(i for i, text in enumerate(lines) if marker in text)
 
 
 # -- situation 1: a merged batch whose sequence length changes -------------------------------------
