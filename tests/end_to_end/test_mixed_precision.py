@@ -1,5 +1,6 @@
 """Mixed precision: models stored in bfloat16 and float32 models under ``torch.autocast`` (bfloat16 on the
-CPU; the code is dtype-generic, float16 on a GPU goes the same way).
+CPU). With ``FXDP_TEST_DEVICE=cuda`` the comparisons with float64 batches of one run on a GPU, float16 included
+(``docs/mixed_precision.md`` gives the run).
 
 What must hold: each sample's norm is that of its own gradient (to the dtype's precision), the clipped sum
 is formed in float32 from the half-precision per-sample gradients, and the noise is drawn in float32 and
@@ -17,6 +18,7 @@ lie between about 0.2 and 1, and the test checks that the unclipped sum is far o
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -28,8 +30,10 @@ from fxdp.optim import DPOptimizer
 from fxdp.sinks.bookkeeping import BookkeepingSink
 from fxdp.sinks.contract import sink_of
 
+DEVICE = os.environ.get("FXDP_TEST_DEVICE", "cpu")
 U_BF16 = 2.0 ** -8  # bfloat16's unit roundoff (8 significant bits)
 RTOL = 16 * U_BF16  # see the module docstring
+UNIT_ROUNDOFF = {torch.bfloat16: U_BF16, torch.float16: 2.0 ** -11}
 
 
 class Mix(nn.Module):
@@ -61,9 +65,10 @@ class Tiny(nn.Module):
         return self.head(torch.tanh(self.mix(h)).mean(1))
 
 
-def _batch(n=6, t=5, seed=0):
+def _batch(n=6, t=5, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 30, (n, t), generator=g), torch.randint(0, 4, (n,), generator=g)
+    x, y = torch.randint(0, 30, (n, t), generator=g), torch.randint(0, 4, (n,), generator=g)
+    return x.to(device), y.to(device)
 
 
 def _reference(model: nn.Module, x, y):
@@ -77,11 +82,15 @@ def _reference(model: nn.Module, x, y):
     return {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(names)}
 
 
+# name: (the parameters' dtype, autocast's dtype or None)
 PRECISIONS = {
-    "bf16 weights": (torch.bfloat16, False),
-    "autocast bf16, fp32 weights": (torch.float32, True),
-    "autocast bf16, bf16 weights": (torch.bfloat16, True),
+    "bf16 weights": (torch.bfloat16, None),
+    "autocast bf16, fp32 weights": (torch.float32, torch.bfloat16),
+    "autocast bf16, bf16 weights": (torch.bfloat16, torch.bfloat16),
 }
+if DEVICE == "cuda":  # float16 is a GPU format: the CPU has no autocast to it worth testing
+    PRECISIONS.update({"fp16 weights": (torch.float16, None),
+                       "autocast fp16, fp32 weights": (torch.float32, torch.float16)})
 ENGINES = {
     "fx book-keeping": ("fx", True),
     "fx materialised": ("fx", False),
@@ -106,10 +115,11 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_norms_and_clipped_sum_match_float64_batches_of_one(precision, engine):
     dtype, autocast = PRECISIONS[precision]
+    rtol = 16 * UNIT_ROUNDOFF[autocast or dtype]  # see the module docstring
     mode, bookkept = ENGINES[engine]
     torch.manual_seed(0)
-    model = Tiny().to(dtype)
-    x, y = _batch()
+    model = Tiny().to(DEVICE, dtype)
+    x, y = _batch(device=DEVICE)
     want = _reference(model, x, y)  # from the very parameter values the half-precision model holds
     names = list(want)
     flat = torch.cat([want[k].flatten(1) for k in names], 1)
@@ -122,7 +132,7 @@ def test_norms_and_clipped_sum_match_float64_batches_of_one(precision, engine):
 
     dp, opt = _private(model, x, mode, bookkept)
     opt.max_grad_norm = clip
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(DEVICE, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         logits = dp(x)
     F.cross_entropy(logits.float(), y, reduction="sum").backward()
 
@@ -130,23 +140,23 @@ def test_norms_and_clipped_sum_match_float64_batches_of_one(precision, engine):
     got_norms = opt.sink.squared_norms([params[k] for k in names])
     assert {sq.dtype for sq in got_norms.values()} == {torch.float32}
     total = sum(got_norms[params[k]].double() for k in names).sqrt()
-    assert _rel(total, norms) < RTOL, (total, norms)
+    assert _rel(total, norms) < rtol, (total, norms)
 
     opt.step()
     for k in names:
         p = params[k]
         assert p.grad.dtype == p.dtype
         err = _rel(p.grad, want_sum[k])
-        assert err < RTOL, f"{k}: clipped sum off by {err:.3g} (relative) against float64 batches of one"
-        if float((unclipped[k] - want_sum[k]).norm() / want_sum[k].norm()) > 4 * RTOL:
-            assert _rel(unclipped[k].to(p.dtype), want_sum[k]) > 2 * RTOL  # the check tells clipped from not
+        assert err < rtol, f"{k}: clipped sum off by {err:.3g} (relative) against float64 batches of one"
+        if float((unclipped[k] - want_sum[k]).norm() / want_sum[k].norm()) > 4 * rtol:
+            assert _rel(unclipped[k].to(p.dtype), want_sum[k]) > 2 * rtol  # the check tells clipped from not
 
 
 @pytest.mark.parametrize("mode", ["fx", "hooks"])
 def test_per_sample_gradients_of_a_bf16_model_match_float64_batches_of_one(mode):
     torch.manual_seed(1)
-    model = Tiny().to(torch.bfloat16)
-    x, y = _batch(seed=1)
+    model = Tiny().to(DEVICE, torch.bfloat16)
+    x, y = _batch(seed=1, device=DEVICE)
     want = _reference(model, x, y)
     dp = fxdp.compile_for_dp(model, (x,), loss_reduction="sum", grad_sample_mode=mode)
     F.cross_entropy(dp(x).float(), y, reduction="sum").backward()
