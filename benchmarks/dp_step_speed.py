@@ -25,9 +25,12 @@ ExpandedWeights on the transformer measured 1.31-1.47x a plain step after the ot
 alone (see docs/performance.md), fxdp 1.37-1.44 and 1.38-1.40.
 
 Usage: python benchmarks/dp_step_speed.py [--repeats 20] [--threads 2] [--models mlp,cnn,resnet,transformer,torch-transformer,lstm]
-       [--engines fxdp,opacus-ghost] [--cpu-time] [--same-process]
+       [--engines fxdp,opacus-ghost] [--cpu-time] [--same-process] [--device cuda] [--batch-scale 4]
 (``--cpu-time``: one intra-op thread, each step timed by that thread's CPU time, which other jobs on a shared
-machine disturb far less than wall time; the targets are set for wall time at 2 threads on a quiet machine.)
+machine disturb far less than wall time; the targets are set for wall time at 2 threads on a quiet machine.
+``--device cuda``: models and batches on the GPU, each step ended by ``torch.cuda.synchronize()`` so that its
+time includes its kernels, peak memory from ``torch.cuda.max_memory_allocated``; ``--batch-scale`` multiplies
+every batch size, since the sizes above leave a GPU mostly waiting on kernel launches.)
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from fxdp.sinks.bookkeeping import BookkeepingSink  # noqa: E402
 # name -> batch size; the sizes the issue names
 BATCH = {"mlp": 256, "cnn": 256, "resnet": 64, "transformer": 32, "torch-transformer": 32, "lstm": 32}
 NOISE, CLIP, LR = 1.0, 1.0, 0.05
+DEVICE = "cpu"  # --device
 OPACUS_MODES = ("hooks", "ghost", "functorch", "ew")
 
 
@@ -80,7 +84,7 @@ def noise_only(model, x, y) -> Callable[[], None]:
 
     def step():
         for p in params:
-            torch.normal(0.0, NOISE * CLIP, size=p.shape)
+            torch.normal(0.0, NOISE * CLIP, size=p.shape, device=p.device)
 
     return step
 
@@ -133,8 +137,27 @@ def opacus_step(mode: str):
     return make
 
 
+def synchronised(step: Callable[[], None]) -> Callable[[], None]:
+    """On a GPU, the step returns once its kernels have run (else the clock would time their launch only)."""
+    if DEVICE == "cpu":
+        return step
+
+    def run():
+        step()
+        torch.cuda.synchronize()
+
+    return run
+
+
 def peak_memory_mb(step: Callable[[], None]) -> float:
-    """Peak of torch's CPU allocations during one step, above the level at its start (profiler events)."""
+    """Peak of torch's allocations during one step, above the level at its start: the torch profiler's CPU
+    memory events, or on a GPU the CUDA allocator's own peak."""
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        return (torch.cuda.max_memory_allocated() - start) / 2**20
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -146,7 +169,7 @@ def peak_memory_mb(step: Callable[[], None]) -> float:
     return peak / 2**20
 
 
-def measure(name, repeats, engines=None, clock=time.perf_counter):
+def measure(name, repeats, engines=None, clock=time.perf_counter, batch_scale=1):
     """The table's rows for one model: every engine's step built from one copy each of the same model and
     batch, timed taking turns, then one profiled step each for peak memory."""
     try:
@@ -160,14 +183,14 @@ def measure(name, repeats, engines=None, clock=time.perf_counter):
               **{f"opacus-{m}": opacus_step(m) for m in opacus_modes}}
     if engines:
         makers = {k: v for k, v in makers.items() if k in ("plain", "noise only") or k in engines}
-    (factory, make_x, classes), n = models.CASES[name], BATCH[name]
+    (factory, make_x, classes), n = models.CASES[name], BATCH[name] * batch_scale
     torch.manual_seed(0)
-    model = factory()
-    x, y = make_x(n), torch.randint(0, classes, (n,))
+    model = factory().to(DEVICE)
+    x, y = make_x(n).to(DEVICE), torch.randint(0, classes, (n,)).to(DEVICE)
     steps, failed = {}, {}
     for engine, make in makers.items():
         try:
-            steps[engine] = make(copy.deepcopy(model), x, y)
+            steps[engine] = synchronised(make(copy.deepcopy(model), x, y))
         except Exception as exc:  # reported in the table, never hidden
             failed[engine] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}"
     ms = models.median_ms(steps, repeats, clock=clock)
@@ -214,14 +237,18 @@ def measure_in_own_process(name, argv) -> list:
     return json.loads(lines[-1][len(ROWS):])
 
 
-def run(names, repeats, engines=None, clock=time.perf_counter, same_process=False, argv=()):
+def run(names, repeats, engines=None, clock=time.perf_counter, same_process=False, argv=(), batch_scale=1):
     rows, own = [], not same_process and len(names) > 1
     for name in names:
-        rows += measure_in_own_process(name, argv) if own else measure(name, repeats, engines, clock)
+        rows += (measure_in_own_process(name, argv) if own
+                 else measure(name, repeats, engines, clock, batch_scale))
     timed = "CPU time of the one thread" if clock is time.thread_time else "wall time"
+    if DEVICE != "cpu":
+        timed += f" on {torch.cuda.get_device_name()}"
     where = "all models in one process" if same_process and len(names) > 1 else "each model in its own process"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {timed}, median of {repeats} steps per "
-          f"engine; engines take turns; {where}; peak memory from torch profiler CPU memory events")
+          f"engine; engines take turns; {where}; peak memory from "
+          f"{'torch profiler CPU memory events' if DEVICE == 'cpu' else 'the CUDA allocator'}")
     print(tabulate(rows, headers=["model", "batch", "engine", "ms/step", "vs plain", "peak MiB", "mem vs plain",
                                  "page faults/step", "error"],
                    tablefmt="github"))
@@ -237,14 +264,18 @@ if __name__ == "__main__":
                         help="one thread, timed by its CPU time (time.thread_time): steadier on a busy machine")
     parser.add_argument("--same-process", action="store_true",
                         help="measure all models in this one process (by default each has a fresh one)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU)")
+    parser.add_argument("--batch-scale", type=int, default=1, help="multiplies every batch size (for a GPU)")
     parser.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)  # a model's own process
     args = parser.parse_args()
+    DEVICE = args.device
     torch.set_num_threads(1 if args.cpu_time else args.threads)
     clock = time.thread_time if args.cpu_time else time.perf_counter
     engines = [e for e in args.engines.split(",") if e]
     if args.rows_only:
-        print(ROWS + json.dumps(measure(args.models, args.repeats, engines, clock)))
+        print(ROWS + json.dumps(measure(args.models, args.repeats, engines, clock, args.batch_scale)))
     else:
-        argv = ["--repeats", str(args.repeats), "--threads", str(args.threads), "--engines", args.engines]
+        argv = ["--repeats", str(args.repeats), "--threads", str(args.threads), "--engines", args.engines,
+                "--device", args.device, "--batch-scale", str(args.batch_scale)]
         run(args.models.split(","), args.repeats, engines, clock, args.same_process,
-            argv + (["--cpu-time"] if args.cpu_time else []))
+            argv + (["--cpu-time"] if args.cpu_time else []), args.batch_scale)
