@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import copyreg
+import inspect
 import pickle
 import warnings
 
@@ -20,6 +21,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from fxdp.diagnostics import FxdpError, UnsupportedInputError
 from fxdp.sinks.model_methods import OpacusModelMethods
 from fxdp.runtime.guards import GUARD_ATTR, run_eagerly
 
@@ -85,7 +87,13 @@ class CompiledGraphModule(OpacusModelMethods, torch.fx.GraphModule):
         guard = self.__dict__.get(GUARD_ATTR)
         if guard is not None:
             run_eagerly(guard.before_forward, self, args, kwargs)  # (also under torch.compile)
-        return super().__call__(*args, **kwargs)
+        try:
+            return super().__call__(*args, **kwargs)
+        except FxdpError:  # (some are TypeErrors too): already says what to do
+            raise
+        except TypeError:
+            _refuse_inputs_the_graph_does_not_take(self, args, kwargs)
+            raise
 
     # torch.fx saves the code and re-traces it on load, which renames the nodes (the DP-aware ops'
     # sites refer to them by name): the graph itself is saved instead.
@@ -175,3 +183,20 @@ def make_copyable(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         gm.__class__ = impl
         gm.recompile()
     return gm
+
+
+def _refuse_inputs_the_graph_does_not_take(gm: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A call whose inputs the graph's ``forward`` cannot take: a keyword the example inputs did not have, most
+    often (torch.export fixes a captured graph's inputs to the example's). Torch's own TypeError names nothing
+    to do; this says what was compiled and how to compile for the call."""
+    signature = inspect.signature(type(gm).forward)
+    try:
+        signature.bind(gm, *args, **kwargs)
+    except TypeError as exc:
+        taken = ", ".join(name for name in signature.parameters if name != "self")
+        given = ", ".join([f"{len(args)} positional"] + [f"{name}=" for name in kwargs])
+        raise UnsupportedInputError(
+            f"fxdp: the compiled model takes the inputs of the example it was compiled from ({taken}); this call "
+            f"passes {given} ({exc}). Pass example_inputs in the form your forward calls take (a dict of the "
+            "keyword inputs, e.g. example_inputs=dict(input_ids=..., attention_mask=...)) to make_private / "
+            "compile_for_dp") from None

@@ -11,7 +11,7 @@ from torch import nn
 
 import fxdp
 from fxdp.diagnostics import Kind
-from fxdp.errors import ExportShapeError
+from fxdp.errors import ExportShapeError, UnsupportedInputError
 from fxdp.passes.batch_rules import keeps_layout, restore_batch_rules, snapshot_batch_rules
 from fxdp.sinks.bookkeeping import BookkeepingSink
 from tests.support.source_lines import line_of
@@ -367,3 +367,25 @@ def test_a_batch_size_outside_what_the_capture_assumed_is_analysed_again():
     for n in (6, 5, 10):
         _check_against_batches_of_one(model, compiled, _x(n=n, seed=n))
     assert calls == [((5, 4, 4),), ((10, 4, 4),)]
+
+
+class WithMask(LoopOverTime):
+    def forward(self, x, mask=None):
+        h = super().forward(x)
+        return h if mask is None else h * mask
+
+
+def test_a_keyword_the_capture_did_not_have_is_refused_saying_how_to_capture_it():
+    """torch.export fixes a captured graph's inputs to the example's: a keyword the example did not pass
+    cannot reach the graph (before, torch's own TypeError from the graph's code, naming nothing to do)."""
+    compiled = fxdp.compile_for_dp(WithMask(), example_inputs=(_x(),))
+    assert fxdp.report(compiled).front_end == "torch.export"
+    with pytest.raises(UnsupportedInputError) as caught:
+        compiled(_x(), mask=torch.ones(3, 2))
+    assert str(caught.value).startswith(
+        "fxdp: the compiled model takes the inputs of the example it was compiled from (x); this call passes 1 "
+        "positional, mask= (got an unexpected keyword argument 'mask').")
+    assert "example_inputs=dict(input_ids=..., attention_mask=...)" in str(caught.value)
+    assert isinstance(caught.value, TypeError)  # what torch raised before, for code that catches it
+    with_mask = fxdp.compile_for_dp(WithMask(), example_inputs={"x": _x(), "mask": torch.ones(3, 2)})
+    assert with_mask(_x(), mask=torch.ones(3, 2)).shape == (3, 2)  # captured with the keyword: it runs
