@@ -5,6 +5,7 @@ with only the imports switched to fxdp's: synthetic data of the real shapes, sma
 
 from __future__ import annotations
 
+import copy
 from typing import Dict, List
 
 import pytest
@@ -22,7 +23,7 @@ from fxdp.layers import DPLSTM                                       # was: from
 from fxdp.optim import DPOptimizer                                   # was: from opacus.optimizers import DPOptimizer
 from fxdp.validators import (ModuleValidator, register_module_fixer,  # was: opacus.validators(.utils)
                              register_module_validator, UnsupportedModuleError)
-from tests.support.opacus_examples import collapse, independent_epsilon
+from tests.support.opacus_examples import clipped_mean_update, collapse, independent_epsilon
 
 DELTA = 1e-5
 
@@ -177,3 +178,171 @@ def test_lstm_name_classifier_tutorial():
     history = collapse(privacy_engine.accountant.history)
     assert history == [(1.3, 0.25, 4)]
     assert privacy_engine.get_epsilon(DELTA) == pytest.approx(independent_epsilon(history, DELTA, "rdp"), rel=1e-9)
+
+
+# Guide to grad samplers: a layer of one's own (an elementwise scale), its per-sample gradient rule registered
+# with register_grad_sampler as fn(layer, activations, backprops) -> {parameter: per-sample gradient}.
+class ScaleLayer(nn.Module):
+    def __init__(self, features):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(features))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+@register_grad_sampler(ScaleLayer)
+def compute_scale_layer_grad_sample(layer: ScaleLayer, activations: List[torch.Tensor],
+                                    backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
+    activations = activations[0]
+    return {layer.scale: torch.einsum("n...i,n...i->ni", backprops, activations)}
+
+
+def test_grad_sampler_guide():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), ScaleLayer(5), nn.ReLU(), nn.Linear(5, 2)).double()
+    x, y = torch.randn(7, 6, dtype=torch.float64), torch.randint(0, 2, (7,))
+    # per-sample gradients through the rule, against each sample run alone
+    gsm = GradSampleModule(model, loss_reduction="sum")
+    F.cross_entropy(gsm(x), y, reduction="sum").backward()
+    for i in range(7):
+        alone = torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1], reduction="sum"),
+                                    model[1].scale)[0]
+        torch.testing.assert_close(model[1].scale.grad_sample[i], alone)
+    gsm._close() if hasattr(gsm, "_close") else gsm.remove_hooks()
+    # and in training, through make_private
+    model = nn.Sequential(nn.Linear(6, 5), ScaleLayer(5), nn.ReLU(), nn.Linear(5, 2))
+    before = snapshot(model)
+    privacy_engine = PrivacyEngine(accountant="rdp")
+    dp_model, optimizer, loader = privacy_engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(torch.randn(32, 6), torch.randint(0, 2, (32,))), batch_size=8),
+        noise_multiplier=1.0, max_grad_norm=1.0)
+    for xb, yb in loader:
+        optimizer.zero_grad()
+        F.cross_entropy(dp_model(xb), yb).backward()
+        optimizer.step()
+    assert changed(before, model) == set(before)
+    assert collapse(privacy_engine.accountant.history) == [(1.0, 0.25, 4)]
+
+
+# Guide to the module validator: validate() lists what DP-SGD cannot train, is_valid() says whether the list is
+# empty, fix() replaces what it can; one's own rules for one's own layer, registered Opacus's way (a fixer
+# written def fix(module)).
+class MyNorm(nn.Module):
+    """Normalises over the batch dimension, as BatchNorm does: it mixes samples."""
+
+    def __init__(self, features):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(features))
+
+    def forward(self, x):
+        return (x - x.mean(0)) * self.weight
+
+
+@register_module_validator(MyNorm)
+def validate_my_norm(module: MyNorm) -> List[UnsupportedModuleError]:
+    return [UnsupportedModuleError("MyNorm normalises over the batch: replace it with nn.LayerNorm")]
+
+
+@register_module_fixer(MyNorm)
+def fix_my_norm(module: MyNorm) -> nn.Module:
+    return nn.LayerNorm(module.weight.shape[0])
+
+
+def test_module_validator_guide():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 30 * 30, 8), MyNorm(8),
+                          nn.Linear(8, 2))
+    errors = ModuleValidator.validate(model, strict=False)
+    assert len(errors) == 2
+    assert any("MyNorm normalises over the batch" in str(e) for e in errors)
+    assert not ModuleValidator.is_valid(model)
+    with pytest.raises(UnsupportedModuleError):
+        ModuleValidator.validate(model, strict=True)
+    with pytest.warns(UserWarning):
+        fixed = ModuleValidator.fix(model)
+    assert ModuleValidator.is_valid(fixed)
+    assert isinstance(fixed[4], nn.LayerNorm) and isinstance(fixed[1], nn.GroupNorm)
+    assert isinstance(model[4], MyNorm)           # fix() returns a fixed copy
+    # the fixed model trains privately
+    before = snapshot(fixed)
+    dp_model, optimizer, loader = PrivacyEngine().make_private(
+        module=fixed, optimizer=torch.optim.SGD(fixed.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(torch.randn(16, 3, 32, 32), torch.randint(0, 2, (16,))), batch_size=8),
+        noise_multiplier=1.0, max_grad_norm=1.0)
+    for xb, yb in loader:
+        optimizer.zero_grad()
+        F.cross_entropy(dp_model(xb), yb).backward()
+        optimizer.step()
+    assert changed(before, fixed) == set(before)
+
+
+# Introduction to advanced features: the three pieces PrivacyEngine ties together, built by hand (GradSampleModule,
+# DPOptimizer, DPDataLoader), an accountant fed by the optimizer's step hook; then a DPOptimizer subclass with
+# Laplace noise of its own (which fxdp runs, warning that its accountants analyse the Gaussian mechanism).
+class SampleNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 8)
+        self.fc2 = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x))
+
+
+DATASET = TensorDataset(torch.randn(100, 16), torch.randint(0, 2, (100,)))
+
+
+def test_advanced_features_intro_the_pieces_by_hand():
+    torch.manual_seed(0)
+    model = GradSampleModule(SampleNet())
+    before = snapshot(model)
+    data_loader = DPDataLoader.from_data_loader(DataLoader(DATASET, batch_size=10), distributed=False)
+    sample_rate = 1 / len(data_loader)
+    expected_batch_size = int(len(data_loader.dataset) * sample_rate)
+    optimizer = DPOptimizer(optimizer=torch.optim.SGD(model.parameters(), lr=0.05), noise_multiplier=1.0,
+                            max_grad_norm=1.0, expected_batch_size=expected_batch_size)
+    accountant = RDPAccountant()
+    optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
+    steps = 0
+    for x, y in data_loader:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        steps += 1
+    assert steps == len(data_loader) == 10
+    assert changed(before, model) == set(before)
+    assert collapse(accountant.history) == [(1.0, 0.1, 10)]
+    assert accountant.get_epsilon(delta=DELTA) == pytest.approx(
+        independent_epsilon([(1.0, 0.1, 10)], DELTA, "rdp"), rel=1e-9)
+
+
+class LaplaceDPOptimizer(DPOptimizer):
+    def add_noise(self):
+        for p in self.params:
+            noise = torch.distributions.Laplace(loc=0, scale=self.noise_multiplier * self.max_grad_norm).sample(
+                p.summed_grad.shape)
+            p.grad = (p.summed_grad + noise).view_as(p.grad if p.grad is not None else p)
+
+
+def test_advanced_features_intro_a_laplace_optimizer():
+    torch.manual_seed(0)
+    plain = SampleNet()
+    reference = copy.deepcopy(plain)
+    model = GradSampleModule(plain)
+    with pytest.warns(UserWarning, match="LaplaceDPOptimizer overrides add_noise"):
+        optimizer = LaplaceDPOptimizer(optimizer=torch.optim.SGD(model.parameters(), lr=0.05), noise_multiplier=1.0,
+                                       max_grad_norm=1.0, expected_batch_size=10)
+    x, y = DATASET.tensors[0][:10], DATASET.tensors[1][:10]
+    before = [p.detach().clone() for p in plain.parameters()]
+    optimizer.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    torch.manual_seed(7)
+    optimizer.step()
+    # the step is the clipped mean of the samples run alone plus the Laplace draws the subclass made, in its
+    # order, over the expected batch size
+    torch.manual_seed(7)
+    noise = [torch.distributions.Laplace(loc=0, scale=1.0).sample(p.shape) for p in plain.parameters()]
+    clipped = clipped_mean_update(reference, lambda m, i: F.cross_entropy(m(x[i:i + 1]), y[i:i + 1]), 10, 1.0, 10.0)
+    for (k, _), b, p, z in zip(reference.named_parameters(), before, plain.parameters(), noise):
+        torch.testing.assert_close((b - p.detach()) / 0.05, clipped[k] + z / 10, rtol=1e-4, atol=1e-5)
