@@ -226,7 +226,7 @@ def test_char_lstm_step_is_the_clipped_mean_of_samples_run_alone():
         torch.testing.assert_close(before[k] - p.detach(), expected[k], rtol=1e-6, atol=1e-9)
 
 
-# imdb: reviews as 256 token ids, an embedding averaged over the sequence and two linear layers; Adam;
+# imdb: reviews as 256 token ids, an embedding averaged over the sequence and a linear layer; Adam;
 # make_private_with_epsilon for a target ε over the epochs planned.
 class SampleNet(nn.Module):
     def __init__(self, vocab_size: int):
