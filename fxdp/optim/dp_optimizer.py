@@ -415,16 +415,20 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         then the noise is added in place, in the parameters' order, a chunk at a time, with the values
         one draw per parameter would give (:func:`~fxdp.optim.noise.add_gaussian_noise_`). Under book-keeping no
         second copy of the gradients exists at any point; with per-sample gradients materialised (a
-        :class:`GradSampleSink`) the un-noised clipped sum stays as ``p.summed_grad`` until ``zero_grad()``, as on
-        Opacus. Scaling before the all-reduce of training across
+        :class:`GradSampleSink`) they stay as ``p.grad_sample``, and the un-noised clipped sum as ``p.summed_grad``,
+        until ``zero_grad()``, as on Opacus. Scaling before the all-reduce of training across
         processes is the same sum."""
         std = self.noise_std if self._adds_noise() else 0.0
         scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
-        # With per-sample gradients materialised (they cost N gradients), the un-noised clipped sum is kept as
-        # p.summed_grad until zero_grad(), as Opacus leaves it; book-keeping keeps no second copy of the gradients
+        # With per-sample gradients materialised (they cost N gradients), p.grad_sample and the un-noised clipped
+        # sum (p.summed_grad) are left until zero_grad(), as Opacus leaves them; book-keeping keeps no second copy
+        # of the gradients
         keep_summed = isinstance(self.sink, GradSampleSink)
-        sums = self.sink.take_clipped_sums(list(factors), factors, alpha=scale) if factors else {}
-        self.sink.clear(params)
+        if keep_summed:
+            sums = {p: s.mul_(scale) for p, s in self.sink.clipped_sums(list(factors), factors).items()}
+        else:
+            sums = self.sink.take_clipped_sums(list(factors), factors, alpha=scale) if factors else {}
+            self.sink.clear(params)
         grads = []
         for p in params:
             # formed in at least float32 (the sinks' sums are), noise included: a half-precision parameter's
