@@ -306,10 +306,9 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         (after a skipped step) is kept: it belongs to the next real step."""
         self.sink.clear(self._all_params())
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
-        if not self._overrides:  # (an override's pre_step accumulates a logical batch in p.summed_grad)
-            for p in self._all_params():
-                if getattr(p, "summed_grad", None) is not None:
-                    p.summed_grad = None
+        for p in [] if self._overrides else self._all_params():  # (an override accumulates in p.summed_grad)
+            if getattr(p, "summed_grad", None) is not None:
+                p.summed_grad = None
         self._needs_zero_grad = False
         if self._logical_batches and not self._accumulating():
             # what earlier batches left is gone: only the batch handed out last can still reach the step
@@ -414,15 +413,12 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         scaled sum and frees that layer's inputs and output gradients as it goes (``take_clipped_sums``),
         then the noise is added in place, in the parameters' order, a chunk at a time, with the values
         one draw per parameter would give (:func:`~fxdp.optim.noise.add_gaussian_noise_`). Under book-keeping no
-        second copy of the gradients exists at any point; with per-sample gradients materialised (a
-        :class:`GradSampleSink`) they stay as ``p.grad_sample``, and the un-noised clipped sum as ``p.summed_grad``,
-        until ``zero_grad()``, as on Opacus. Scaling before the all-reduce of training across
+        second copy of the gradients exists at any point; materialised ones stay (see ``keep_summed``). Scaling before the all-reduce of training across
         processes is the same sum."""
         std = self.noise_std if self._adds_noise() else 0.0
         scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
-        # With per-sample gradients materialised (they cost N gradients), p.grad_sample and the un-noised clipped
-        # sum (p.summed_grad) are left until zero_grad(), as Opacus leaves them; book-keeping keeps no second copy
-        # of the gradients
+        # Materialised per-sample gradients (N gradients) stay until zero_grad(), with the un-noised clipped sum
+        # (p.summed_grad), as on Opacus; book-keeping keeps no second copy of the gradients
         keep_summed = isinstance(self.sink, GradSampleSink)
         if keep_summed:
             sums = {p: s.mul_(scale) for p, s in self.sink.clipped_sums(list(factors), factors).items()}
