@@ -233,12 +233,13 @@ class PrivacyEngine:
         target_delta: float,
         epochs: int,
         max_grad_norm: Union[float, Sequence[float]],
-        epsilon_tolerance: float = 0.001,
+        epsilon_tolerance: float = 0.01,
         **kwargs: Any,
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
         """:meth:`make_private` with the smallest noise multiplier (within ``epsilon_tolerance``) for
         which ``epochs`` epochs of training spend at most ``target_epsilon`` at ``target_delta``: ε after
-        the last step lies in ``[(1 - epsilon_tolerance) * target_epsilon, target_epsilon]``. An epoch is
+        the last step lies in ``[target_epsilon - epsilon_tolerance, target_epsilon]`` (an absolute
+        tolerance, Opacus's default; see :func:`~fxdp.accounting.get_noise_multiplier`). An epoch is
         ``len(data_loader)`` steps, as many as the loader yields (a fractional number of epochs is
         rounded up to whole steps).
 

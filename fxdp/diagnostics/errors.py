@@ -304,6 +304,13 @@ class ShouldReplaceModuleError(UnsupportedError):
     kind = Kind.SHOULD_BE_REPLACED
 
 
+class BatchNormModuleError(UnsupportedModuleError, ShouldReplaceModuleError):
+    """A BatchNorm that normalises with the batch's statistics, as ``ModuleValidator.validate`` reports it: it
+    cannot be trained privately as it is (an ``UnsupportedModuleError``), and ``ModuleValidator.fix`` replaces it
+    (also a ``ShouldReplaceModuleError``, what Opacus's validator reports for a BatchNorm, so code written for
+    Opacus that looks for that class finds it)."""
+
+
 class IllegalModuleConfigurationError(UnsupportedError):
     """The module (or model) is configured in a way DP-SGD cannot train."""
 
@@ -336,6 +343,7 @@ __all__ = [
     "AlreadyPrivateError",
     "BatchDimAnalysisError",
     "BatchMixingError",
+    "BatchNormModuleError",
     "EmptyBatchError",
     "ExportModeError",
     "ExportShapeError",

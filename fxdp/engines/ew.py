@@ -36,6 +36,19 @@ EW_SUPPORTED_LAYERS = (
 )
 
 
+def _stock_layer_ew_cannot_handle(module: nn.Module) -> bool:
+    """A layer of torch's own (or a subclass of one) outside ``EW_SUPPORTED_LAYERS``: refused when the engine is
+    built. Inside such layers the functional ops may see the batch elsewhere than in dimension 0
+    (``nn.MultiheadAttention`` runs its projections sequence first), which ExpandedWeights cannot tell. A module of
+    the user's own with parameters is let through, as on Opacus: ExpandedWeights computes the parameters that
+    reach ``F.linear``, ``F.conv*``, ... and refuses, in the forward, a parameter used by any other op
+    (:meth:`ExpandedWeightsGradSampleModule._explain` names the module and line)."""
+    if isinstance(module, EW_SUPPORTED_LAYERS):
+        return False
+    return any(cls.__module__.split(".")[0] == "torch" for cls in type(module).__mro__
+               if cls not in (nn.Module, object))
+
+
 
 class ExpandedWeightsGradSampleModule(GradSampleModuleBase):
     """PyTorch's ExpandedWeights: the forward runs with every trainable parameter replaced by an
@@ -58,12 +71,12 @@ class ExpandedWeightsGradSampleModule(GradSampleModuleBase):
         unsupported = [
             f"'{name or '<model>'}' ({type(m).__name__})"
             for name, m in model.named_modules()
-            if trainable_own_params(m) and not isinstance(m, EW_SUPPORTED_LAYERS)
+            if trainable_own_params(m) and _stock_layer_ew_cannot_handle(m)
         ]
         if unsupported:
             raise ValueError(
                 "fxdp: grad_sample_mode='ew' (PyTorch ExpandedWeights) cannot compute per-sample "
-                "gradients for the parameters of " + ", ".join(unsupported) + "; it supports "
+                "gradients for the parameters of " + ", ".join(unsupported) + "; of torch's layers it supports "
                 + ", ".join(t.__name__ for t in EW_SUPPORTED_LAYERS)
                 + ". Use grad_sample_mode='fx', 'hooks' or 'functorch', or freeze those parameters."
             )

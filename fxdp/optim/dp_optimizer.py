@@ -306,6 +306,9 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         (after a skipped step) is kept: it belongs to the next real step."""
         self.sink.clear(self._all_params())
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        for p in [] if self._overrides else self._all_params():  # (an override accumulates in p.summed_grad)
+            if getattr(p, "summed_grad", None) is not None:
+                p.summed_grad = None
         self._needs_zero_grad = False
         if self._logical_batches and not self._accumulating():
             # what earlier batches left is gone: only the batch handed out last can still reach the step
@@ -409,13 +412,19 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         Written as ``scale * S + N(0, (std * scale)^2)`` into the sum's own buffer: the sink forms each
         scaled sum and frees that layer's inputs and output gradients as it goes (``take_clipped_sums``),
         then the noise is added in place, in the parameters' order, a chunk at a time, with the values
-        one draw per parameter would give (:func:`~fxdp.optim.noise.add_gaussian_noise_`). No second
-        copy of the gradients exists at any point. Scaling before the all-reduce of training across
+        one draw per parameter would give (:func:`~fxdp.optim.noise.add_gaussian_noise_`). Under book-keeping no
+        second copy of the gradients exists at any point; materialised ones stay (see ``keep_summed``). Scaling before the all-reduce of training across
         processes is the same sum."""
         std = self.noise_std if self._adds_noise() else 0.0
         scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
-        sums = self.sink.take_clipped_sums(list(factors), factors, alpha=scale) if factors else {}
-        self.sink.clear(params)
+        # Materialised per-sample gradients (N gradients) stay until zero_grad(), with the un-noised clipped sum
+        # (p.summed_grad), as on Opacus; book-keeping keeps no second copy of the gradients
+        keep_summed = isinstance(self.sink, GradSampleSink)
+        if keep_summed:
+            sums = {p: s.mul_(scale) for p, s in self.sink.clipped_sums(list(factors), factors).items()}
+        else:
+            sums = self.sink.take_clipped_sums(list(factors), factors, alpha=scale) if factors else {}
+            self.sink.clear(params)
         grads = []
         for p in params:
             # formed in at least float32 (the sinks' sums are), noise included: a half-precision parameter's
@@ -426,6 +435,8 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
             earlier = self._summed.pop(p, None)
             if earlier is not None:
                 grad.add_(earlier.view_as(grad), alpha=scale)
+            if keep_summed:
+                p.summed_grad = (grad / scale).to(p.dtype)
             if std > 0:
                 add_gaussian_noise_(grad, std * scale, secure_mode=self.secure_mode, generator=self.generator)
             grads.append(grad)

@@ -29,7 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import UninitializedParameter
 
-from fxdp.diagnostics import UnsupportedError, UnsupportedModuleError
+from fxdp.diagnostics import BatchNormModuleError, UnsupportedError
 from fxdp.grad_sample.mixing import BATCH_NORM_FIX, batch_norm_mixing_message, uses_batch_statistics  # noqa: F401
 from fxdp.validators.module_validator import register_module_fixer, register_module_validator
 
@@ -40,7 +40,7 @@ def validate_batch_norm(module: _BatchNorm, **kwargs) -> List[UnsupportedError]:
         return []
     # the rule (which BatchNorm mixes samples, and what to do) lives in fxdp.grad_sample.mixing: the
     # per-sample engines, which refuse such a model when they are built, read it there too
-    return [UnsupportedModuleError(batch_norm_mixing_message(module), fix=BATCH_NORM_FIX)]
+    return [BatchNormModuleError(batch_norm_mixing_message(module), fix=BATCH_NORM_FIX)]
 
 
 def default_num_groups(num_channels: int) -> int:

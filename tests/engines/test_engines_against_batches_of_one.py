@@ -486,12 +486,43 @@ def test_ew_refuses_batch_second():
     assert "batch_first=False is not supported" in str(info.value)
 
 
-def test_ew_names_the_modules_it_cannot_handle():
+def test_ew_refuses_torchs_own_layers_it_cannot_handle_when_built():
+    # nn.MultiheadAttention runs its projections sequence first: ExpandedWeights would take the sequence for the batch
     with pytest.raises(ValueError) as info:
-        ExpandedWeightsGradSampleModule(nn.Sequential(build(Scaled)))
+        ExpandedWeightsGradSampleModule(nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 2)))
     message = str(info.value)
-    assert "cannot compute per-sample gradients for the parameters of '0' (Scaled)" in message
+    assert "cannot compute per-sample gradients for the parameters of '1' (MultiheadAttention)" in message
     assert "Use grad_sample_mode='fx', 'hooks' or 'functorch'" in message
+    with pytest.raises(ValueError, match=r"the parameters of '<model>' \(LSTM\)"):
+        ExpandedWeightsGradSampleModule(nn.LSTM(4, 4))
+
+
+class FunctionalLinear(nn.Module):
+    """Parameters of its own, used by F.linear: ExpandedWeights computes them (as on Opacus)."""
+
+    def __init__(self):
+        super().__init__()
+        self._weight = nn.Parameter(torch.randn(3, 5))
+        self._bias = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return F.linear(torch.tanh(x), self._weight, self._bias)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_ew_computes_a_users_module_whose_parameters_reach_f_linear(reduction):
+    torch.manual_seed(0)
+    assert_engine_matches_loop(build(FunctionalLinear), torch.randn(6, 4, 5, dtype=torch.float64), "ew", reduction)
+
+
+def test_ew_refuses_a_users_module_with_a_parameter_it_cannot_handle_in_the_forward():
+    # accepted when built, as on Opacus; the first forward names the module and the line, before any gradient
+    dp = ExpandedWeightsGradSampleModule(nn.Sequential(build(Scaled)))
+    with pytest.raises(RuntimeError) as info:
+        dp(torch.randn(2, 5, dtype=torch.float64))
+    message = str(info.value)
+    assert "grad_sample_mode='ew' (PyTorch ExpandedWeights) failed in module '0' (Scaled)" in message
+    assert "return self.fc(x * self.scale)" in message
 
 
 class WeightUsedByParent(nn.Module):

@@ -242,3 +242,38 @@ def test_privacy_engine_adaptive_clipping_accounts_the_users_sigma_and_moves_the
             module=small, optimizer=torch.optim.SGD(small.parameters(), lr=0.1),
             data_loader=DataLoader(TensorDataset(torch.randn(20, 5)), batch_size=5), noise_multiplier=1.0,
             max_grad_norm=1.0)
+
+
+# -- p.summed_grad after the default step -------------------------------------------------------------------
+
+
+def test_the_default_step_leaves_grad_sample_and_summed_grad_with_materialised_per_sample_gradients():
+    """As on Opacus: after step(), p.grad_sample holds the per-sample gradients and p.summed_grad the un-noised
+    clipped sum (not scaled), until zero_grad()."""
+    model, x, y = model_and_batch()
+    samples = per_sample_grads(model, x, y)
+    expected = clipped_sum(samples, 0.5)
+    private = fxdp.GradSampleModule(model, loss_reduction="sum")
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=1.0, max_grad_norm=0.5,
+                      expected_batch_size=6, loss_reduction="mean")
+    backward(private, x, y)
+    opt.step()
+    for k, (p, s) in enumerate(zip(model.parameters(), expected)):
+        torch.testing.assert_close(p.summed_grad, s)  # not divided by the expected batch size, as on Opacus
+        assert not torch.allclose(p.grad, s / 6)  # the noised gradient is another tensor
+        torch.testing.assert_close(p.grad_sample, torch.stack([sample[k] for sample in samples]))
+    opt.zero_grad()
+    assert all(p.summed_grad is None and p.grad_sample is None for p in model.parameters())
+
+
+def test_book_keeping_keeps_no_second_copy_of_the_gradients():
+    model, x, y = model_and_batch()
+    from fxdp.sinks.bookkeeping import BookkeepingSink
+
+    sink = BookkeepingSink()  # (make_private's default)
+    private = fxdp.compile_for_dp(model, example_inputs=(x,), loss_reduction="sum", sink=sink)
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=1.0, max_grad_norm=0.5,
+                      expected_batch_size=6, loss_reduction="sum", sink=sink)
+    backward(private, x, y)
+    opt.step()
+    assert all(getattr(p, "summed_grad", None) is None for p in model.parameters())

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fxdp.diagnostics import Kind, Severity
+from fxdp.errors import BatchNormModuleError
 from fxdp.validators import (
     IllegalModuleConfigurationError,
     ModuleFixWarning,
@@ -54,7 +55,9 @@ def assert_same_state(model, saved):
 def test_batch_norm_in_training_cannot_be_made_private():
     errors = ModuleValidator.validate(ConvBN())
     (error,) = errors
-    assert type(error) is UnsupportedModuleError and isinstance(error, ValueError)
+    assert type(error) is BatchNormModuleError and isinstance(error, UnsupportedModuleError)
+    # also the class Opacus's validator reports for a BatchNorm, for code written for Opacus that looks for it
+    assert isinstance(error, ShouldReplaceModuleError) and isinstance(error, ValueError)
     assert error.module_name == "bn" and error.module_type is nn.BatchNorm2d
     assert error.kind is Kind.CANNOT_BE_PRIVATE
     assert "ModuleValidator.fix" in error.fix and "GroupNorm" in error.fix
@@ -119,7 +122,7 @@ def test_strict_validation_raises_every_error_at_once():
         ModuleValidator.validate(model, strict=True)
     errors = info.value.errors
     assert [(type(e), e.module_name) for e in errors] == [
-        (IllegalModuleConfigurationError, "<model>"), (UnsupportedModuleError, "1"),
+        (IllegalModuleConfigurationError, "<model>"), (BatchNormModuleError, "1"),
         (IllegalModuleConfigurationError, "2"),
     ]
     text = str(info.value)
@@ -405,7 +408,7 @@ def test_validator_subclass_has_its_own_registry_and_inherits_the_defaults():
     strict_errors = StrictValidator.validate(model)
     # Linear: its own rule; BatchNorm1d: the inherited default; BatchNorm2d: overridden by the subclass.
     assert [(type(e), e.module_name) for e in strict_errors] == [
-        (NotYetSupportedModuleError, "0"), (UnsupportedModuleError, "1")]
+        (NotYetSupportedModuleError, "0"), (BatchNormModuleError, "1")]
     assert [e.module_name for e in ModuleValidator.validate(model)] == ["1", "2"]  # defaults unaffected
     assert StrictValidator.find_validator(nn.BatchNorm1d) is ModuleValidator.find_validator(nn.BatchNorm1d)
     fixed = StrictValidator.fix(model)
