@@ -34,6 +34,8 @@ from fxdp.grad_sample.transformer import (bind_block_call, block_forward, encode
                                           inputs_fit, transformer_rule_applies)
 from fxdp.layout import BATCHED, BROADCAST, BatchLayout
 from fxdp.runtime.bookkeeping_calls import call_without_param_grads
+from fxdp.runtime.compiled_delivery import (added_parameter_delivery, compiled_call_number, deliver as _deliver,
+                                            deliver_in_backward, layer_delivery)
 from fxdp.runtime.guards import BatchGuard, forward_call, run_eagerly
 from fxdp.runtime.recurrent import recurrent_forward
 from fxdp.sinks.capture import layer_capture
@@ -177,13 +179,6 @@ def _out_layouts(site: PerSampleSite, count: int) -> List[BatchLayout]:
     return list(layouts) + [layouts[-1]] * (count - len(layouts))
 
 
-def _deliver(site: PerSampleSite, capture: LayerCapture, call: int) -> None:
-    capture.call = call  # captures of different forward calls hold different samples: rows in call order
-    if site.sink is None:  # a site is given its model's sink when the per_sample pass creates it
-        raise PerSampleError(f"fxdp: node '{site.node}' has no gradient sink; compile the model with fxdp.compile_for_dp")
-    site.sink.add(capture)
-
-
 def _generic_recorder(call, leaves, layouts, positions, out_layouts, n, site):
     """The backward step of the generic rule: per-sample gradients of the leaves at ``positions``, the
     call re-run under the autocast settings of its forward (taken now: this runs as the call runs forward)."""
@@ -247,6 +242,9 @@ def dp_aware_layer(module: nn.Module, site: PerSampleSite, n: int, *args, **kwar
             lay.to_batch_first(t.detach(), n) for t, lay in zip(leaves, layouts) if isinstance(t, torch.Tensor)
         ]
 
+        if compiled_call_number(site) is not None and outputs[0].requires_grad:  # no graph break: compiled_delivery
+            return deliver_in_backward(outputs[0], layer_delivery(site, module, out_layouts[0]), n,
+                                       compiled_call_number(site), activations)
         forward = forward_call(site)
 
         def record(grads) -> None:
@@ -335,9 +333,9 @@ def dp_aware_function(site: PerSampleSite, n: int, *args, **kwargs):
     layouts = _tensor_layouts(site, leaves)
     out_layouts = _out_layouts(site, len(outputs))
     if len(param_positions) == 1 and len(outputs) == 1 and out_layouts[0].kind == BATCHED:
-        record = _added_parameter_recorder(site, n, args, kwargs, param_positions[0], out, out_layouts[0].dim)
-        if record is not None:
-            return _on_backward(out, outputs, record)
+        arranged = _added_parameter_call(site, n, args, kwargs, param_positions[0], out, out_layouts[0].dim)
+        if arranged is not None:
+            return arranged
 
     def call(flat):
         a, k = rebuild(flat)
@@ -346,9 +344,9 @@ def dp_aware_function(site: PerSampleSite, n: int, *args, **kwargs):
     return _on_backward(out, outputs, _generic_recorder(call, leaves, layouts, param_positions, out_layouts, n, site))
 
 
-def _added_parameter_recorder(site: PerSampleSite, n: int, args, kwargs, position: int, out, batch_at: int):
-    """The backward step of ``x + p`` / ``x - p`` for a parameter ``p`` broadcast against per-sample data: its
-    per-sample gradient is the output gradient summed over p's broadcast dimensions
+def _added_parameter_call(site: PerSampleSite, n: int, args, kwargs, position: int, out, batch_at: int):
+    """``out`` of ``x + p`` / ``x - p`` for a parameter ``p`` broadcast against per-sample data, arranged so that
+    backward delivers p's per-sample gradient: the output gradient summed over p's broadcast dimensions
     (:mod:`fxdp.grad_sample.broadcast`). None where that form does not apply (the generic rule decides)."""
     sign = added_parameter_sign(site.fn, position, len(args), bool(kwargs))
     param = args[position] if sign is not None and position < len(args) else None
@@ -357,6 +355,9 @@ def _added_parameter_recorder(site: PerSampleSite, n: int, args, kwargs, positio
     dims = summed_dims(out.shape, batch_at, param.shape)
     if dims is None:
         return None
+    if compiled_call_number(site) is not None and out.requires_grad:  # no graph break: see compiled_delivery
+        return deliver_in_backward(out, added_parameter_delivery(site, param, batch_at, dims, sign), n,
+                                   compiled_call_number(site), [])
     forward = forward_call(site)
     scale = sign * summed_loss_scale(site.loss_reduction, n)
 
@@ -364,4 +365,4 @@ def _added_parameter_recorder(site: PerSampleSite, n: int, args, kwargs, positio
         gs = added_parameter_grad_samples(grads[0], batch_at, param, dims, scale)
         _deliver(site, LayerCapture(n, lambda: {param: gs}, params=(param,)), forward)
 
-    return record
+    return _on_backward(out, [out], record)
