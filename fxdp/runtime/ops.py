@@ -64,6 +64,8 @@ class PerSampleSite:
     sink: Optional[GradientSink] = field(default=None, repr=False, compare=False)  # the model's sink
     guard: Optional[BatchGuard] = field(default=None, repr=False, compare=False)  # the model's fxdp_batch_guard
     calls: int = field(default=0, repr=False, compare=False)  # without a guard: calls so far (see forward_call)
+    # a stock transformer block's site: the sites of the layers inside it (see _child_site)
+    children: Dict[Tuple[str, int, str], "PerSampleSite"] = field(default_factory=dict, repr=False, compare=False)
 
     def in_layout(self, i: int) -> BatchLayout:
         if i >= len(self.layouts):  # a guess here could read another sample's data as this one's
@@ -303,18 +305,37 @@ def _transformer_call(module: nn.Module, site: PerSampleSite, n: int, leaves, la
     if isinstance(module, nn.TransformerEncoder) and encoder_would_nest(
             module, given["src"], given["mask"], given["src_key_padding_mask"]):
         return None
-    guard = site.guard if site.guard is not None else SimpleNamespace(calls=forward_call(site))
+    guard = None if site.guard is not None else SimpleNamespace(calls=forward_call(site))
 
     def call(layer: nn.Module, x: torch.Tensor, at: int, name: str) -> torch.Tensor:
         if not any(p.requires_grad for p in layer.parameters()):
             return layer(x)
-        lay = [BatchLayout.at(at)]
-        child = PerSampleSite(f"{site.node}.{name}", f"{site.target}.{name}", rule_name(layer) or "generic",
-                              site.loss_reduction, lay, lay, None, f"layer '{site.target}.{name}' "
-                              f"({type(layer).__name__})", site.sink, guard)
+        rule, kind = rule_name(layer) or "generic", type(layer).__name__
+        if guard is None:
+            child = _child_site(site, name, at, rule, kind)
+        else:  # a site without a guard numbers its forward calls itself: a site for this call
+            child = _new_child_site(site, name, at, rule, kind, guard)
         return dp_aware_layer(layer, child, n, x)
 
     return block_forward(module)(module, **given, call=call)
+
+
+def _new_child_site(site: PerSampleSite, name: str, at: int, rule: str, kind: str, guard) -> PerSampleSite:
+    lay = [BatchLayout.at(at)]
+    return PerSampleSite(f"{site.node}.{name}", f"{site.target}.{name}", rule, site.loss_reduction, lay, lay, None,
+                         f"layer '{site.target}.{name}' ({kind})", site.sink, guard)
+
+
+@torch.compiler.assume_constant_result
+def _child_site(site: PerSampleSite, name: str, at: int, rule: str, kind: str) -> PerSampleSite:
+    """The site of the layer ``name`` inside the stock transformer block of ``site``, the same object at every call:
+    under torch.compile it is looked up when dynamo traces the block (hence assume_constant_result: dynamo keeps the
+    object, not a copy it built while tracing), and the compiled backward delivers to it
+    (fxdp/runtime/compiled_delivery.py)."""
+    key = (name, at, rule)
+    if key not in site.children:
+        site.children[key] = _new_child_site(site, name, at, rule, kind, site.guard)
+    return site.children[key]
 
 
 def dp_aware_function(site: PerSampleSite, n: int, *args, **kwargs):
