@@ -64,8 +64,9 @@ class PerSampleSite:
     sink: Optional[GradientSink] = field(default=None, repr=False, compare=False)  # the model's sink
     guard: Optional[BatchGuard] = field(default=None, repr=False, compare=False)  # the model's fxdp_batch_guard
     calls: int = field(default=0, repr=False, compare=False)  # without a guard: calls so far (see forward_call)
-    # a stock transformer block's site: the sites of the layers inside it (see _child_site)
-    children: Dict[Tuple[str, int, str], "PerSampleSite"] = field(default_factory=dict, repr=False, compare=False)
+    # the site of the stock transformer block this site was made for at one call (the same sink, guard and loss
+    # reduction): under torch.compile the backward delivers through it, an object that outlives the trace
+    block: Optional["PerSampleSite"] = field(default=None, repr=False, compare=False)
 
     def in_layout(self, i: int) -> BatchLayout:
         if i >= len(self.layouts):  # a guess here could read another sample's data as this one's
@@ -176,6 +177,13 @@ def _on_backward(out, outputs: List[torch.Tensor], record):
     return pytree.tree_unflatten(leaves, spec)
 
 
+def _lasting(site: PerSampleSite) -> PerSampleSite:
+    """The site a compiled delivery refers to: the site itself, or for a layer inside a stock transformer block,
+    whose site is made anew at every call (and, under torch.compile, by dynamo while tracing: an object dynamo
+    would hand the delivery without its attributes), the block's."""
+    return site.block if site.block is not None else site
+
+
 def _out_layouts(site: PerSampleSite, count: int) -> List[BatchLayout]:
     layouts = site.out_layouts
     return list(layouts) + [layouts[-1]] * (count - len(layouts))
@@ -245,7 +253,7 @@ def dp_aware_layer(module: nn.Module, site: PerSampleSite, n: int, *args, **kwar
         ]
 
         if compiled_call_number(site) is not None and outputs[0].requires_grad:  # no graph break: compiled_delivery
-            return deliver_in_backward(outputs[0], layer_delivery(site, module, out_layouts[0]), n,
+            return deliver_in_backward(outputs[0], layer_delivery(_lasting(site), module, out_layouts[0]), n,
                                        compiled_call_number(site), activations)
         forward = forward_call(site)
 
@@ -305,37 +313,18 @@ def _transformer_call(module: nn.Module, site: PerSampleSite, n: int, leaves, la
     if isinstance(module, nn.TransformerEncoder) and encoder_would_nest(
             module, given["src"], given["mask"], given["src_key_padding_mask"]):
         return None
-    guard = None if site.guard is not None else SimpleNamespace(calls=forward_call(site))
+    guard = site.guard if site.guard is not None else SimpleNamespace(calls=forward_call(site))
 
     def call(layer: nn.Module, x: torch.Tensor, at: int, name: str) -> torch.Tensor:
         if not any(p.requires_grad for p in layer.parameters()):
             return layer(x)
-        rule, kind = rule_name(layer) or "generic", type(layer).__name__
-        if guard is None:
-            child = _child_site(site, name, at, rule, kind)
-        else:  # a site without a guard numbers its forward calls itself: a site for this call
-            child = _new_child_site(site, name, at, rule, kind, guard)
+        lay = [BatchLayout.at(at)]
+        child = PerSampleSite(f"{site.node}.{name}", f"{site.target}.{name}", rule_name(layer) or "generic",
+                              site.loss_reduction, lay, lay, None, f"layer '{site.target}.{name}' "
+                              f"({type(layer).__name__})", site.sink, guard, block=_lasting(site))
         return dp_aware_layer(layer, child, n, x)
 
     return block_forward(module)(module, **given, call=call)
-
-
-def _new_child_site(site: PerSampleSite, name: str, at: int, rule: str, kind: str, guard) -> PerSampleSite:
-    lay = [BatchLayout.at(at)]
-    return PerSampleSite(f"{site.node}.{name}", f"{site.target}.{name}", rule, site.loss_reduction, lay, lay, None,
-                         f"layer '{site.target}.{name}' ({kind})", site.sink, guard)
-
-
-@torch.compiler.assume_constant_result
-def _child_site(site: PerSampleSite, name: str, at: int, rule: str, kind: str) -> PerSampleSite:
-    """The site of the layer ``name`` inside the stock transformer block of ``site``, the same object at every call:
-    under torch.compile it is looked up when dynamo traces the block (hence assume_constant_result: dynamo keeps the
-    object, not a copy it built while tracing), and the compiled backward delivers to it
-    (fxdp/runtime/compiled_delivery.py)."""
-    key = (name, at, rule)
-    if key not in site.children:
-        site.children[key] = _new_child_site(site, name, at, rule, kind, site.guard)
-    return site.children[key]
 
 
 def dp_aware_function(site: PerSampleSite, n: int, *args, **kwargs):
@@ -377,7 +366,7 @@ def _added_parameter_call(site: PerSampleSite, n: int, args, kwargs, position: i
     if dims is None:
         return None
     if compiled_call_number(site) is not None and out.requires_grad:  # no graph break: see compiled_delivery
-        return deliver_in_backward(out, added_parameter_delivery(site, param, batch_at, dims, sign), n,
+        return deliver_in_backward(out, added_parameter_delivery(_lasting(site), param, batch_at, dims, sign), n,
                                    compiled_call_number(site), [])
     forward = forward_call(site)
     scale = sign * summed_loss_scale(site.loss_reduction, n)
