@@ -173,7 +173,7 @@ class OneHeadAttention(nn.Module):
 
     def forward(self, idx):
         n, t = idx.shape
-        h = self.tok(idx) + self.pos(torch.arange(t).expand(n, t))
+        h = self.tok(idx) + self.pos(torch.arange(t, device=idx.device).expand(n, t))
         scores = self.q(h) @ self.k(h).transpose(1, 2) / h.shape[-1] ** 0.5
         att = scores.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(-1)
         h = self.norm(h + self.o(att @ self.v(h)))

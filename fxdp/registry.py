@@ -29,6 +29,8 @@ from __future__ import annotations
 import sys
 from typing import Callable, Dict, Generic, List, Optional, Sequence, Set, Tuple, TypeVar
 
+import torch
+
 V = TypeVar("V")
 
 
@@ -138,6 +140,11 @@ class TypeRegistry(Generic[V]):
 
     def _register_imported(self) -> None:
         """Register the classes of ``by_path`` whose module has been imported since the last look."""
+        if torch.compiler.is_dynamo_compiling():
+            # Traced, the scan below would make torch.compile guard on len(sys.modules) and compile the model again
+            # after every import. A class that can be looked up exists, so its module was imported before the
+            # model was compiled for DP, whose lookups (eager) registered it.
+            return
         state = (len(sys.modules), len(self.by_path), getattr(self.entries, "changes", None))
         if not self.by_path or (state == self._scanned and state[2] is not None):
             return

@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import weakref
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -59,15 +58,19 @@ class InProjection(nn.Linear):
         return f"in_proj: {super().extra_repr()}"
 
 
-_VIEWS: "weakref.WeakKeyDictionary[nn.Module, InProjection]" = weakref.WeakKeyDictionary()
+_VIEW_ATTR = "_fxdp_in_projection"  # where an attention keeps its InProjection
 
 
 def in_projection(attention: nn.MultiheadAttention) -> InProjection:
     """The attention's :class:`InProjection`, the same object at every call while the attention keeps its
-    parameters (sinks key their plans by layer)."""
-    view = _VIEWS.get(attention)
+    parameters (sinks key their plans by layer). Kept in the attention's ``__dict__`` (no submodule: not in its
+    ``state_dict`` or ``modules()``), where torch.compile reads it as an attribute of the module; a global weak
+    dictionary, dynamo traces and guards entry by entry (and failed building a guard when an entry of another
+    model went away while it compiled)."""
+    view = attention.__dict__.get(_VIEW_ATTR)
     if view is None or view.weight is not attention.in_proj_weight or view.bias is not attention.in_proj_bias:
-        view = _VIEWS[attention] = InProjection(attention)
+        view = InProjection(attention)
+        attention.__dict__[_VIEW_ATTR] = view
     return view
 
 

@@ -30,7 +30,7 @@ from fxdp import meta, runtime
 from fxdp.diagnostics import WHOLE_MODEL, Finding, Kind, PassReport, PassResult, Severity, op_name
 from fxdp.grad_sample.recurrent import recurrent_rule_applies
 from fxdp.grad_sample.registry import rule_name
-from fxdp.grad_sample.transformer import transformer_rule_applies
+from fxdp.grad_sample.transformer import in_projection, transformer_rule_applies
 from fxdp.sinks.contract import SINK_ATTR, GradientSink, GradSampleSink
 from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED, UNKNOWN, BatchLayout
 from fxdp.frontends.fx import source_location
@@ -165,6 +165,9 @@ def insert_per_sample_ops(gm: torch.fx.GraphModule, *, loss_reduction: str = "me
                 rule = "recurrent"  # step by step, one Linear-like capture per projection (generic if the batch moved)
             elif rule == "generic" and not arg_params and transformer_rule_applies(module):
                 rule = "transformer"  # each projection, feed-forward layer and norm a DP-aware call of its own
+                for attention in module.modules():  # its in-projection made now: under torch.compile, made in
+                    if isinstance(attention, nn.MultiheadAttention) and attention.in_proj_weight is not None:
+                        in_projection(attention)  # the traced forward, a Module is a graph break per block
             target, call, fn = node.target, runtime.dp_aware_layer, None
             what = f"layer '{node.target}' ({type(module).__name__})"
         elif node.op in ("call_function", "call_method") and arg_params:

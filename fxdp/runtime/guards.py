@@ -130,6 +130,9 @@ class BatchGuard:
     sites: List[Any] = field(default_factory=list, repr=False)
     frozen: List[FrozenUse] = field(default_factory=list, repr=False)
     calls: int = 0  # forward calls so far: which call a capture belongs to
+    # ``calls`` as a tensor, what code compiled by torch.compile reads (an int it would specialise on, and compile
+    # again at every forward); see fxdp/runtime/compiled_delivery.py
+    call_number: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     folded: Dict[str, List[str]] = field(default_factory=dict, repr=False)  # a site's inputs after folding
     current: Any = field(default=None, repr=False)  # the signature the sites' layouts hold for
     # For a graph symbolic in the batch size (torch.export's capture): layouts analysed for one admitted batch
@@ -302,6 +305,7 @@ def _guarded_batch_size(guard: BatchGuard, *inputs) -> int:
     if torch.is_grad_enabled():
         guard.check(inputs)
     guard.calls += 1
+    guard.call_number = torch.tensor(guard.calls)
     return guard.size_of(inputs)
 
 

@@ -34,6 +34,8 @@ from fxdp.grad_sample.transformer import (bind_block_call, block_forward, encode
                                           inputs_fit, transformer_rule_applies)
 from fxdp.layout import BATCHED, BROADCAST, BatchLayout
 from fxdp.runtime.bookkeeping_calls import call_without_param_grads
+from fxdp.runtime.compiled_delivery import (added_parameter_delivery, compiled_call_number, deliver as _deliver,
+                                            deliver_in_backward, layer_delivery)
 from fxdp.runtime.guards import BatchGuard, forward_call, run_eagerly
 from fxdp.runtime.recurrent import recurrent_forward
 from fxdp.sinks.capture import layer_capture
@@ -62,6 +64,9 @@ class PerSampleSite:
     sink: Optional[GradientSink] = field(default=None, repr=False, compare=False)  # the model's sink
     guard: Optional[BatchGuard] = field(default=None, repr=False, compare=False)  # the model's fxdp_batch_guard
     calls: int = field(default=0, repr=False, compare=False)  # without a guard: calls so far (see forward_call)
+    # the site of the stock transformer block this site was made for at one call (the same sink, guard and loss
+    # reduction): under torch.compile the backward delivers through it, an object that outlives the trace
+    block: Optional["PerSampleSite"] = field(default=None, repr=False, compare=False)
 
     def in_layout(self, i: int) -> BatchLayout:
         if i >= len(self.layouts):  # a guess here could read another sample's data as this one's
@@ -172,16 +177,16 @@ def _on_backward(out, outputs: List[torch.Tensor], record):
     return pytree.tree_unflatten(leaves, spec)
 
 
+def _lasting(site: PerSampleSite) -> PerSampleSite:
+    """The site a compiled delivery refers to: the site itself, or for a layer inside a stock transformer block,
+    whose site is made anew at every call (and, under torch.compile, by dynamo while tracing: an object dynamo
+    would hand the delivery without its attributes), the block's."""
+    return site.block if site.block is not None else site
+
+
 def _out_layouts(site: PerSampleSite, count: int) -> List[BatchLayout]:
     layouts = site.out_layouts
     return list(layouts) + [layouts[-1]] * (count - len(layouts))
-
-
-def _deliver(site: PerSampleSite, capture: LayerCapture, call: int) -> None:
-    capture.call = call  # captures of different forward calls hold different samples: rows in call order
-    if site.sink is None:  # a site is given its model's sink when the per_sample pass creates it
-        raise PerSampleError(f"fxdp: node '{site.node}' has no gradient sink; compile the model with fxdp.compile_for_dp")
-    site.sink.add(capture)
 
 
 def _generic_recorder(call, leaves, layouts, positions, out_layouts, n, site):
@@ -247,6 +252,9 @@ def dp_aware_layer(module: nn.Module, site: PerSampleSite, n: int, *args, **kwar
             lay.to_batch_first(t.detach(), n) for t, lay in zip(leaves, layouts) if isinstance(t, torch.Tensor)
         ]
 
+        if compiled_call_number(site) is not None and outputs[0].requires_grad:  # no graph break: compiled_delivery
+            return deliver_in_backward(outputs[0], layer_delivery(_lasting(site), module, out_layouts[0]), n,
+                                       compiled_call_number(site), activations)
         forward = forward_call(site)
 
         def record(grads) -> None:
@@ -313,7 +321,7 @@ def _transformer_call(module: nn.Module, site: PerSampleSite, n: int, leaves, la
         lay = [BatchLayout.at(at)]
         child = PerSampleSite(f"{site.node}.{name}", f"{site.target}.{name}", rule_name(layer) or "generic",
                               site.loss_reduction, lay, lay, None, f"layer '{site.target}.{name}' "
-                              f"({type(layer).__name__})", site.sink, guard)
+                              f"({type(layer).__name__})", site.sink, guard, block=_lasting(site))
         return dp_aware_layer(layer, child, n, x)
 
     return block_forward(module)(module, **given, call=call)
@@ -335,9 +343,9 @@ def dp_aware_function(site: PerSampleSite, n: int, *args, **kwargs):
     layouts = _tensor_layouts(site, leaves)
     out_layouts = _out_layouts(site, len(outputs))
     if len(param_positions) == 1 and len(outputs) == 1 and out_layouts[0].kind == BATCHED:
-        record = _added_parameter_recorder(site, n, args, kwargs, param_positions[0], out, out_layouts[0].dim)
-        if record is not None:
-            return _on_backward(out, outputs, record)
+        arranged = _added_parameter_call(site, n, args, kwargs, param_positions[0], out, out_layouts[0].dim)
+        if arranged is not None:
+            return arranged
 
     def call(flat):
         a, k = rebuild(flat)
@@ -346,9 +354,9 @@ def dp_aware_function(site: PerSampleSite, n: int, *args, **kwargs):
     return _on_backward(out, outputs, _generic_recorder(call, leaves, layouts, param_positions, out_layouts, n, site))
 
 
-def _added_parameter_recorder(site: PerSampleSite, n: int, args, kwargs, position: int, out, batch_at: int):
-    """The backward step of ``x + p`` / ``x - p`` for a parameter ``p`` broadcast against per-sample data: its
-    per-sample gradient is the output gradient summed over p's broadcast dimensions
+def _added_parameter_call(site: PerSampleSite, n: int, args, kwargs, position: int, out, batch_at: int):
+    """``out`` of ``x + p`` / ``x - p`` for a parameter ``p`` broadcast against per-sample data, arranged so that
+    backward delivers p's per-sample gradient: the output gradient summed over p's broadcast dimensions
     (:mod:`fxdp.grad_sample.broadcast`). None where that form does not apply (the generic rule decides)."""
     sign = added_parameter_sign(site.fn, position, len(args), bool(kwargs))
     param = args[position] if sign is not None and position < len(args) else None
@@ -357,6 +365,9 @@ def _added_parameter_recorder(site: PerSampleSite, n: int, args, kwargs, positio
     dims = summed_dims(out.shape, batch_at, param.shape)
     if dims is None:
         return None
+    if compiled_call_number(site) is not None and out.requires_grad:  # no graph break: see compiled_delivery
+        return deliver_in_backward(out, added_parameter_delivery(_lasting(site), param, batch_at, dims, sign), n,
+                                   compiled_call_number(site), [])
     forward = forward_call(site)
     scale = sign * summed_loss_scale(site.loss_reduction, n)
 
@@ -364,4 +375,4 @@ def _added_parameter_recorder(site: PerSampleSite, n: int, args, kwargs, positio
         gs = added_parameter_grad_samples(grads[0], batch_at, param, dims, scale)
         _deliver(site, LayerCapture(n, lambda: {param: gs}, params=(param,)), forward)
 
-    return record
+    return _on_backward(out, [out], record)
