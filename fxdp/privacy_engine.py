@@ -44,6 +44,8 @@ from fxdp.data import DPDataLoader
 from fxdp.data.loader import first_samples_batch, loader_options
 from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer, bucket_bytes_of, check_poisson_group,
                               global_batch_size, split_data_parallel, wrap_like)
+from fxdp.distributed.fsdp import DPFullyShardedModule, check_sharded_mode, report_sharding, sharding_plan_of
+from fxdp.distributed.sharded_optimizer import FullyShardedDPOptimizer
 from fxdp.engines import DPLossFastGradientClipping
 from fxdp.optim import AdaClipDPOptimizer, DPOptimizer
 from fxdp.optim.noise import secure_seed
@@ -149,18 +151,26 @@ class PrivacyEngine:
         gradients, and ``fxdp.report(module)`` says per layer how. ``materialise_grad_sample=True`` keeps
         ``p.grad_sample`` instead (the other engines always materialise it).
         """
-        if grad_sample_mode == "ghost_fsdp":
-            raise ValueError("fxdp: grad_sample_mode='ghost_fsdp' (FSDP) is not supported yet; use "
-                             "grad_sample_mode='ghost' (or the default 'fx'), with DDP for several processes")
+        sharded = sharding_plan_of(module)  # FSDP2 (fully_shard): its plan; FSDP1 is refused with the reason
+        if grad_sample_mode == "ghost_fsdp":  # Opacus's name: book-keeping on a fully_shard model
+            if sharded is None:
+                raise ValueError("fxdp: grad_sample_mode='ghost_fsdp' is for a model sharded with "
+                                 "torch.distributed.fsdp.fully_shard; for this model use 'ghost' or the default 'fx'")
+            grad_sample_mode = "fx"
         if grad_sample_mode == "ghost":
             grad_sample_mode = "fx"
         _check_types(module, optimizer, data_loader)
         _check_optimizer_params_in_module(module, optimizer)
         self._check_not_private_elsewhere(module)
         steps_per_epoch = _check_fixed_batch_accounting(fixed_batch_accounting, poisson_sampling, data_loader, module)
-        module, ddp = split_data_parallel(module)  # DDP: compile its model; the optimizer communicates instead
+        module, ddp = split_data_parallel(module) if sharded is None else (module, None)
         bookkept = grad_sample_mode == "fx" and not materialise_grad_sample
-        if not wrap_model:
+        if sharded is not None:  # FSDP runs the model; the hooks engine sits on its layers (fxdp/distributed/fsdp.py)
+            check_sharded_mode(grad_sample_mode, wrap_model)
+            compiled = attach_hooks(module, batch_dim=0 if batch_first else 1, loss_reduction=loss_reduction,
+                                    sink=BookkeepingSink() if bookkept else None)
+            report_sharding(compiled, sharded, bookkept)
+        elif not wrap_model:
             if ddp is not None:
                 raise ValueError("fxdp: wrap_model=False with a DistributedDataParallel model is not supported: "
                                  "pass wrap_model=True (the default) and call the model make_private returns")
@@ -181,16 +191,20 @@ class PrivacyEngine:
             if from_loader is not None:
                 from_loader.mark(compiled)
         self._originals[compiled] = module
-        data_loader, sample_rate, expected_batch_size = self._prepare_data(data_loader, poisson_sampling, ddp)
+        data_loader, sample_rate, expected_batch_size = self._prepare_data(data_loader, poisson_sampling,
+                                                                           ddp if sharded is None else sharded)
         optimizer_class, across_ranks = DPOptimizer, dict(optimizer_kwargs)
         if clipping == "adaptive":
-            if ddp is not None:
+            if ddp is not None or sharded is not None:
                 raise ValueError("fxdp: clipping='adaptive' is for one process (its unclipped count is not "
                                  "combined across processes yet); use clipping='flat' with DDP")
             optimizer_class, clipping = AdaClipDPOptimizer, "flat"
         if ddp is not None:
             optimizer_class = DistributedDPOptimizer
             across_ranks.update(process_group=ddp.process_group, bucket_bytes=bucket_bytes_of(ddp))
+        if sharded is not None:
+            optimizer_class = FullyShardedDPOptimizer
+            across_ranks.update(plan=sharded)
         dp_optimizer = optimizer_class(
             optimizer,
             noise_multiplier=noise_multiplier,
@@ -218,6 +232,8 @@ class PrivacyEngine:
             dp_optimizer.expect_observed_batches()
         if ddp is not None:
             compiled = wrap_like(compiled, ddp)
+        if sharded is not None:
+            compiled = DPFullyShardedModule(module, compiled, sharded)
         if criterion is not None:
             return compiled, dp_optimizer, DPLossFastGradientClipping(
                 compiled, dp_optimizer, criterion, loss_reduction), data_loader
