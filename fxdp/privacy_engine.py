@@ -121,7 +121,8 @@ class PrivacyEngine:
         clipping surface) ``(compiled model, DPOptimizer, DPLossFastGradientClipping, data loader)``: the
         criterion wrapped to return per-sample losses whose ``backward()`` is one ordinary backward.
         ``grad_sample_mode="ghost"`` is the default ``"fx"``, which book-keeps already (one backward gives
-        per-sample norms and clipped sums); ``"ghost_fsdp"`` is refused (FSDP is not supported yet).
+        per-sample norms and clipped sums); ``"ghost_fsdp"`` is Opacus's name for it on a model sharded with ``fully_shard``
+        (FSDP2; see docs/distributed.md), refused for any other model.
         ``wrap_model=False`` (Opacus 1.6): keep calling ``module`` itself; the hooks engine is put on it (with
         book-keeping unless ``materialise_grad_sample``) and returned in the model's place, as
         :class:`~fxdp.engines.hooks.GradSampleHooks` (``cleanup()`` detaches it; the optimizer keeps it alive).

@@ -7,7 +7,11 @@ once per logical step, with the noise added once (by rank 0) for the global batc
 
 ``DistributedDPOptimizer``   the DP optimizer whose clipped sums are summed over the ranks
 ``DPDistributedDataParallel`` what make_private returns for a DDP model: its surface, no reducer
-``split_data_parallel``       (model to compile, DDP wrapper or None); refuses FSDP and DataParallel
+``split_data_parallel``       (model to compile, DDP wrapper or None); refuses FSDP1 and DataParallel
+
+A model sharded with FSDP2 (``fully_shard``) is trained as FSDP runs it, with each parameter's clipped sum
+reduce-scattered into its shards: :mod:`fxdp.distributed.fsdp` (the model side) and
+:mod:`fxdp.distributed.sharded_optimizer` (``FullyShardedDPOptimizer``).
 ``global_batch_size``         the global batch of a non-Poisson loader with a DistributedSampler
 """
 

@@ -177,7 +177,8 @@ class FullyShardedDPOptimizer(DPOptimizer):
         padded = full.new_zeros((chunk * self.world_size, *full.shape[1:]))
         padded[:full.shape[0]] = full
         out = full.new_empty((chunk, *full.shape[1:]))
-        dist.reduce_scatter_tensor(out, padded, op=dist.ReduceOp.SUM, group=self.process_group)
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # (newer name)
+        reduce_scatter(out, padded, op=dist.ReduceOp.SUM, group=self.process_group)
         return out
 
     def state_dict(self) -> Dict[str, Any]:

@@ -316,5 +316,51 @@ def test_the_report_says_how_the_model_is_sharded_and_which_layers_are_book_kept
     assert "embed: rule for Embedding, book-kept" in text
 
 
+# -- in this process: a mesh of one ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def mesh_of_one():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch build has no torch.distributed with gloo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_opacus_ghost_fsdp_is_the_default_on_a_fully_shard_model_and_other_engines_are_refused(mesh_of_one):
+    from torch.distributed.fsdp import fully_shard
+
+    from torch.utils.data.distributed import DistributedSampler
+
+    from fxdp.privacy_engine import PrivacyEngine
+
+    ds = make_dataset("mlp")
+    loader = DataLoader(ds, batch_size=GLOBAL_BATCH, sampler=DistributedSampler(ds, shuffle=False))
+    ends = []
+    for mode in ("ghost_fsdp", "fx"):
+        model = fully_shard(make_model("mlp"), mesh=mesh_of_one)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        model, opt, dp_loader = PrivacyEngine().make_private(
+            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=0.0, max_grad_norm=CLIP,
+            poisson_sampling=False, grad_sample_mode=mode)
+        train_steps(model, opt, dp_loader)
+        ends.append(full_params(model))
+    assert_params_close(ends[0], single_process("mlp"))
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+    for mode, match in (("ew", "'ew' is not available for a fully_shard model.*'fx'"),
+                        ("functorch", "'functorch' is not available for a fully_shard model")):
+        model = fully_shard(make_model("mlp"), mesh=mesh_of_one)
+        with pytest.raises(ValueError, match=match):
+            PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+                                         data_loader=loader, noise_multiplier=0.0, max_grad_norm=CLIP,
+                                         poisson_sampling=False, grad_sample_mode=mode)
+
+
 if __name__ == "__main__":
     _rank_main(int(sys.argv[1]), sys.argv[2], sys.argv[3])
