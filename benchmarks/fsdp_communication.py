@@ -76,7 +76,7 @@ class Counter:
     def __init__(self, world: int):
         import torch.distributed as dist
 
-        self.world, self.phase, self.counts = world, "build", {}
+        self.world, self.phase, self.counts, self.depth = world, "build", {}, 0
         for name, (arg, ring) in COLLECTIVES.items():
             original = getattr(dist, name, None)
             if original is not None:
@@ -84,11 +84,17 @@ class Counter:
 
     def _wrap(self, name, original, arg, ring):
         def counted(*args, **kwargs):
+            if self.depth:  # a collective torch implements with another one (an old name calling the new): once
+                return original(*args, **kwargs)
             t = args[arg] if len(args) > arg else next(iter(kwargs.values()))
             calls, full, sent = self.counts.get((self.phase, name), (0, 0, 0.0))
             self.counts[self.phase, name] = (calls + 1, full + t.numel() * t.element_size(),
                                              sent + t.numel() * t.element_size() * ring(self.world))
-            return original(*args, **kwargs)
+            self.depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.depth -= 1
 
         return counted
 
