@@ -395,16 +395,19 @@ class PrivacyEngine:
         history and the schedulers' states (:mod:`fxdp.optim.schedulers`) to ``path`` with ``torch.save``;
         ``checkpoint_dict`` adds entries of your own (the epoch, say). The weights are saved under the plain
         model's parameter names, so ``model.load_state_dict(torch.load(path)["module_state_dict"])`` works
-        without fxdp."""
+        without fxdp. A model sharded with ``fully_shard``: call it on every rank (the whole tensors are
+        gathered), rank 0 writes; ``load_checkpoint`` on every rank, each keeps its shards."""
         checkpoint = dict(checkpoint_dict or {})
-        checkpoint[MODULE_KEY] = self._plain(module).state_dict()
+        sharded = isinstance(module, DPFullyShardedModule)  # whole tensors gathered: every rank calls, rank 0 writes
+        checkpoint[MODULE_KEY] = module.full_state_dict() if sharded else self._plain(module).state_dict()
         checkpoint[ACCOUNTANT_KEY] = self.accountant.state_dict()
         if optimizer is not None:
             checkpoint[OPTIMIZER_KEY] = optimizer.state_dict()
         for name, scheduler in (("noise_scheduler", noise_scheduler), ("grad_clip_scheduler", grad_clip_scheduler)):
             if scheduler is not None:
                 checkpoint[SCHEDULER_KEYS[name]] = scheduler.state_dict()
-        torch.save(checkpoint, path)
+        if not sharded or torch.distributed.get_rank() == 0:
+            torch.save(checkpoint, path)
 
     def load_checkpoint(
         self,
@@ -431,7 +434,10 @@ class PrivacyEngine:
             if scheduler is not None and SCHEDULER_KEYS[name] not in checkpoint:
                 raise ValueError(f"fxdp: {path} holds no {name} state (it was saved without {name}=); call "
                                  f"load_checkpoint without {name}, or save it too")
-        self._plain(module).load_state_dict(checkpoint.pop(MODULE_KEY))
+        if isinstance(module, DPFullyShardedModule):
+            module.load_full_state_dict(checkpoint.pop(MODULE_KEY))
+        else:
+            self._plain(module).load_state_dict(checkpoint.pop(MODULE_KEY))
         self.accountant.load_state_dict(checkpoint.pop(ACCOUNTANT_KEY))
         optimizer_state = checkpoint.pop(OPTIMIZER_KEY, None)
         if optimizer is not None:

@@ -114,6 +114,7 @@ class ShardingPlan:
                 raise NotImplementedError(
                     "fxdp: every parameter of a fully_shard model must be sharded on dimension 0 over one mesh "
                     "(fully_shard's default); a custom shard_placement_fn or a second mesh is not supported")
+        self.root = root
         self.process_group = self.mesh.get_group()
         self.world_size = self.mesh.size()
         self.gathered = self._gathered_twins(root, sharded)
@@ -166,6 +167,19 @@ class DPFullyShardedModule(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none=set_to_none)
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The model's state dict with whole tensors (on the CPU), under the plain model's names, as one process
+        saves it: a collective, every rank calls it (``PrivacyEngine.save_checkpoint`` does)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        """Each rank keeps its shards of a whole state dict (:meth:`full_state_dict`, or one process's)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.module, state_dict, options=StateDictOptions(full_state_dict=True))
 
     @property
     def fxdp_sink(self):

@@ -35,6 +35,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+
 from fxdp.optim import DPOptimizer
 from fxdp.optim.noise import add_gaussian_noise_
 from fxdp.sinks.contract import GradientSink, GradSampleSink, PerSampleError
@@ -182,15 +185,28 @@ class FullyShardedDPOptimizer(DPOptimizer):
         return out
 
     def state_dict(self) -> Dict[str, Any]:
-        """As :meth:`DPOptimizer.state_dict`, the wrapped optimizer's state as this rank's shards (save it with
-        the model's sharded state dict, see ``PrivacyEngine.save_checkpoint``); refused in the middle of a
-        logical batch, whose clipped sums are spread over the ranks."""
+        """As :meth:`DPOptimizer.state_dict`, with the wrapped optimizer's state as whole tensors under the
+        parameters' names (``torch.distributed.checkpoint``'s full optimizer state dict): a collective, every rank
+        calls it. Refused in the middle of a logical batch, whose clipped sums are spread over the ranks."""
         if self._summed:
             raise RuntimeError(
                 "fxdp: cannot save a sharded DP optimizer in the middle of a logical batch (after "
                 "signal_skip_step): its clipped sums so far are spread over the ranks. Save after optimizer.step() "
                 "of the last physical batch")
-        return super().state_dict()
+        state = super().state_dict()
+        state["optimizer"] = get_optimizer_state_dict(
+            self.plan.root, self.original_optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """As :meth:`DPOptimizer.load_state_dict`, from a :meth:`state_dict` of whole tensors: each rank keeps
+        its shards of the wrapped optimizer's state."""
+        if set(state_dict) != {"optimizer", "fxdp"}:
+            raise ValueError("fxdp: a sharded DP optimizer loads what FullyShardedDPOptimizer.state_dict saved "
+                             "(PrivacyEngine.save_checkpoint with the sharded model)")
+        set_optimizer_state_dict(self.plan.root, self.original_optimizer, state_dict["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+        super().load_state_dict({"optimizer": self.original_optimizer.state_dict(), "fxdp": state_dict["fxdp"]})
 
     def __repr__(self) -> str:
         return f"FullySharded{super().__repr__()[:-1]},\n  rank={self.rank}, world_size={self.world_size})"

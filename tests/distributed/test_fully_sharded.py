@@ -203,6 +203,24 @@ def _rank_main(rank: int, out_dir: str, store: str) -> None:
         results["poisson"] = dict(epsilon=engine.get_epsilon(1e-5), history=list(engine.accountant.history),
                                   seen=seen, sample_rate=loader.sample_rate,
                                   expected_batch_size=opt.expected_batch_size, params=full_params(model))
+        checkpoint = f"{out_dir}/checkpoint.pt"
+        engine.save_checkpoint(path=checkpoint, module=model, optimizer=opt)  # every rank: shards gathered
+        dist.barrier()
+        again = PrivacyEngine()
+        model2, opt2, _ = private(again, sharded(make_model("mlp")),
+                                  DataLoader(ds, batch_size=5, sampler=DistributedSampler(ds)), kind="mlp",
+                                  sigma=1.0, poisson=True)
+        again.load_checkpoint(path=checkpoint, module=model2, optimizer=opt2)
+        results["reloaded"] = dict(epsilon=again.get_epsilon(1e-5), params=full_params(model2), steps=opt2.steps)
+        # one more step without noise on both: the momentum buffers came back too
+        x, y = empty_share_batches("mlp", rank)[0]
+        for m, o in ((model, opt), (model2, opt2)):
+            o.noise_multiplier = 0.0
+            o.observe_batch(empty=False)  # (as the Poisson loader does: the same batch for both here)
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+        results["after reload"] = (full_params(model), full_params(model2))
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -306,6 +324,32 @@ def test_poisson_sampling_of_shares_and_the_same_epsilon_on_every_rank(ranks):
         assert torch.unique(rows, dim=0).shape[0] == rows.shape[0]
     for name in p0["params"]:
         assert torch.equal(p0["params"][name], p1["params"][name])
+
+
+def test_a_sharded_checkpoint_keeps_epsilon_weights_and_optimizer_state(ranks):
+    saved = ranks[0]["poisson"]
+    for r in range(WORLD):
+        assert ranks[r]["reloaded"]["epsilon"] == saved["epsilon"]
+        assert ranks[r]["reloaded"]["steps"] == 4
+        for name in saved["params"]:
+            assert torch.equal(ranks[r]["reloaded"]["params"][name], saved["params"][name])
+        original, reloaded = ranks[r]["after reload"]
+        assert_params_close(original, reloaded, atol=1e-7, rtol=1e-6)
+        assert any(not torch.equal(original[k], saved["params"][k]) for k in original)  # the step moved them
+
+
+def test_a_sharded_checkpoint_loads_in_one_process(ranks, tmp_path_factory):
+    from fxdp.privacy_engine import PrivacyEngine
+
+    saved = ranks[0]["poisson"]
+    engine = PrivacyEngine()
+    model, _, _ = private(engine, make_model("mlp"), DataLoader(make_dataset("mlp", 40), batch_size=10), kind="mlp",
+                          sigma=1.0, poisson=True)
+    path = next(Path(tmp_path_factory.getbasetemp()).glob("fsdp_ranks*/checkpoint.pt"))
+    engine.load_checkpoint(path=path, module=model)
+    assert engine.get_epsilon(1e-5) == saved["epsilon"]
+    for name, p in full_params(model).items():
+        assert torch.equal(p, saved["params"][name])
 
 
 def test_the_report_says_how_the_model_is_sharded_and_which_layers_are_book_kept(ranks):
