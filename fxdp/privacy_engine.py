@@ -44,7 +44,8 @@ from fxdp.data import DPDataLoader
 from fxdp.data.loader import first_samples_batch, loader_options
 from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer, bucket_bytes_of, check_poisson_group,
                               global_batch_size, split_data_parallel, wrap_like)
-from fxdp.distributed.fsdp import DPFullyShardedModule, check_sharded_mode, report_sharding, sharding_plan_of
+from fxdp.distributed.fsdp import (DPFullyShardedModule, check_sharded_mode, fsdp_forward_hooks_off, report_sharding,
+                                  sharding_plan_of)
 from fxdp.distributed.sharded_optimizer import FullyShardedDPOptimizer
 from fxdp.engines import DPLossFastGradientClipping
 from fxdp.optim import AdaClipDPOptimizer, DPOptimizer
@@ -168,8 +169,9 @@ class PrivacyEngine:
         bookkept = grad_sample_mode == "fx" and not materialise_grad_sample
         if sharded is not None:  # FSDP runs the model; the hooks engine sits on its layers (fxdp/distributed/fsdp.py)
             check_sharded_mode(grad_sample_mode, wrap_model)
-            compiled = attach_hooks(module, batch_dim=0 if batch_first else 1, loss_reduction=loss_reduction,
-                                    sink=BookkeepingSink() if bookkept else None)
+            with fsdp_forward_hooks_off(module):  # the analysis traces the model: FSDP must not see it
+                compiled = attach_hooks(module, batch_dim=0 if batch_first else 1, loss_reduction=loss_reduction,
+                                        sink=BookkeepingSink() if bookkept else None)
             report_sharding(compiled, sharded, bookkept)
         elif not wrap_model:
             if ddp is not None:

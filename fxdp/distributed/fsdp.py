@@ -24,9 +24,10 @@ so it is refused with what to do (shard with ``fully_shard``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -86,6 +87,30 @@ def report_sharding(hooks: nn.Module, plan: "ShardingPlan", bookkept: bool) -> N
     layers = [f"  {name}: {rule}, {how}" for name, rule in getattr(hooks, "grad_sample_layers", {}).items()]
     notes = (*rep.notes, *plan.describe(), "layers (the hooks engine, inside FSDP's gathered windows):", *layers)
     setattr(hooks, REPORT_ATTR, dataclasses.replace(rep, notes=notes))
+
+
+@contextlib.contextmanager
+def fsdp_forward_hooks_off(root: nn.Module) -> Iterator[None]:
+    """FSDP's forward hooks set aside while fxdp analyses the model: torch.fx enters a non-leaf module through
+    its ``__call__``, so a unit's hook would run on the tracer's proxies, all-gather for nothing, and take the
+    unit for a root of its own (FSDP's lazy initialisation), which breaks the first real forward. The hooks
+    come back in their order when the analysis ends, whatever happens."""
+    saved = []
+    for m in root.modules():
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            ours = [k for k, h in hooks.items() if getattr(h, "__module__", "").startswith("torch.distributed.fsdp")]
+            if ours:
+                saved.append((hooks, dict(hooks)))
+                for k in ours:
+                    del hooks[k]
+    try:
+        yield
+    finally:
+        for hooks, before in saved:
+            added = {k: h for k, h in hooks.items() if k not in before}  # (the analysis's own, if any are left)
+            hooks.clear()
+            hooks.update(before)
+            hooks.update(added)
 
 
 class ShardingPlan:
@@ -202,5 +227,5 @@ def _drop_grad(p: torch.Tensor) -> None:
     p.grad = None
 
 
-__all__ = ["DPFullyShardedModule", "ShardingPlan", "check_sharded_mode", "fsdp_kind", "refuse_fsdp1", "report_sharding",
+__all__ = ["DPFullyShardedModule", "ShardingPlan", "check_sharded_mode", "fsdp_forward_hooks_off", "fsdp_kind", "refuse_fsdp1", "report_sharding",
            "sharding_plan_of"]

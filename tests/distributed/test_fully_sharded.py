@@ -52,10 +52,35 @@ class TiedTransformer(nn.Module):
         return self.head(self.block(self.embed(x))[:, -1])
 
 
+class Block(nn.Module):
+    """A unit of the user's own class: torch.fx traces into it (through its ``__call__``), FSDP's hooks on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x))
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem, self.blocks, self.head = nn.Linear(FEATURES, 8), nn.ModuleList([Block(), Block()]), nn.Linear(8, CLASSES)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "transformer":
         return TiedTransformer()
+    if kind == "residual":
+        return Residual()
     model = nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, CLASSES))
     if kind == "frozen":
         model[2].requires_grad_(False)
@@ -64,6 +89,8 @@ def make_model(kind: str) -> nn.Module:
 
 def units_of(model: nn.Module):
     """The blocks each rank shards separately before the root."""
+    if isinstance(model, Residual):
+        return list(model.blocks)
     return [model.block] if isinstance(model, TiedTransformer) else [model[0], model[2], model[4]]
 
 
@@ -124,7 +151,8 @@ def empty_share_batches(kind: str, rank: int):
 
 
 CASES = [("mlp", "mean", "flat"), ("mlp", "sum", "flat"), ("mlp", "mean", "per_layer"),
-         ("transformer", "mean", "flat"), ("transformer", "sum", "per_layer"), ("frozen", "mean", "flat")]
+         ("transformer", "mean", "flat"), ("transformer", "sum", "per_layer"), ("frozen", "mean", "flat"),
+         ("residual", "mean", "flat")]
 
 
 # -- the ranks ---------------------------------------------------------------------------------------
