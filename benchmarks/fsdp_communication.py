@@ -15,13 +15,15 @@ output; broadcast: the tensor) and what a ring sends from each rank (``2 (w-1)/w
 all-reduce, ``(w-1)/w`` for a reduce-scatter or an all-gather). Counted from the calls the code makes, not
 from the wire.
 
-Memory per rank: ``state`` is what lives between steps (this rank's parameters, gradients and optimizer
-state, from the tensors' sizes); ``step peak`` is the largest amount torch allocated above its level at the
-start of a step (torch profiler CPU memory events, one profiled step after the measured ones); ``peak`` is
-their sum. The FSDP model is built on the meta device and each rank materialises its shards only (as FSDP2
-asks for models larger than one device); the DDP model is built whole on every rank. ``rss`` is the growth
-of the process's peak resident set from before the model is built (``getrusage``; it includes what the C
-library keeps and the profiler's own buffers, so it is a rough check only).
+Memory per rank: ``rss`` is the measured peak: the growth of the process's peak resident set (``getrusage``)
+from before the model is built to the end of the measured steps, with ``MALLOC_MMAP_THRESHOLD_=65536`` so that
+the C library hands every freed block above 64 KiB back to the system and the resident set follows the live
+tensors. ``state`` is what lives between steps (this rank's parameters, gradients and optimizer state, from
+the tensors' sizes). ``step peak`` is the torch profiler's count of CPU allocations above the level at the
+start of one more step (``profile_memory=True``); it OVERSTATES FSDP's: FSDP frees each unit's all-gathered
+parameters by resizing their storage to zero, which the profiler does not record as a free. The FSDP model
+is built on the meta device and each rank materialises its shards only (as FSDP2 asks for models larger than
+one device); the DDP model is built whole on every rank.
 """
 
 from __future__ import annotations
@@ -170,9 +172,10 @@ def rank_main(args) -> None:
         return t.numel() * t.element_size()
 
     params = list(model.parameters())
-    state = sum(local_bytes(p) for p in params) + sum(
+    state = sum(local_bytes(p) + (local_bytes(p.grad) if p.grad is not None else 0) for p in params) + sum(
         local_bytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     grads = sum(local_bytes(p) for p in params)  # written by every step (p.grad, this rank's shard)
+    rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024  # before the profiler's own buffers
     from torch.profiler import ProfilerActivity, profile
 
     x, y = next(batches)
@@ -184,7 +187,7 @@ def rank_main(args) -> None:
         peak = max(peak, current)
     result = dict(rank=args.rank, counts={f"{ph}|{name}": v for (ph, name), v in measured.items()},
                   steps=args.steps, state=state, grads=grads, step_peak=peak, cpu_s=cpu_s,
-                  rss=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024,
+                  rss=rss,
                   parameters=sum(p.numel() for p in params))
     Path(args.out, f"rank{args.rank}.json").write_text(json.dumps(result))
     dist.barrier()
@@ -197,7 +200,7 @@ def rank_main(args) -> None:
 def launch(args, mode: str, world: int):
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   OMP_NUM_THREADS="1")
+                   OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")  # freed blocks go back: RSS follows the tensors
         if any(name == "lo" for _, name in socket.if_nameindex()):
             env["GLOO_SOCKET_IFNAME"] = "lo"
         common = ["--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
