@@ -192,6 +192,17 @@ def _rank_main(rank: int, out_dir: str, store: str) -> None:
         if kind == "transformer" and clipping == "flat":
             results["report"] = str(fxdp.report(model))
 
+    # each share cut into two physical batches (a skip step between them): the same logical steps
+    model, opt, loader = private(PrivacyEngine(), sharded(make_model("mlp")), loader_of(make_dataset("mlp")), kind="mlp")
+    for x, y in loader:
+        opt.zero_grad()
+        for half, last in ((slice(0, 1), False), (slice(1, None), True)):
+            F.cross_entropy(model(x[half]), y[half]).backward()
+            if not last:
+                opt.signal_skip_step()
+            opt.step()
+    results["physical"] = full_params(model)
+
     for kind in ("mlp", "transformer"):  # the noise of one process, drawn by every rank, each keeping its rows
         gen = torch.Generator().manual_seed(NOISE_SEED)
         model, opt, loader = private(PrivacyEngine(), sharded(make_model(kind)), loader_of(make_dataset(kind)),
@@ -299,6 +310,11 @@ def test_two_sharded_ranks_equal_one_process_on_the_global_batch(ranks, kind, re
     if kind == "frozen":
         for r in range(WORLD):
             assert torch.equal(ranks[r][kind, reduction, clipping]["2.weight"], start["2.weight"])
+
+
+def test_shares_cut_into_physical_batches_make_the_same_steps(ranks):
+    for r in range(WORLD):
+        assert_params_close(ranks[r]["physical"], ranks[r]["mlp", "mean", "flat"])
 
 
 def test_fsdps_own_reduce_scatter_of_unclipped_gradients_is_off(ranks):
