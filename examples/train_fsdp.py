@@ -144,6 +144,7 @@ def main(argv: Optional[List[str]] = None):
     epsilons = [None] * world_size
     dist.all_gather_object(epsilons, epsilon)
     plain = getattr(model, "module", model)
+    plain.reshard()  # FSDP leaves the root's parameters gathered after a forward without backward (the evaluation)
     held = sum(p.to_local().numel() for p in plain.parameters())
     total = sum(p.numel() for p in plain.parameters())
     helds = [None] * world_size

@@ -33,7 +33,10 @@ def test_torchrun_two_processes_quick(tmp_path):
                               env=env, stdout=out, stderr=subprocess.STDOUT, timeout=TIMEOUT_S, cwd=tmp_path)
     text = log.read_text()
     assert done.returncode == 0, text[-6000:]
-    assert "fxdp compile report for DeepMLP" in text
+    assert re.search(r"fxdp compile report for (FSDP)?DeepMLP\n", text)
+    assert "sharded with FSDP2 (fully_shard): 2 ranks on a 1-D cpu mesh" in text
+    assert "5 units: <model>, blocks.0, blocks.1, blocks.2, blocks.3" in text
+    assert "  head: rule for Linear, book-kept" in text
     assert "2 processes (gloo), FSDP2 over a mesh of 2; Poisson sampling of the 400 training digits at rate 0.2500" \
         in text
     assert "epoch   1   test accuracy" in text and "epoch   2   test accuracy" in text
