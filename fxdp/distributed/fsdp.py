@@ -86,7 +86,9 @@ def report_sharding(hooks: nn.Module, plan: "ShardingPlan", bookkept: bool) -> N
            "gradient materialised)" if bookkept else "per-sample gradients materialised (p.grad_sample)")
     layers = [f"  {name}: {rule}, {how}" for name, rule in getattr(hooks, "grad_sample_layers", {}).items()]
     notes = (*rep.notes, *plan.describe(), "layers (the hooks engine, inside FSDP's gathered windows):", *layers)
-    setattr(hooks, REPORT_ATTR, dataclasses.replace(rep, notes=notes))
+    reason = ("FSDP2 runs the model (it gathers each unit's parameters around the unit's forward and backward), so "
+              "the hooks engine sits on its layers")
+    setattr(hooks, REPORT_ATTR, dataclasses.replace(rep, notes=notes, fallback_reason=reason))
 
 
 @contextlib.contextmanager

@@ -400,6 +400,8 @@ def test_the_report_says_how_the_model_is_sharded_and_which_layers_are_book_kept
     text = ranks[0]["report"]
     assert "sharded with FSDP2 (fully_shard): 2 ranks on a 1-D cpu mesh" in text
     assert "2 units: <model>, block" in text
+    assert "fallback reason: FSDP2 runs the model (it gathers each unit's parameters" in text
+    assert "wrap_model=False" not in text
     assert "head: rule for Linear, book-kept" in text
     assert "embed: rule for Embedding, book-kept" in text
 
