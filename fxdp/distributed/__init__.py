@@ -18,6 +18,7 @@ reduce-scattered into its shards: :mod:`fxdp.distributed.fsdp` (the model side) 
 from fxdp.distributed.data import check_poisson_group, global_batch_size
 from fxdp.distributed.model import DPDistributedDataParallel, bucket_bytes_of, split_data_parallel, wrap_like
 from fxdp.distributed.optimizer import DistributedDPOptimizer
+from fxdp.distributed.sharded_optimizer import FullyShardedDPOptimizer
 
 
 class DistributedDPOptimizerFastGradientClipping(DistributedDPOptimizer):
@@ -33,6 +34,6 @@ class SimpleDistributedPerLayerOptimizer(DistributedDPOptimizer):
         super().__init__(optimizer, clipping="per_layer", **kwargs)
 
 
-__all__ = ["DPDistributedDataParallel", "DistributedDPOptimizer", "DistributedDPOptimizerFastGradientClipping",
+__all__ = ["DPDistributedDataParallel", "DistributedDPOptimizer", "FullyShardedDPOptimizer", "DistributedDPOptimizerFastGradientClipping",
            "SimpleDistributedPerLayerOptimizer", "bucket_bytes_of", "check_poisson_group", "global_batch_size",
            "split_data_parallel", "wrap_like"]

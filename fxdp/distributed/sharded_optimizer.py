@@ -35,9 +35,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
-
 from fxdp.optim import DPOptimizer
 from fxdp.optim.noise import add_gaussian_noise_
 from fxdp.sinks.contract import GradientSink, GradSampleSink, PerSampleError
@@ -193,6 +190,8 @@ class FullyShardedDPOptimizer(DPOptimizer):
                 "fxdp: cannot save a sharded DP optimizer in the middle of a logical batch (after "
                 "signal_skip_step): its clipped sums so far are spread over the ranks. Save after optimizer.step() "
                 "of the last physical batch")
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
         state = super().state_dict()
         state["optimizer"] = get_optimizer_state_dict(
             self.plan.root, self.original_optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -204,6 +203,8 @@ class FullyShardedDPOptimizer(DPOptimizer):
         if set(state_dict) != {"optimizer", "fxdp"}:
             raise ValueError("fxdp: a sharded DP optimizer loads what FullyShardedDPOptimizer.state_dict saved "
                              "(PrivacyEngine.save_checkpoint with the sharded model)")
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
         set_optimizer_state_dict(self.plan.root, self.original_optimizer, state_dict["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
         super().load_state_dict({"optimizer": self.original_optimizer.state_dict(), "fxdp": state_dict["fxdp"]})
