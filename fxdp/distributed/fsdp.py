@@ -200,12 +200,14 @@ class DPFullyShardedModule(nn.Module):
         saves it: a collective, every rank calls it (``PrivacyEngine.save_checkpoint`` does)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        self.module.reshard()  # a forward under no_grad (evaluation) leaves the root's parameters gathered
         return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
         """Each rank keeps its shards of a whole state dict (:meth:`full_state_dict`, or one process's)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+        self.module.reshard()
         set_model_state_dict(self.module, state_dict, options=StateDictOptions(full_state_dict=True))
 
     @property

@@ -192,6 +192,7 @@ class FullyShardedDPOptimizer(DPOptimizer):
                 "of the last physical batch")
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+        self.plan.root.reshard()  # (gathered after a forward under no_grad)
         state = super().state_dict()
         state["optimizer"] = get_optimizer_state_dict(
             self.plan.root, self.original_optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

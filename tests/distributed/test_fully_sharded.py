@@ -232,8 +232,8 @@ def _rank_main(rank: int, out_dir: str, store: str) -> None:
         warnings.simplefilter("ignore")  # (the Poisson figure's warning does not apply: Poisson sampling)
         engine = PrivacyEngine()
         ds = make_dataset("mlp", 40)
-        model, opt, loader = private(engine, sharded(make_model("mlp")),
-                                     DataLoader(ds, batch_size=5, sampler=DistributedSampler(ds)), kind="mlp",
+        model, opt, loader = private(engine, sharded(make_model("residual")),
+                                     DataLoader(ds, batch_size=5, sampler=DistributedSampler(ds)), kind="residual",
                                      sigma=1.0, poisson=True)
         seen = []
         for x, y in loader:
@@ -242,12 +242,14 @@ def _rank_main(rank: int, out_dir: str, store: str) -> None:
         results["poisson"] = dict(epsilon=engine.get_epsilon(1e-5), history=list(engine.accountant.history),
                                   seen=seen, sample_rate=loader.sample_rate,
                                   expected_batch_size=opt.expected_batch_size, params=full_params(model))
+        with torch.no_grad():  # an evaluation: FSDP leaves the root's own parameters (stem, head) gathered
+            model(ds.tensors[0][:3])
         checkpoint = f"{out_dir}/checkpoint.pt"
         engine.save_checkpoint(path=checkpoint, module=model, optimizer=opt)  # every rank: shards gathered
         dist.barrier()
         again = PrivacyEngine()
-        model2, opt2, _ = private(again, sharded(make_model("mlp")),
-                                  DataLoader(ds, batch_size=5, sampler=DistributedSampler(ds)), kind="mlp",
+        model2, opt2, _ = private(again, sharded(make_model("residual")),
+                                  DataLoader(ds, batch_size=5, sampler=DistributedSampler(ds)), kind="residual",
                                   sigma=1.0, poisson=True)
         again.load_checkpoint(path=checkpoint, module=model2, optimizer=opt2)
         results["reloaded"] = dict(epsilon=again.get_epsilon(1e-5), params=full_params(model2), steps=opt2.steps)
@@ -387,7 +389,8 @@ def test_a_sharded_checkpoint_loads_in_one_process(ranks, tmp_path_factory):
 
     saved = ranks[0]["poisson"]
     engine = PrivacyEngine()
-    model, _, _ = private(engine, make_model("mlp"), DataLoader(make_dataset("mlp", 40), batch_size=10), kind="mlp",
+    model, _, _ = private(engine, make_model("residual"), DataLoader(make_dataset("mlp", 40), batch_size=10),
+                          kind="residual",
                           sigma=1.0, poisson=True)
     path = next(Path(tmp_path_factory.getbasetemp()).glob("fsdp_ranks*/checkpoint.pt"))
     engine.load_checkpoint(path=path, module=model)
