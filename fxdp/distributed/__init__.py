@@ -34,6 +34,7 @@ class SimpleDistributedPerLayerOptimizer(DistributedDPOptimizer):
         super().__init__(optimizer, clipping="per_layer", **kwargs)
 
 
-__all__ = ["DPDistributedDataParallel", "DistributedDPOptimizer", "FullyShardedDPOptimizer", "DistributedDPOptimizerFastGradientClipping",
+__all__ = ["DPDistributedDataParallel", "DistributedDPOptimizer", "FullyShardedDPOptimizer",
+           "DistributedDPOptimizerFastGradientClipping",
            "SimpleDistributedPerLayerOptimizer", "bucket_bytes_of", "check_poisson_group", "global_batch_size",
            "split_data_parallel", "wrap_like"]

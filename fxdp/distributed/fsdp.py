@@ -231,5 +231,5 @@ def _drop_grad(p: torch.Tensor) -> None:
     p.grad = None
 
 
-__all__ = ["DPFullyShardedModule", "ShardingPlan", "check_sharded_mode", "fsdp_forward_hooks_off", "fsdp_kind", "refuse_fsdp1", "report_sharding",
-           "sharding_plan_of"]
+__all__ = ["DPFullyShardedModule", "ShardingPlan", "check_sharded_mode", "fsdp_forward_hooks_off", "fsdp_kind",
+           "refuse_fsdp1", "report_sharding", "sharding_plan_of"]

@@ -66,7 +66,8 @@ class Block(nn.Module):
 class Residual(nn.Module):
     def __init__(self):
         super().__init__()
-        self.stem, self.blocks, self.head = nn.Linear(FEATURES, 8), nn.ModuleList([Block(), Block()]), nn.Linear(8, CLASSES)
+        self.stem, self.head = nn.Linear(FEATURES, 8), nn.Linear(8, CLASSES)
+        self.blocks = nn.ModuleList([Block(), Block()])
 
     def forward(self, x):
         x = self.stem(x)
@@ -97,7 +98,8 @@ def units_of(model: nn.Module):
 def make_dataset(kind: str, n: int = STEPS * GLOBAL_BATCH) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     if kind == "transformer":
-        return TensorDataset(torch.randint(0, VOCAB, (n, TOKENS), generator=g), torch.randint(0, VOCAB, (n,), generator=g))
+        return TensorDataset(torch.randint(0, VOCAB, (n, TOKENS), generator=g),
+                             torch.randint(0, VOCAB, (n,), generator=g))
     return TensorDataset(torch.randn(n, FEATURES, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
 
 
@@ -193,7 +195,8 @@ def _rank_main(rank: int, out_dir: str, store: str) -> None:
             results["report"] = str(fxdp.report(model))
 
     # each share cut into two physical batches (a skip step between them): the same logical steps
-    model, opt, loader = private(PrivacyEngine(), sharded(make_model("mlp")), loader_of(make_dataset("mlp")), kind="mlp")
+    model, opt, loader = private(PrivacyEngine(), sharded(make_model("mlp")), loader_of(make_dataset("mlp")),
+                                 kind="mlp")
     for x, y in loader:
         opt.zero_grad()
         for half, last in ((slice(0, 1), False), (slice(1, None), True)):
@@ -210,7 +213,7 @@ def _rank_main(rank: int, out_dir: str, store: str) -> None:
         train_steps(model, opt, loader)
         results[kind, "noisy"] = full_params(model)
 
-    torch.manual_seed(100 + rank)  # each rank's own global generator: every element's noise still drawn once
+    torch.manual_seed(100 + rank)  # (the starting weights: rank 0's are broadcast)
     wide = nn.Linear(WIDE, WIDE)
     with torch.no_grad():
         for p in wide.parameters():
@@ -219,7 +222,9 @@ def _rank_main(rank: int, out_dir: str, store: str) -> None:
     g = torch.Generator().manual_seed(2)
     wide_ds = TensorDataset(torch.randn(GLOBAL_BATCH, WIDE, generator=g), torch.zeros(GLOBAL_BATCH, dtype=torch.int64))
     fully_shard(wide, mesh=mesh)
-    model, opt, loader = private(PrivacyEngine(), wide, loader_of(wide_ds), kind="mlp", sigma=SIGMA, lr=1.0,
+    # secure mode: each rank draws from the OS, keeps its rows: every element's noise still drawn once
+    model, opt, loader = private(PrivacyEngine(secure_mode=True), wide, loader_of(wide_ds), kind="mlp", sigma=SIGMA,
+                                 lr=1.0,
                                  momentum=0.0, flat_bound=True)
     train_steps(model, opt, [next(iter(loader))], zero_loss=True)
     results["noise update"] = {k: full_params(model)[k] - v for k, v in start.items()}
@@ -339,8 +344,9 @@ def test_noise_drawn_by_every_rank_and_sliced_equals_one_process(ranks, kind):
 
 def test_noise_std_is_sigma_c_over_the_global_batch(ranks):
     """The update of a step whose clipped gradients are zero is the noise alone, divided by the global
-    expected batch size B = 8: std sigma*C/B (each rank drawing from its own generator, keeping its rows),
-    not sqrt(2) times that (noise added twice) nor twice that (divided by the local batch size). With
+    expected batch size B = 8: std sigma*C/B (each rank drawing from its own source, keeping its rows),
+    not sqrt(2) times that (noise added twice) nor twice that (divided by the local batch size); noise drawn in
+    secure mode, from each rank's OS source. With
     n = 10,100 coordinates the relative standard error of the sample std is 0.7%; the tolerance is 4%."""
     update = torch.cat([u.flatten() for u in ranks[0]["noise update"].values()]).double()
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["noise update"].values(), ranks[1]["noise update"].values()))
