@@ -44,6 +44,9 @@ from fxdp.data import DPDataLoader
 from fxdp.data.loader import first_samples_batch, loader_options
 from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer, bucket_bytes_of, check_poisson_group,
                               global_batch_size, split_data_parallel, wrap_like)
+from fxdp.distributed.fsdp import (DPFullyShardedModule, check_sharded_mode, fsdp_forward_hooks_off, report_sharding,
+                                  sharding_plan_of)
+from fxdp.distributed.sharded_optimizer import FullyShardedDPOptimizer
 from fxdp.engines import DPLossFastGradientClipping
 from fxdp.optim import AdaClipDPOptimizer, DPOptimizer
 from fxdp.optim.noise import secure_seed
@@ -119,7 +122,8 @@ class PrivacyEngine:
         clipping surface) ``(compiled model, DPOptimizer, DPLossFastGradientClipping, data loader)``: the
         criterion wrapped to return per-sample losses whose ``backward()`` is one ordinary backward.
         ``grad_sample_mode="ghost"`` is the default ``"fx"``, which book-keeps already (one backward gives
-        per-sample norms and clipped sums); ``"ghost_fsdp"`` is refused (FSDP is not supported yet).
+        per-sample norms and clipped sums); ``"ghost_fsdp"`` is Opacus's name for it on a model sharded with ``fully_shard``
+        (FSDP2; see docs/distributed.md), refused for any other model.
         ``wrap_model=False`` (Opacus 1.6): keep calling ``module`` itself; the hooks engine is put on it (with
         book-keeping unless ``materialise_grad_sample``) and returned in the model's place, as
         :class:`~fxdp.engines.hooks.GradSampleHooks` (``cleanup()`` detaches it; the optimizer keeps it alive).
@@ -149,18 +153,27 @@ class PrivacyEngine:
         gradients, and ``fxdp.report(module)`` says per layer how. ``materialise_grad_sample=True`` keeps
         ``p.grad_sample`` instead (the other engines always materialise it).
         """
-        if grad_sample_mode == "ghost_fsdp":
-            raise ValueError("fxdp: grad_sample_mode='ghost_fsdp' (FSDP) is not supported yet; use "
-                             "grad_sample_mode='ghost' (or the default 'fx'), with DDP for several processes")
+        sharded = sharding_plan_of(module)  # FSDP2 (fully_shard): its plan; FSDP1 is refused with the reason
+        if grad_sample_mode == "ghost_fsdp":  # Opacus's name: book-keeping on a fully_shard model
+            if sharded is None:
+                raise ValueError("fxdp: grad_sample_mode='ghost_fsdp' is for a model sharded with "
+                                 "torch.distributed.fsdp.fully_shard; for this model use 'ghost' or the default 'fx'")
+            grad_sample_mode = "fx"
         if grad_sample_mode == "ghost":
             grad_sample_mode = "fx"
         _check_types(module, optimizer, data_loader)
         _check_optimizer_params_in_module(module, optimizer)
         self._check_not_private_elsewhere(module)
         steps_per_epoch = _check_fixed_batch_accounting(fixed_batch_accounting, poisson_sampling, data_loader, module)
-        module, ddp = split_data_parallel(module)  # DDP: compile its model; the optimizer communicates instead
+        module, ddp = split_data_parallel(module) if sharded is None else (module, None)
         bookkept = grad_sample_mode == "fx" and not materialise_grad_sample
-        if not wrap_model:
+        if sharded is not None:  # FSDP runs the model; the hooks engine sits on its layers (fxdp/distributed/fsdp.py)
+            check_sharded_mode(grad_sample_mode, wrap_model)
+            with fsdp_forward_hooks_off(module):  # the analysis traces the model: FSDP must not see it
+                compiled = attach_hooks(module, batch_dim=0 if batch_first else 1, loss_reduction=loss_reduction,
+                                        sink=BookkeepingSink() if bookkept else None)
+            report_sharding(compiled, sharded, bookkept)
+        elif not wrap_model:
             if ddp is not None:
                 raise ValueError("fxdp: wrap_model=False with a DistributedDataParallel model is not supported: "
                                  "pass wrap_model=True (the default) and call the model make_private returns")
@@ -181,16 +194,20 @@ class PrivacyEngine:
             if from_loader is not None:
                 from_loader.mark(compiled)
         self._originals[compiled] = module
-        data_loader, sample_rate, expected_batch_size = self._prepare_data(data_loader, poisson_sampling, ddp)
+        data_loader, sample_rate, expected_batch_size = self._prepare_data(data_loader, poisson_sampling,
+                                                                           ddp if sharded is None else sharded)
         optimizer_class, across_ranks = DPOptimizer, dict(optimizer_kwargs)
         if clipping == "adaptive":
-            if ddp is not None:
+            if ddp is not None or sharded is not None:
                 raise ValueError("fxdp: clipping='adaptive' is for one process (its unclipped count is not "
                                  "combined across processes yet); use clipping='flat' with DDP")
             optimizer_class, clipping = AdaClipDPOptimizer, "flat"
         if ddp is not None:
             optimizer_class = DistributedDPOptimizer
             across_ranks.update(process_group=ddp.process_group, bucket_bytes=bucket_bytes_of(ddp))
+        if sharded is not None:
+            optimizer_class = FullyShardedDPOptimizer
+            across_ranks.update(plan=sharded)
         dp_optimizer = optimizer_class(
             optimizer,
             noise_multiplier=noise_multiplier,
@@ -218,6 +235,8 @@ class PrivacyEngine:
             dp_optimizer.expect_observed_batches()
         if ddp is not None:
             compiled = wrap_like(compiled, ddp)
+        if sharded is not None:
+            compiled = DPFullyShardedModule(module, compiled, sharded)
         if criterion is not None:
             return compiled, dp_optimizer, DPLossFastGradientClipping(
                 compiled, dp_optimizer, criterion, loss_reduction), data_loader
@@ -379,16 +398,19 @@ class PrivacyEngine:
         history and the schedulers' states (:mod:`fxdp.optim.schedulers`) to ``path`` with ``torch.save``;
         ``checkpoint_dict`` adds entries of your own (the epoch, say). The weights are saved under the plain
         model's parameter names, so ``model.load_state_dict(torch.load(path)["module_state_dict"])`` works
-        without fxdp."""
+        without fxdp. A model sharded with ``fully_shard``: call it on every rank (the whole tensors are
+        gathered), rank 0 writes; ``load_checkpoint`` on every rank, each keeps its shards."""
         checkpoint = dict(checkpoint_dict or {})
-        checkpoint[MODULE_KEY] = self._plain(module).state_dict()
+        sharded = isinstance(module, DPFullyShardedModule)  # whole tensors gathered: every rank calls, rank 0 writes
+        checkpoint[MODULE_KEY] = module.full_state_dict() if sharded else self._plain(module).state_dict()
         checkpoint[ACCOUNTANT_KEY] = self.accountant.state_dict()
         if optimizer is not None:
             checkpoint[OPTIMIZER_KEY] = optimizer.state_dict()
         for name, scheduler in (("noise_scheduler", noise_scheduler), ("grad_clip_scheduler", grad_clip_scheduler)):
             if scheduler is not None:
                 checkpoint[SCHEDULER_KEYS[name]] = scheduler.state_dict()
-        torch.save(checkpoint, path)
+        if not sharded or torch.distributed.get_rank() == 0:
+            torch.save(checkpoint, path)
 
     def load_checkpoint(
         self,
@@ -415,7 +437,10 @@ class PrivacyEngine:
             if scheduler is not None and SCHEDULER_KEYS[name] not in checkpoint:
                 raise ValueError(f"fxdp: {path} holds no {name} state (it was saved without {name}=); call "
                                  f"load_checkpoint without {name}, or save it too")
-        self._plain(module).load_state_dict(checkpoint.pop(MODULE_KEY))
+        if isinstance(module, DPFullyShardedModule):
+            module.load_full_state_dict(checkpoint.pop(MODULE_KEY))
+        else:
+            self._plain(module).load_state_dict(checkpoint.pop(MODULE_KEY))
         self.accountant.load_state_dict(checkpoint.pop(ACCOUNTANT_KEY))
         optimizer_state = checkpoint.pop(OPTIMIZER_KEY, None)
         if optimizer is not None:

@@ -7,13 +7,18 @@ once per logical step, with the noise added once (by rank 0) for the global batc
 
 ``DistributedDPOptimizer``   the DP optimizer whose clipped sums are summed over the ranks
 ``DPDistributedDataParallel`` what make_private returns for a DDP model: its surface, no reducer
-``split_data_parallel``       (model to compile, DDP wrapper or None); refuses FSDP and DataParallel
+``split_data_parallel``       (model to compile, DDP wrapper or None); refuses FSDP1 and DataParallel
+
+A model sharded with FSDP2 (``fully_shard``) is trained as FSDP runs it, with each parameter's clipped sum
+reduce-scattered into its shards: :mod:`fxdp.distributed.fsdp` (the model side) and
+:mod:`fxdp.distributed.sharded_optimizer` (``FullyShardedDPOptimizer``).
 ``global_batch_size``         the global batch of a non-Poisson loader with a DistributedSampler
 """
 
 from fxdp.distributed.data import check_poisson_group, global_batch_size
 from fxdp.distributed.model import DPDistributedDataParallel, bucket_bytes_of, split_data_parallel, wrap_like
 from fxdp.distributed.optimizer import DistributedDPOptimizer
+from fxdp.distributed.sharded_optimizer import FullyShardedDPOptimizer
 
 
 class DistributedDPOptimizerFastGradientClipping(DistributedDPOptimizer):
@@ -29,6 +34,7 @@ class SimpleDistributedPerLayerOptimizer(DistributedDPOptimizer):
         super().__init__(optimizer, clipping="per_layer", **kwargs)
 
 
-__all__ = ["DPDistributedDataParallel", "DistributedDPOptimizer", "DistributedDPOptimizerFastGradientClipping",
+__all__ = ["DPDistributedDataParallel", "DistributedDPOptimizer", "FullyShardedDPOptimizer",
+           "DistributedDPOptimizerFastGradientClipping",
            "SimpleDistributedPerLayerOptimizer", "bucket_bytes_of", "check_poisson_group", "global_batch_size",
            "split_data_parallel", "wrap_like"]

@@ -19,7 +19,6 @@ its construction already broadcast rank 0's weights, so every rank starts from t
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
 from typing import Any, Iterator, Optional, Tuple
 
@@ -28,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from fxdp.distributed.fsdp import fsdp_kind, refuse_fsdp1
 from fxdp.distributed.optimizer import DEFAULT_BUCKET_BYTES
 from fxdp.sinks.contract import sink_of
 
@@ -92,12 +92,11 @@ def split_data_parallel(module: nn.Module) -> Tuple[nn.Module, Optional[Distribu
     if isinstance(module, DPDistributedDataParallel):
         raise TypeError("fxdp: this model was already made private (it is what make_private returned); pass "
                         "the original DistributedDataParallel model and a fresh optimizer")
-    if _is_fsdp(module):
-        raise NotImplementedError(
-            f"fxdp: {type(module).__name__} (FSDP) is not supported yet: its parameters are sharded across "
-            "ranks, so per-sample clipping needs a norm reduced over shards. Wrap the model in "
-            "torch.nn.parallel.DistributedDataParallel instead (see docs/distributed.md)"
-        )
+    if fsdp_kind(module) == "fsdp1":
+        refuse_fsdp1(module)
+    if fsdp_kind(module) == "fsdp2":
+        raise TypeError("fxdp: a fully_shard model is not a DDP model; PrivacyEngine.make_private takes it "
+                        "(fxdp.distributed.fsdp.sharding_plan_of)")
     if isinstance(module, nn.DataParallel):
         raise NotImplementedError(
             "fxdp: torch.nn.DataParallel (one process, several GPUs) is not supported; use "
@@ -125,14 +124,3 @@ def wrap_like(compiled: nn.Module, ddp) -> DPDistributedDataParallel:
 def bucket_bytes_of(ddp: DistributedDataParallel) -> int:
     """The all-reduce bucket size the user chose for DDP (``bucket_cap_mb``)."""
     return int(getattr(ddp, "bucket_bytes_cap", DEFAULT_BUCKET_BYTES))
-
-
-def _is_fsdp(module: nn.Module) -> bool:
-    # a model wrapped in FSDP means torch.distributed.fsdp was imported: no need to import it (a slow import)
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    if fsdp is None:
-        return False
-    fsdp_types = tuple(t for t in (getattr(fsdp, "FullyShardedDataParallel", None),
-                                   getattr(fsdp, "FSDPModule", None))  # FSDP1 and fully_shard (FSDP2)
-                       if isinstance(t, type))
-    return isinstance(module, fsdp_types)

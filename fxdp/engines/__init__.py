@@ -40,8 +40,10 @@ def get_gsm_class(grad_sample_mode: str) -> type:
     with a book-keeping sink; ``"fx"``, the compiled graph, has no class: use ``compile_for_dp``)."""
     classes = {**WRAPPERS, "ghost": GradSampleModuleFastGradientClipping}
     if grad_sample_mode == "ghost_fsdp":
-        raise ValueError("fxdp: grad_sample_mode='ghost_fsdp' (FSDP) is not supported yet; use DDP "
-                         "(fxdp.distributed.DPDistributedDataParallel) with grad_sample_mode='fx' or 'ghost'")
+        raise ValueError("fxdp: grad_sample_mode='ghost_fsdp' has no wrapper class: FSDP must run the model itself "
+                         "(it gathers each unit's parameters around its forward and backward). Pass the model sharded "
+                         "with torch.distributed.fsdp.fully_shard to PrivacyEngine.make_private (grad_sample_mode "
+                         "'fx', 'ghost' or 'ghost_fsdp'); see docs/distributed.md")
     if grad_sample_mode not in classes:
         raise ValueError(f"fxdp: grad_sample_mode {grad_sample_mode!r} has no wrapper class; valid: "
                          + ", ".join(repr(m) for m in classes) + " ('fx' is fxdp.compile_for_dp)")

@@ -475,14 +475,16 @@ def test_make_private_refuses_data_parallel_and_a_model_made_private_twice(world
         private(PrivacyEngine(), model, loader, mode="fx")
 
 
-def test_make_private_refuses_fsdp(world_of_one):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+def test_make_private_refuses_fsdp1_and_says_to_use_fully_shard(world_of_one):
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
     from fxdp.privacy_engine import PrivacyEngine
 
-    model = fully_shard(make_model(), mesh=init_device_mesh("cpu", (1,)))
-    with pytest.raises(NotImplementedError, match="FSDP.*not supported yet.*DistributedDataParallel"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (FSDP1 switches to NO_SHARD in a world of one)
+        model = FullyShardedDataParallel(make_model(), device_id=torch.device("cpu"))
+    with pytest.raises(NotImplementedError, match=r"FullyShardedDataParallel \(FSDP1.*not supported.*FlatParameter"
+                                                  r".*fully_shard\(block, mesh=mesh\)"):
         private(PrivacyEngine(), model, DataLoader(make_dataset(), batch_size=4), mode="fx")
 
 

@@ -131,10 +131,11 @@ def test_make_private_ghost_returns_the_four_tuple_and_steps_as_the_independent_
     assert len(engine.accountant) == 1
 
 
-def test_ghost_fsdp_is_refused_before_anything_changes():
+def test_ghost_fsdp_on_a_model_not_sharded_is_refused_before_anything_changes():
+    """Opacus's ghost_fsdp is accepted for a fully_shard model (tests/distributed/test_fully_sharded.py)."""
     model, x, y = model_and_batch()
     engine = fxdp.PrivacyEngine()
-    with pytest.raises(ValueError, match="ghost_fsdp.*not supported yet"):
+    with pytest.raises(ValueError, match="ghost_fsdp.*is for a model sharded with.*fully_shard"):
         engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                             data_loader=DataLoader(TensorDataset(x, y), batch_size=6), noise_multiplier=1.0,
                             max_grad_norm=C, grad_sample_mode="ghost_fsdp")

@@ -140,7 +140,7 @@ def test_get_gsm_class():
     assert get_gsm_class("ew") is ExpandedWeightsGradSampleModule
     assert get_gsm_class("no_op") is NoOpGradSampleModule
     assert get_gsm_class("ghost") is GradSampleModuleFastGradientClipping
-    with pytest.raises(ValueError, match="ghost_fsdp.*not supported yet"):
+    with pytest.raises(ValueError, match="ghost_fsdp.*no wrapper class.*fully_shard.*make_private"):
         get_gsm_class("ghost_fsdp")
     with pytest.raises(ValueError, match="'fx' is fxdp.compile_for_dp"):
         get_gsm_class("fx")
