@@ -21,7 +21,11 @@ level at the step's start.
 ``--device cuda`` runs every engine on the GPU (each step timed between two ``torch.cuda.synchronize``);
 ``--bf16`` runs forward and loss under ``torch.autocast`` in bfloat16 (parameters and the DP step in float32).
 
-Usage: python benchmarks/lm_finetune_speed.py [--size small] [--device cuda] [--bf16] [--repeats 10] [--rounds 3]
+``--phases``: instead of the table, where fxdp's DP step spends its time beyond a plain step (full fine-tuning;
+the phases of benchmarks/dp_step_profile.py, plain and DP steps taking turns, as fractions of the plain step),
+with the noise draws alone as the floor.
+
+Usage: python benchmarks/lm_finetune_speed.py [--phases] [--size small] [--device cuda] [--bf16] [--repeats 10] [--rounds 3]
        [--layers 4] [--width 256] [--heads 4] [--seq 128] [--batch 8] [--vocab 50257] [--rank 8]
        [--engines fxdp,opacus-ghost] [--threads 2] [--cpu-time] [--no-lora] [--no-full]
 """
@@ -196,6 +200,72 @@ def opacus_step(mode):
     return make
 
 
+def phases(args, inputs) -> None:
+    """Print the DP step's phases (full fine-tuning) as fractions of the plain step, medians over ``--repeats``."""
+    import statistics
+
+    import dp_step_profile
+
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    dp_step_profile.CLOCK = clock
+    plain_model = build(args, False)
+    plain_opt = torch.optim.SGD(plain_model.parameters(), lr=LR)
+    model = build(args, False)
+    dp_model, dp_opt, _ = fxdp.PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=_loader(inputs),
+        noise_multiplier=NOISE, max_grad_norm=CLIP, poisson_sampling=False)
+    x, y = _split(inputs)
+    noise = noise_step(args, inputs, False)
+    plain, dp = dp_step_profile.Timers(), dp_step_profile.Timers()
+    sink = dp_model.fxdp_sink
+    dp.wrap(sink, "add", "  capture (in backward)")
+    dp.wrap(sink, "_publish", "  norms (end of backward)")
+    dp.wrap(dp_opt, "_factors", "clip (checks, factors)")
+    dp.wrap(sink, "take_clipped_sums", "clipped sums")
+    dp.wrap(dp_opt, "_write_private_grads", "_write")
+    dp.wrap(dp_opt.original_optimizer, "step", "optimizer")
+
+    def plain_step():
+        with autocast(args):
+            loss = plain.phase("forward", lambda: F.cross_entropy(plain_model(**x).logits.float(), y))
+        plain.phase("backward", loss.backward)
+        plain.phase("optimizer", plain_opt.step)
+        plain.phase("zero_grad", lambda: plain_opt.zero_grad(set_to_none=True))
+
+    def dp_step():
+        dp.phase("zero_grad", dp_opt.zero_grad)
+        with autocast(args):
+            loss = dp.phase("forward", lambda: F.cross_entropy(dp_model(**x).logits.float(), y))
+        dp.phase("backward", loss.backward)
+        dp.phase("step", dp_opt.step)
+
+    steps = {"plain": timed(args, plain_step), "dp": timed(args, dp_step), "noise": timed(args, noise)}
+    for step in steps.values():
+        step()
+    plain.steps.clear(), dp.steps.clear()
+    plain.current.clear(), dp.current.clear()
+    totals = {name: [] for name in steps}
+    for _ in range(args.repeats):
+        for name, step in steps.items():
+            t0 = clock()
+            step()
+            totals[name].append(clock() - t0)
+        plain.end_step(), dp.end_step()
+    base = statistics.median(totals["plain"]) * 1e3
+    p, d = plain.medians_ms(), dp.medians_ms()
+    # the noise and the writing of p.grad: what _write_private_grads takes besides the clipped sums it asks for
+    d["noise + write"] = statistics.median(w - c for w, c in zip(dp.steps["_write"], dp.steps["clipped sums"])) * 1e3
+    d.pop("_write"), d.pop("step")
+    print(f"plain step {base:.1f} ms, DP step {statistics.median(totals['dp']) * 1e3:.1f} ms = "
+          f"{statistics.median(totals['dp']) * 1e3 / base:.2f} x plain; the noise draws alone "
+          f"{statistics.median(totals['noise']) * 1e3:.1f} ms = {statistics.median(totals['noise']) * 1e3 / base:.3f} "
+          f"x plain (medians of {args.repeats})")
+    print(f"{'phase':28s} {'plain ms':>9s} {'dp ms':>9s} {'dp/plain step':>14s}")
+    for k in ["forward", "backward", "  capture (in backward)", "  norms (end of backward)", "clip (checks, factors)",
+              "clipped sums", "noise + write", "optimizer", "zero_grad"]:
+        print(f"{k:28s} {p.get(k, float('nan')):9.2f} {d.get(k, float('nan')):9.2f} {d.get(k, 0) / base:14.3f}")
+
+
 def measure(args, inputs, lora: bool):
     try:
         import opacus  # noqa: F401
@@ -257,6 +327,7 @@ def main():
     parser.add_argument("--cpu-time", action="store_true", help="one intra-op thread, timed by its CPU time")
     parser.add_argument("--no-lora", action="store_true", help="full fine-tuning only")
     parser.add_argument("--no-full", action="store_true", help="LoRA only")
+    parser.add_argument("--phases", action="store_true", help="where fxdp's full fine-tuning step spends its time")
     args = parser.parse_args()
     for key, value in SIZES[args.size].items():
         if getattr(args, key) is None:
@@ -274,6 +345,9 @@ def main():
     print(f"GPT-2 architecture, sequence classification: {args.layers} layers, width {args.width}, {args.heads} heads, "
           f"vocab {args.vocab}, T={args.seq}, batch {args.batch}; torch {torch.__version__}, {where}, "
           f"{'CPU time' if args.cpu_time else 'wall time'}{', bf16 autocast' if args.bf16 else ''}")
+    if args.phases:
+        phases(args, inputs)
+        return
     headers = ["engine", "ms/step", "x plain (per round)", "peak MiB", "x plain memory", ""]
     for lora in [v for v, off in ((False, args.no_full), (True, args.no_lora)) if not off]:
         title = f"LoRA r={args.rank} (attention and projections; head trainable)" if lora else "full fine-tuning"
