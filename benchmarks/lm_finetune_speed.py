@@ -4,22 +4,36 @@ and the peak memory of each, for full fine-tuning and for LoRA (peft, rank ``--r
 projection layers, the head trainable):
 
 - ``plain``: plain PyTorch, the floor (ratio 1.00), once with every parameter trained, once with the adapters;
+- ``noise only``: just the noise draws of one step (one ``torch.normal`` per trainable parameter, what fxdp and
+  Opacus both add): a floor under (DP step / plain step - 1) for any DP-SGD drawing torch's Gaussian noise (on
+  the CPU torch's sampler runs on one thread whatever the number of threads);
 - ``fxdp``: ``fxdp.PrivacyEngine().make_private`` called as an Opacus user calls it, without example_inputs (the
   model is captured from the loader's first batch), book-keeping sink and DP optimizer;
 - ``opacus-hooks`` / ``opacus-ghost`` / ``opacus-functorch`` / ``opacus-ew``: every Opacus mode that runs the model
   (``pip install opacus``); a mode that fails on the model is listed with its error instead of a time.
 
-The default sizes are those of issue 25: the real GPT-2 vocabulary (50,257), 4 layers, width 256, 128 tokens,
-batch 8. Batches are fixed (``poisson_sampling=False``): only the step is timed. Peak memory is the torch
-profiler's (see benchmarks/dp_step_speed.py).
+The default sizes are those of issue 25: the real GPT-2 vocabulary (50,257), 4 layers, width 256, 4 heads,
+128 tokens, batch 8; ``--size small`` is GPT-2 small (124M parameters: 12 layers, width 768, 12 heads), at 256
+tokens. Batches are fixed (``poisson_sampling=False``): only the step is timed. Peak memory on the CPU is the
+torch profiler's (see benchmarks/dp_step_speed.py), on a GPU ``torch.cuda.max_memory_allocated`` above the
+level at the step's start.
 
-Usage: python benchmarks/lm_finetune_speed.py [--repeats 10] [--rounds 3] [--layers 4] [--width 256] [--seq 128]
-       [--batch 8] [--vocab 50257] [--rank 8] [--engines plain,fxdp,opacus-ghost] [--threads 2] [--cpu-time]
+``--device cuda`` runs every engine on the GPU (each step timed between two ``torch.cuda.synchronize``);
+``--bf16`` runs forward and loss under ``torch.autocast`` in bfloat16 (parameters and the DP step in float32).
+
+``--phases``: instead of the table, where fxdp's DP step spends its time beyond a plain step (full fine-tuning;
+the phases of benchmarks/dp_step_profile.py, plain and DP steps taking turns, as fractions of the plain step),
+with the noise draws alone as the floor.
+
+Usage: python benchmarks/lm_finetune_speed.py [--phases] [--size small] [--device cuda] [--bf16] [--repeats 10]
+       [--rounds 3] [--layers 4] [--width 256] [--heads 4] [--seq 128] [--batch 8] [--vocab 50257] [--rank 8]
+       [--engines fxdp,opacus-ghost] [--threads 2] [--cpu-time] [--no-lora] [--no-full]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -39,13 +53,45 @@ import fxdp  # noqa: E402
 
 NOISE, CLIP, LR, LABELS = 1.0, 1.0, 1e-3, 2
 OPACUS_MODES = ("hooks", "ghost", "functorch", "ew")
+SIZES = {"issue": dict(layers=4, width=256, heads=4, seq=128), "small": dict(layers=12, width=768, heads=12, seq=256)}
+
+
+def autocast(args):
+    """The forward's context: bfloat16 autocast with ``--bf16``, else nothing."""
+    if args.bf16:
+        return torch.autocast(device_type=args.device.split(":")[0], dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def timed(args, step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with the GPU's queue drained before and after, so that a clock around it times the step's
+    kernels and not their launch (on the CPU: ``step`` itself)."""
+    if not args.device.startswith("cuda"):
+        return step
+
+    def synchronized():
+        torch.cuda.synchronize()
+        step()
+        torch.cuda.synchronize()
+
+    return synchronized
+
+
+def cuda_peak_memory_mb(step: Callable[[], None]) -> float:
+    """The most memory torch's CUDA allocator held during one step, above the level at its start."""
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - start) / 2**20
 
 
 def build(args, lora: bool):
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=4, n_positions=args.seq,
+    config = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.heads, n_positions=args.seq,
                                      vocab_size=args.vocab, num_labels=LABELS, pad_token_id=0, bos_token_id=1,
                                      eos_token_id=1, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = transformers.GPT2ForSequenceClassification(config).train()
@@ -55,14 +101,15 @@ def build(args, lora: bool):
         model = peft.get_peft_model(model, peft.LoraConfig(task_type="SEQ_CLS", r=args.rank, lora_alpha=2 * args.rank,
                                                            lora_dropout=0.0, target_modules=["c_attn", "c_proj"],
                                                            fan_in_fan_out=True))
-    return model
+    return model.to(args.device)
 
 
 def batch(args) -> Dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return {"input_ids": torch.randint(2, args.vocab, (args.batch, args.seq), generator=gen),
-            "attention_mask": torch.ones(args.batch, args.seq, dtype=torch.long),
-            "labels": torch.randint(0, LABELS, (args.batch,), generator=gen)}
+    inputs = {"input_ids": torch.randint(2, args.vocab, (args.batch, args.seq), generator=gen),
+              "attention_mask": torch.ones(args.batch, args.seq, dtype=torch.long),
+              "labels": torch.randint(0, LABELS, (args.batch,), generator=gen)}
+    return {k: v.to(args.device) for k, v in inputs.items()}
 
 
 def _loader(inputs):
@@ -80,9 +127,22 @@ def plain_step(args, inputs, lora):
     x, y = _split(inputs)
 
     def step():
-        F.cross_entropy(model(**x).logits, y).backward()
+        with autocast(args):
+            loss = F.cross_entropy(model(**x).logits.float(), y)
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def noise_step(args, inputs, lora):
+    """Only the noise of a DP step: one draw of N(0, (sigma C)^2) per trainable parameter (see the docstring)."""
+    params = [p for p in build(args, lora).parameters() if p.requires_grad]
+
+    def step():
+        for p in params:
+            torch.normal(0.0, NOISE * CLIP, size=p.shape, device=p.device, dtype=torch.float32)
 
     return step
 
@@ -97,7 +157,9 @@ def fxdp_step(args, inputs, lora):
 
     def step():
         dp_opt.zero_grad()
-        F.cross_entropy(dp_model(**x).logits, y).backward()
+        with autocast(args):
+            loss = F.cross_entropy(dp_model(**x).logits.float(), y)
+        loss.backward()
         dp_opt.step()
 
     step()
@@ -126,7 +188,9 @@ def opacus_step(mode):
         def step():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                criterion(dp_model(**x).logits, y).backward()
+                with autocast(args):
+                    loss = criterion(dp_model(**x).logits.float(), y)
+                loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
@@ -134,6 +198,76 @@ def opacus_step(mode):
         return step
 
     return make
+
+
+def phases(args, inputs) -> None:
+    """Print the DP step's phases (full fine-tuning) as fractions of the plain step, medians over ``--repeats``."""
+    import statistics
+
+    import dp_step_profile
+
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    if args.device.startswith("cuda"):  # each phase's kernels finished before its timer reads the clock
+        def clock():
+            torch.cuda.synchronize()
+            return time.perf_counter()
+    dp_step_profile.CLOCK = clock
+    plain_model = build(args, False)
+    plain_opt = torch.optim.SGD(plain_model.parameters(), lr=LR)
+    model = build(args, False)
+    dp_model, dp_opt, _ = fxdp.PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=_loader(inputs),
+        noise_multiplier=NOISE, max_grad_norm=CLIP, poisson_sampling=False)
+    x, y = _split(inputs)
+    noise = noise_step(args, inputs, False)
+    plain, dp = dp_step_profile.Timers(), dp_step_profile.Timers()
+    sink = dp_model.fxdp_sink
+    dp.wrap(sink, "add", "  capture (in backward)")
+    dp.wrap(sink, "_publish", "  norms (end of backward)")
+    dp.wrap(dp_opt, "_factors", "clip (checks, factors)")
+    dp.wrap(sink, "take_clipped_sums", "clipped sums")
+    dp.wrap(dp_opt, "_write_private_grads", "_write")
+    dp.wrap(dp_opt.original_optimizer, "step", "optimizer")
+
+    def plain_step():
+        with autocast(args):
+            loss = plain.phase("forward", lambda: F.cross_entropy(plain_model(**x).logits.float(), y))
+        plain.phase("backward", loss.backward)
+        plain.phase("optimizer", plain_opt.step)
+        plain.phase("zero_grad", lambda: plain_opt.zero_grad(set_to_none=True))
+
+    def dp_step():
+        dp.phase("zero_grad", dp_opt.zero_grad)
+        with autocast(args):
+            loss = dp.phase("forward", lambda: F.cross_entropy(dp_model(**x).logits.float(), y))
+        dp.phase("backward", loss.backward)
+        dp.phase("step", dp_opt.step)
+
+    steps = {"plain": timed(args, plain_step), "dp": timed(args, dp_step), "noise": timed(args, noise)}
+    for step in steps.values():
+        step()
+    plain.steps.clear(), dp.steps.clear()
+    plain.current.clear(), dp.current.clear()
+    totals = {name: [] for name in steps}
+    for _ in range(args.repeats):
+        for name, step in steps.items():
+            t0 = clock()
+            step()
+            totals[name].append(clock() - t0)
+        plain.end_step(), dp.end_step()
+    base = statistics.median(totals["plain"]) * 1e3
+    p, d = plain.medians_ms(), dp.medians_ms()
+    # the noise and the writing of p.grad: what _write_private_grads takes besides the clipped sums it asks for
+    d["noise + write"] = statistics.median(w - c for w, c in zip(dp.steps["_write"], dp.steps["clipped sums"])) * 1e3
+    d.pop("_write"), d.pop("step")
+    print(f"plain step {base:.1f} ms, DP step {statistics.median(totals['dp']) * 1e3:.1f} ms = "
+          f"{statistics.median(totals['dp']) * 1e3 / base:.2f} x plain; the noise draws alone "
+          f"{statistics.median(totals['noise']) * 1e3:.1f} ms = {statistics.median(totals['noise']) * 1e3 / base:.3f} "
+          f"x plain (medians of {args.repeats})")
+    print(f"{'phase':28s} {'plain ms':>9s} {'dp ms':>9s} {'dp/plain step':>14s}")
+    for k in ["forward", "backward", "  capture (in backward)", "  norms (end of backward)", "clip (checks, factors)",
+              "clipped sums", "noise + write", "optimizer", "zero_grad"]:
+        print(f"{k:28s} {p.get(k, float('nan')):9.2f} {d.get(k, float('nan')):9.2f} {d.get(k, 0) / base:14.3f}")
 
 
 def measure(args, inputs, lora: bool):
@@ -144,10 +278,10 @@ def measure(args, inputs, lora: bool):
     except ImportError:
         modes = ()
         print("opacus is not installed: only fxdp is timed (pip install opacus to compare)")
-    makers: Dict[str, Callable] = {"plain": plain_step, "fxdp": fxdp_step,
+    makers: Dict[str, Callable] = {"plain": plain_step, "noise only": noise_step, "fxdp": fxdp_step,
                                    **{f"opacus-{m}": opacus_step(m) for m in modes}}
     if args.engines:
-        makers = {k: v for k, v in makers.items() if k in args.engines or k == "plain"}
+        makers = {k: v for k, v in makers.items() if k in args.engines or k in ("plain", "noise only")}
     steps, failed, notes = {}, {}, {}
     for name, make in makers.items():
         try:
@@ -155,30 +289,39 @@ def measure(args, inputs, lora: bool):
         except Exception as exc:  # noqa: BLE001 - a mode that cannot run the model is a result too
             failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
             continue
-        steps[name], notes[name] = made if isinstance(made, tuple) else (made, "")
+        step, notes[name] = made if isinstance(made, tuple) else (made, "")
+        steps[name] = timed(args, step)
     clock = time.thread_time if args.cpu_time else time.perf_counter
     ratios = {name: [] for name in steps}
     for _ in range(args.rounds):
         ms = models.median_ms(steps, args.repeats, warmup=1, clock=clock)
         for name in steps:
             ratios[name].append((ms[name], ms[name] / ms["plain"]))
-    memory = {name: peak_memory_mb(step) for name, step in steps.items()}
+    peak = cuda_peak_memory_mb if args.device.startswith("cuda") else peak_memory_mb
+    memory = {name: peak(step) for name, step in steps.items()}
     rows = []
     for name in steps:
         times = ", ".join(f"{r:.2f}x" for _, r in ratios[name])
-        rows.append([name, f"{ratios[name][-1][0]:.1f}", times, f"{memory[name]:.0f}",
-                     f"{memory[name] / memory['plain']:.2f}x", notes[name]])
+        mem = "-" if name == "noise only" else f"{memory[name]:.0f}"
+        mem_ratio = "-" if name == "noise only" else f"{memory[name] / memory['plain']:.2f}x"
+        rows.append([name, f"{ratios[name][-1][0]:.1f}", times, mem, mem_ratio, notes[name]])
     rows += [[name, "-", error, "-", "-", ""] for name, error in failed.items()]
     return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=list(SIZES), default="issue",
+                        help="issue: 4 layers, width 256, 4 heads, T=128; small: GPT-2 small (12, 768, 12, T=256); "
+                             "--layers/--width/--heads/--seq override it")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--bf16", action="store_true", help="forward and loss under bfloat16 autocast")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3, help="independent timing rounds (a ratio per round)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--heads", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--rank", type=int, default=8)
@@ -186,18 +329,31 @@ def main():
                         help="comma-separated subset of fxdp, opacus-hooks, opacus-ghost, opacus-functorch, opacus-ew")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--cpu-time", action="store_true", help="one intra-op thread, timed by its CPU time")
+    parser.add_argument("--no-lora", action="store_true", help="full fine-tuning only")
+    parser.add_argument("--no-full", action="store_true", help="LoRA only")
+    parser.add_argument("--phases", action="store_true", help="where fxdp's full fine-tuning step spends its time")
     args = parser.parse_args()
+    for key, value in SIZES[args.size].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.device.startswith("cuda") and args.cpu_time:
+        parser.error("--cpu-time times the CPU's work; on a GPU the step is timed by wall clock")
     if args.cpu_time:
         torch.set_num_threads(1)
     elif args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=FutureWarning)
     inputs = batch(args)
-    print(f"GPT-2 architecture, sequence classification: {args.layers} layers, width {args.width}, vocab {args.vocab}, "
-          f"T={args.seq}, batch {args.batch}; torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
-          f"{'CPU time' if args.cpu_time else 'wall time'}")
+    where = (torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda")
+             else f"CPU, {torch.get_num_threads()} thread(s)")
+    print(f"GPT-2 architecture, sequence classification: {args.layers} layers, width {args.width}, {args.heads} heads, "
+          f"vocab {args.vocab}, T={args.seq}, batch {args.batch}; torch {torch.__version__}, {where}, "
+          f"{'CPU time' if args.cpu_time else 'wall time'}{', bf16 autocast' if args.bf16 else ''}")
+    if args.phases:
+        phases(args, inputs)
+        return
     headers = ["engine", "ms/step", "x plain (per round)", "peak MiB", "x plain memory", ""]
-    for lora in (False, True):
+    for lora in [v for v, off in ((False, args.no_full), (True, args.no_lora)) if not off]:
         title = f"LoRA r={args.rank} (attention and projections; head trainable)" if lora else "full fine-tuning"
         print(f"\n{title}")
         print(tabulate(measure(args, inputs, lora), headers=headers))

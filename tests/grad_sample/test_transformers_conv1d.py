@@ -273,3 +273,40 @@ def test_conv1d_with_the_batch_in_dimension_1_against_batches_of_one(sink):
         norms = compiled.fxdp_sink.squared_norms(params)
         for p, w in zip(params, want):
             torch.testing.assert_close(norms[p], w.flatten(1).pow(2).sum(1), atol=1e-10, rtol=1e-8)
+
+
+class _TwoReadOneInput(nn.Module):
+    """Two Conv1D projections of one input on sequences (separate query and key projections): their uses read
+    that input as the transposed ``g`` (A and G swapped), so the sink forms its Gram once for both ghost norms."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = Conv1D(5, 4), Conv1D(3, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.q(x)).sum(-1) + (self.k(x) ** 2).sum(-1)
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_two_conv1d_reading_one_input_share_its_gram_and_match_batches_of_one(loss_reduction):
+    """Ghost norms through the shared Gram and clipped sums of two Conv1D layers on one input equal each
+    sample's own gradient (float64, T = 40 so that the Gram is formed in blocks)."""
+    torch.manual_seed(0)
+    model = _TwoReadOneInput().double()
+    x = torch.randn(3, 40, 4, dtype=torch.float64)
+    sink = BookkeepingSink("ghost")
+    compiled = fxdp.compile_for_dp(model, example_inputs=x, loss_reduction=loss_reduction, sink=sink)
+    out = compiled(x)
+    (out.mean() if loss_reduction == "mean" else out.sum()).backward()
+    assert sink.shared[model.q.weight] == 2 and sink.shared[model.k.weight] == 2
+    params = list(model.parameters())
+    norms = sink.squared_norms(params)
+    factors = {p: torch.rand(3, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
+               for k, p in enumerate(params)}
+    sums = sink.clipped_sums(params, factors)
+    for p in params:
+        want = torch.stack([torch.autograd.grad(model(x[i:i + 1]).sum(), p)[0] for i in range(3)])
+        if loss_reduction == "mean":  # the gradient sample i alone gives: its mean over its 40 positions
+            want = want / 40
+        torch.testing.assert_close(norms[p], want.flatten(1).pow(2).sum(1), atol=1e-12, rtol=1e-8)
+        torch.testing.assert_close(sums[p], torch.tensordot(factors[p], want, dims=1), atol=1e-12, rtol=1e-8)
