@@ -35,6 +35,11 @@ from fxdp.layout import BatchLayout
 from fxdp.sinks.capture import layer_capture
 from fxdp.sinks.contract import LayerCapture
 
+# Traced on the torch versions it was tested on (2.13 and later, on the CPU). Torch 2.11's dynamo stops at
+# register_delivery ("PerSampleSite is not a constant", seen on a GPU machine, docs/torch_compile.md): there the
+# DP-aware op keeps its eager hook, a graph break per layer, as before this file.
+TRACEABLE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
 # kinds of delivery: a layer with a hand-written rule (A and G), a parameter added to per-sample data (G alone)
 LAYER_RULE, ADDED_PARAMETER = "layer rule", "added parameter"
 
@@ -117,7 +122,7 @@ def compiled_call_number(site) -> Optional[torch.Tensor]:
     """Under torch.compile, the number of the forward call the site runs in, as a tensor (the model's batch guard
     sets it at every forward, eagerly); None otherwise, or for a site without such a guard (the DP-aware op then
     registers its eager hook, a graph break)."""
-    if not torch.compiler.is_dynamo_compiling():
+    if not TRACEABLE or not torch.compiler.is_dynamo_compiling():
         return None
     return getattr(site.guard, "call_number", None)
 

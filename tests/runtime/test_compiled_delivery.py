@@ -107,6 +107,26 @@ def test_compiled_per_sample_gradients_are_those_of_batches_of_one(name, loss_re
             torch.testing.assert_close(p.grad_sample, want, atol=1e-10, rtol=1e-8)
 
 
+def test_where_torch_cannot_trace_the_delivery_each_layer_keeps_its_hook_and_the_gradients_are_right(monkeypatch):
+    """On a torch whose dynamo cannot trace the delivery (2.11), the eager hook runs instead: a graph break per
+    DP-aware layer, and the same per-sample gradients."""
+    from fxdp.runtime import compiled_delivery
+
+    monkeypatch.setattr(compiled_delivery, "TRACEABLE", False)
+    make, make_x = MODELS["mlp8"]
+    torch.manual_seed(0)
+    model = make()
+    private = fxdp.compile_for_dp(model, (make_x(4),))
+    torch._dynamo.reset()
+    backend = CountingBackend()
+    x = make_x(4)
+    _loss(torch.compile(private, backend=backend)(x), "mean").backward()
+    assert backend.graphs > 1
+    for p, want in _alone(model, x).items():
+        torch.testing.assert_close(p.grad_sample, want, atol=1e-10, rtol=1e-8)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("name", ["mlp8", "added position"])
 def test_inductor_per_sample_gradients_are_those_of_batches_of_one(name):
     """In float64, as aot_eager: inductor may fuse and reorder the arithmetic, which moves float64 results by

@@ -40,7 +40,7 @@ class ConvWeight(Use):
         x, padding = _pad_activations(m, self.a)
         g = self.g * (c * self.scale).to(self.g.dtype).view(-1, *[1] * (self.g.dim() - 1))
         _, weight_grad, _ = torch.ops.aten.convolution_backward(
-            g, x, m.weight.detach(), None, list(m.stride), list(padding), list(m.dilation),
+            g, x, m.weight.detach().to(g.dtype), None, list(m.stride), list(padding), list(m.dilation),
             False, [0] * len(padding), m.groups, [False, True, False],
         )
         return weight_grad
