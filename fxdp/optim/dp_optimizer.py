@@ -413,18 +413,17 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         scaled sum and frees that layer's inputs and output gradients as it goes (``take_clipped_sums``),
         then the noise is added in place, in the parameters' order, a chunk at a time, with the values
         one draw per parameter would give (:func:`~fxdp.optim.noise.add_gaussian_noise_`). Under book-keeping no
-        second copy of the gradients exists at any point; materialised ones stay (see ``keep_summed``). Scaling before the all-reduce of training across
+        second copy of the gradients exists at any point; with per-sample gradients materialised (a
+        :class:`GradSampleSink`) the un-noised clipped sum stays as ``p.summed_grad`` until ``zero_grad()``, as on
+        Opacus. Scaling before the all-reduce of training across
         processes is the same sum."""
         std = self.noise_std if self._adds_noise() else 0.0
         scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
-        # Materialised per-sample gradients (N gradients) stay until zero_grad(), with the un-noised clipped sum
-        # (p.summed_grad), as on Opacus; book-keeping keeps no second copy of the gradients
+        # With per-sample gradients materialised (they cost N gradients), the un-noised clipped sum is kept as
+        # p.summed_grad until zero_grad(), as Opacus leaves it; book-keeping keeps no second copy of the gradients
         keep_summed = isinstance(self.sink, GradSampleSink)
-        if keep_summed:
-            sums = {p: s.mul_(scale) for p, s in self.sink.clipped_sums(list(factors), factors).items()}
-        else:
-            sums = self.sink.take_clipped_sums(list(factors), factors, alpha=scale) if factors else {}
-            self.sink.clear(params)
+        sums = self.sink.take_clipped_sums(list(factors), factors, alpha=scale) if factors else {}
+        self.sink.clear(params)
         grads = []
         for p in params:
             # formed in at least float32 (the sinks' sums are), noise included: a half-precision parameter's
