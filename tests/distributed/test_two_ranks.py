@@ -12,12 +12,8 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import socket
-import subprocess
 import sys
-import time
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.ranks import launch_ranks
+
 WORLD = 2
 MODES = ("fx", "hooks")
 SEED = 0
@@ -208,31 +205,7 @@ def ranks(tmp_path_factory):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("this torch build has no torch.distributed with gloo")
     out = tmp_path_factory.mktemp("ranks")
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    if any(name == "lo" for _, name in socket.if_nameindex()):
-        env["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
-    logs = [out / f"rank{r}.log" for r in range(WORLD)]
-    procs = []
-    for r in range(WORLD):  # output to files: a full pipe would block one rank and with it the other
-        with open(logs[r], "w") as log:
-            procs.append(subprocess.Popen([sys.executable, __file__, str(r), str(out), str(out / "store")], env=env,
-                                          stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass  # killed below, reported with the logs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * WORLD, f"ranks failed or hung (over {LAUNCH_TIMEOUT_S} s, killed):\n" + "\n".join(
-        f"--- rank {r} (exit {c})\n{logs[r].read_text()[-5000:]}" for r, c in enumerate(codes))
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)], out
+    return launch_ranks(__file__, out, WORLD, LAUNCH_TIMEOUT_S), out
 
 
 def single_process(mode, scenario, loss_reduction="mean"):

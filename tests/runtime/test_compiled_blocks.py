@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import fxdp
+from tests.support.counting_backend import CountingBackend
 
 torch._dynamo = pytest.importorskip("torch._dynamo")
 pytestmark = pytest.mark.usefixtures("float64")
@@ -49,17 +50,6 @@ MODELS = {
     "encoder, 3 layers": (lambda: Encoder(3), lambda n: torch.randint(0, 20, (n, 5))),
     "multi-head attention": (Attention, lambda n: torch.randn(n, 5, 8)),
 }
-
-
-class CountingBackend:
-    """Counts the graphs dynamo hands it (graph breaks + 1) and runs them eagerly."""
-
-    def __init__(self):
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return gm.forward
 
 
 def _alone(model, x):

@@ -14,6 +14,7 @@ from torch import nn
 import fxdp
 from fxdp.diagnostics.errors import PerSampleError
 from fxdp.sinks.contract import sink_of
+from tests.support.counting_backend import CountingBackend
 
 torch._dynamo = pytest.importorskip("torch._dynamo")
 pytestmark = pytest.mark.usefixtures("float64")
@@ -48,17 +49,6 @@ MODELS = {
     "attention": (bench_models.OneHeadAttention, lambda n: torch.randint(0, 20, (n, 6))),
     "added position": (AddedPosition, lambda n: torch.randn(n, 5, 8)),
 }
-
-
-class CountingBackend:
-    """A torch.compile backend that counts the graphs dynamo hands it (graph breaks + 1) and runs them eagerly."""
-
-    def __init__(self):
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return gm.forward
 
 
 def _alone(model, x):
