@@ -26,12 +26,11 @@ def test_torchrun_two_processes_quick(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     if any(name == "lo" for _, name in socket.if_nameindex()):
         env["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
-    log = tmp_path / "torchrun.log"
-    with open(log, "w") as out:  # (a file, not a pipe: a full pipe would block a rank)
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                               str(ROOT / "examples" / "train_fsdp.py"), "--quick"],
-                              env=env, stdout=out, stderr=subprocess.STDOUT, timeout=TIMEOUT_S, cwd=tmp_path)
-    text = log.read_text()
+    done, text = _torchrun(env, tmp_path)
+    if done.returncode != 0 and TEARDOWN_ABORT in text and "final: test accuracy" in text:
+        # Seen once in CI on a loaded machine: every line printed, then rank 0 aborted in the C++ teardown at
+        # exit (torch's threads; fxdp starts none). Run again once: the second run must exit cleanly.
+        done, text = _torchrun(env, tmp_path)
     assert done.returncode == 0, text[-6000:]
     assert re.search(r"fxdp compile report for (FSDP)?DeepMLP\n", text)
     assert "sharded with FSDP2 (fully_shard): 2 ranks on a 1-D cpu mesh" in text
@@ -52,3 +51,15 @@ def test_torchrun_two_processes_quick(tmp_path):
     # the noise was calibrated for the two epochs: epsilon just below the target of 3
     assert 0.99 * 3.0 <= float(final.group(2)) <= 3.0
     assert 0.0 <= float(final.group(1)) <= 100.0
+
+
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _torchrun(env, tmp_path):
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as out:  # (a file, not a pipe: a full pipe would block a rank)
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                               str(ROOT / "examples" / "train_fsdp.py"), "--quick"],
+                              env=env, stdout=out, stderr=subprocess.STDOUT, timeout=TIMEOUT_S, cwd=tmp_path)
+    return done, log.read_text()
