@@ -36,6 +36,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fxdp.optim import DPOptimizer
+from fxdp.optim.dp_optimizer import _wide_dtype
 from fxdp.optim.noise import add_gaussian_noise_
 from fxdp.sinks.contract import GradientSink, GradSampleSink, PerSampleError
 
@@ -150,7 +151,7 @@ class FullyShardedDPOptimizer(DPOptimizer):
             # no sample on this rank (an empty share): the sum is zero, whatever the sink would make of no rows
             seen = p in factors and factors[p].shape[0] > 0
             full = self.sink.take_clipped_sums([p], {p: factors[p]}, alpha=scale).get(p) if seen else None
-            dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+            dtype = _wide_dtype(p.dtype)  # as one process forms the sum: at least float32
             full = torch.zeros(p.shape, dtype=dtype, device=p.device) if full is None else \
                 full.to(dtype).reshape(p.shape)
             earlier = self._summed.pop(p, None)
