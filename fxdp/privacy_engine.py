@@ -586,8 +586,10 @@ def _check_optimizer_params_in_module(module: nn.Module, optimizer: Optimizer) -
         if id(p) not in own
     ]
     if foreign:
-        raise ValueError(f"fxdp: the optimizer holds parameters that are not the module's ({', '.join(foreign)}); "
-                         "build the optimizer from module.parameters()")
+        raise ValueError(f"fxdp: the optimizer holds parameters that are not the module's ({', '.join(foreign)}) "
+                         "(in Opacus's words: Module parameters are different than optimizer Parameters). Build the "
+                         "optimizer from module.parameters(), after ModuleValidator.fix(module) if you call it: the "
+                         "modules it replaces bring new parameters")
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     idle = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in in_optimizer]
     if idle:

@@ -90,9 +90,24 @@ def test_a_model_dp_cannot_train_is_refused(mode):
         private(PrivacyEngine(), mode, model=model)
 
 
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ew"])
+def test_a_model_refused_for_its_modules_alone_raises_what_opacus_raises(mode):
+    """Opacus's make_private raises UnsupportedModuleError for a BatchNorm; fxdp's refusal, when validation's findings
+    are all it has, is that class too (and still a NotPrivateError carrying the findings)."""
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+    loader = DataLoader(TensorDataset(torch.randn(16, 1, 6, 6), torch.randint(0, 3, (16,))), batch_size=8)
+    with pytest.raises(fxdp.validators.UnsupportedModuleError, match="BatchNorm2d") as info:
+        PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                     data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+                                     grad_sample_mode=mode)
+    assert isinstance(info.value, fxdp.errors.NotPrivateError)
+    assert [f.op for f in info.value.findings] == ["nn.BatchNorm2d"]
+
+
 def test_an_optimizer_of_another_model_is_refused():
     model, other = classifier(), classifier()
-    with pytest.raises(ValueError, match=r"not the module's \(param_groups\[0\]\['params'\]\[0\] of shape \(8, 6\)"):
+    with pytest.raises(ValueError, match=r"not the module's \(param_groups\[0\]\['params'\]\[0\] of shape \(8, 6\).*"
+                                         r"in Opacus's words: Module parameters are different than optimizer Parameters"):
         PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(other.parameters(), lr=0.1),
                                      data_loader=DataLoader(dataset(), batch_size=16), noise_multiplier=1.0,
                                      max_grad_norm=1.0)

@@ -12,7 +12,8 @@ them:
   validation errors and the validate pass's findings speak the same language:
   :class:`UnsupportedModuleError` (the module cannot be made private, e.g. BatchNorm in training; also
   what ``strict`` validation raises, carrying every error in ``errors``; :class:`SampleMixingModuleError`, also a
-  NotImplementedError, when a per-sample engine is built on a model with BatchNorm in training), :class:`ShouldReplaceModuleError`
+  NotImplementedError, when a per-sample engine is built on a model with BatchNorm in training;
+  :class:`UnsupportedModelError`, compile_for_dp's refusal when validation's findings are all it has), :class:`ShouldReplaceModuleError`
   (works once replaced by a drop-in), :class:`IllegalModuleConfigurationError` (its configuration breaks
   DP-SGD), :class:`NotYetSupportedModuleError` (could be supported, is not yet).
 
@@ -27,7 +28,8 @@ a rule returned the wrong shape, the DP optimizer found gradients it cannot clip
 compiled in a way fxdp cannot follow; :class:`AlreadyCompiledError` and :class:`AlreadyPrivateError` refuse
 a model given twice.
 
-:class:`ModuleFixWarning` lists what ``ModuleValidator.fix`` replaced; :func:`expect_module` is the
+:class:`ModuleFixWarning` lists what ``ModuleValidator.fix`` replaced; :class:`NonFiniteSampleWarning` says
+a DP step dropped samples whose per-sample gradient is not finite; :func:`expect_module` is the
 TypeError for an entry point given something that is not a module.
 """
 
@@ -178,6 +180,11 @@ def expect_module(obj, call: str) -> None:
     raise TypeError(f"{call} expects a torch.nn.Module, got {given}")
 
 
+class NonFiniteSampleWarning(UserWarning):
+    """A DP step dropped samples whose per-sample gradient is not finite (inf or NaN): each contributes nothing to
+    the step, as if clipped to 0, which keeps the step private; the noise is added as always."""
+
+
 class ModuleFixWarning(UserWarning):
     """What ``ModuleValidator.fix`` replaced or changed: ``changes`` holds (module, before, after)."""
 
@@ -292,6 +299,25 @@ class UnsupportedModuleError(UnsupportedError):
         return "\n".join([self.message] + [f"  - {e.describe()}" for e in self._errors])
 
 
+class UnsupportedModelError(UnsupportedModuleError):
+    """``compile_for_dp`` (and so ``make_private``) refusing a model whose modules validation reports (a BatchNorm
+    in training mode, an unsupported layer): the findings table a :class:`NotPrivateError` carries, raised as an
+    ``UnsupportedModuleError``, the class Opacus's ``make_private`` raises there, so code written for Opacus
+    catches it."""
+
+    def __init__(self, findings, header: str):
+        super().__init__(header)
+        self._findings = tuple(findings)
+        self._text = header + "\n" + render_findings(self._findings)
+
+    @property
+    def findings(self) -> Tuple[Finding, ...]:
+        return self._findings
+
+    def describe(self) -> str:
+        return self._text
+
+
 class SampleMixingModuleError(UnsupportedModuleError, NotImplementedError):
     """A per-sample engine was built on a model with a module that mixes samples in the mode it is in (BatchNorm
     in training): refused when the engine is built, each such module in ``errors``. Also a NotImplementedError,
@@ -354,6 +380,7 @@ __all__ = [
     "MissingBatchRuleError",
     "ModelChangedError",
     "ModuleFixWarning",
+    "NonFiniteSampleWarning",
     "NotPrivateError",
     "NotYetSupportedModuleError",
     "PassError",
@@ -367,6 +394,7 @@ __all__ = [
     "TrainabilityChangedError",
     "UnsupportedError",
     "UnsupportedInputError",
+    "UnsupportedModelError",
     "UnsupportedModuleError",
     "UnsupportedOutputError",
     "UnverifiedModelError",

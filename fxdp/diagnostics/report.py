@@ -9,7 +9,7 @@ from typing import Optional, Sequence, Tuple
 
 from tabulate import tabulate
 
-from fxdp.diagnostics.errors import BatchMixingError, NotPrivateError
+from fxdp.diagnostics.errors import BatchMixingError, NotPrivateError, UnsupportedModelError
 from fxdp.diagnostics.findings import Finding, Kind, PassReport, Severity, render_findings
 from fxdp.diagnostics.source import SourceLocation
 
@@ -98,8 +98,13 @@ class CompileReport:
         return "\n".join(lines)
 
 
+# The validation taxonomy (the kinds of a module validators report)
+VALIDATION_KINDS = (Kind.CANNOT_BE_PRIVATE, Kind.SHOULD_BE_REPLACED, Kind.ILLEGAL_CONFIGURATION, Kind.NOT_YET_SUPPORTED)
+
+
 def refuse_if_not_private(reports: Sequence[PassReport], when: str = "") -> None:
-    """Raise :class:`~fxdp.diagnostics.errors.BatchMixingError` (an op mixes samples) or
+    """Raise :class:`~fxdp.diagnostics.errors.BatchMixingError` (an op mixes samples),
+    :class:`~fxdp.diagnostics.errors.UnsupportedModelError` (modules validation reports, nothing else) or
     :class:`~fxdp.diagnostics.errors.NotPrivateError` with the error findings of ``reports``, if there are any;
     ``when`` ends the header (the input shapes they were found for)."""
     errors = [f for r in reports for f in r.findings if f.severity is Severity.ERROR]
@@ -113,4 +118,5 @@ def refuse_if_not_private(reports: Sequence[PassReport], when: str = "") -> None
         "The model cannot be trained with DP-SGD as it is. Fix the findings below "
         "(fxdp.validators.ModuleValidator.fix(model) replaces BatchNorm and in-place flags)."
     ) + when
-    raise (BatchMixingError if mixing else NotPrivateError)(errors, header)
+    modules_only = all(f.kind in VALIDATION_KINDS for f in errors)  # what Opacus's validator would report
+    raise (BatchMixingError if mixing else UnsupportedModelError if modules_only else NotPrivateError)(errors, header)

@@ -21,8 +21,10 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_sequence, pad_packed_sequence
 
+from fxdp.diagnostics.errors import PerSampleError
 from fxdp.engines.base import GradSampleModuleBase, ParameterWatch
-from fxdp.grad_sample.generic import summed_loss_backprops
+from fxdp.grad_sample.generic import autocast_state, summed_loss_backprops
+from fxdp.sinks.capture import layer_capture
 from fxdp.sinks.contract import SINK_ATTR, LayerCapture
 
 
@@ -49,8 +51,49 @@ class FunctorchGradSampleModule(GradSampleModuleBase):
             )
         if out.requires_grad and any(p.requires_grad for p in self._module.parameters()):
             activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-            out.register_hook(self._output_hook(self._module, activations, kwargs, generic=True))
+            out.register_hook(self._whole_model_hook(activations, kwargs, self._output_batch_dim(args, kwargs, out)))
         return out
+
+    def _output_batch_dim(self, args, kwargs, out: torch.Tensor) -> int:
+        """Where the batch sits in the model's output, which need not be where it sits in the inputs (a
+        batch-second model may return batch-first logits): the one dimension of the batch's size; where several
+        have it, the one that becomes 1 when the model runs on the batch's first sample alone."""
+        n = next((a.shape[self.batch_dim] for a in args if isinstance(a, torch.Tensor) and a.dim() > self.batch_dim),
+                 None)
+        candidates = [k for k in range(out.dim()) if out.shape[k] == n]
+        if n == 1 and candidates:  # one sample: any dimension of size 1 holds it (moving it moves no data)
+            return self.batch_dim if self.batch_dim in candidates else candidates[0]
+        if n is None:
+            return self.batch_dim
+        if len(candidates) > 1:
+            one = [a.narrow(self.batch_dim, 0, 1) if isinstance(a, torch.Tensor) and a.dim() > self.batch_dim else a
+                   for a in args]
+            with torch.no_grad():
+                alone = self._module(*one, **kwargs)
+            if isinstance(alone, torch.Tensor) and alone.dim() == out.dim():
+                candidates = [k for k in candidates if alone.shape[k] == 1]
+        if len(candidates) != 1:
+            raise PerSampleError(
+                f"fxdp: grad_sample_mode='functorch' cannot tell where the batch of {n} samples sits in "
+                f"{type(self._module).__name__}'s output of shape {tuple(out.shape)}; use grad_sample_mode='fx' "
+                "or 'hooks', which follow the batch through each layer")
+        return candidates[0]
+
+    def _whole_model_hook(self, activations, kwargs, out_dim: int):
+        """The output gradient, batch first, with the inputs (the engine's layout) becomes one capture: the
+        generic rule on the whole model, each sample a batch of one."""
+        call, module = self.forward_calls, self._module
+        autocast = autocast_state()
+
+        def hook(grad: torch.Tensor) -> None:
+            acts, _, n = self._to_batch_first(activations, grad.movedim(out_dim, self.batch_dim))
+            backprops = summed_loss_backprops(grad.movedim(out_dim, 0), self.loss_reduction, n)
+            capture = layer_capture(module, acts, backprops, batch_size=n, batch_dim=self.batch_dim, kwargs=kwargs,
+                                    generic=True, autocast=autocast, out_batch_dim=out_dim)
+            capture.call = call
+            self._deliver(capture, module)
+
+        return hook
 
 
     def _packed(self, args, kwargs, out):

@@ -127,6 +127,7 @@ def generic_grad_sampler(
     *,
     batch_dim: int = 0,
     kwargs: Optional[Mapping[str, Any]] = None,
+    out_batch_dim: Optional[int] = None,
 ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradients of ``module``'s trainable parameters (all of them, recursively).
 
@@ -134,7 +135,8 @@ def generic_grad_sampler(
     time, as a batch of one with the batch at ``batch_dim`` (the module's own layout); anything else,
     and ``kwargs``, is passed unchanged. ``backprops`` is the gradient of a summed loss w.r.t. the
     output (batch first), or a sequence of them when the module returns several tensors (missing
-    trailing ones count as zero). Buffers and frozen parameters are used, not differentiated.
+    trailing ones count as zero), whose batch sits at ``out_batch_dim`` in the module's outputs (default
+    ``batch_dim``). Buffers and frozen parameters are used, not differentiated.
     """
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     if not named:
@@ -146,6 +148,7 @@ def generic_grad_sampler(
     batched = [isinstance(a, torch.Tensor) for a in activations]
     backprops = [backprops] if isinstance(backprops, torch.Tensor) else list(backprops)
     kwargs = dict(kwargs or {})
+    out_dim = batch_dim if out_batch_dim is None else out_batch_dim
 
     def one_sample(param_values, sample_activations, sample_backprops):
         def forward(*values):
@@ -155,7 +158,7 @@ def generic_grad_sampler(
 
         outputs, vjp_fn = vjp(forward, *param_values)
         cotangents = tuple(
-            sample_backprops[k].unsqueeze(batch_dim).to(t.dtype) if k < len(sample_backprops) else torch.zeros_like(t)
+            sample_backprops[k].unsqueeze(out_dim).to(t.dtype) if k < len(sample_backprops) else torch.zeros_like(t)
             for k, t in enumerate(outputs)
         )
         return vjp_fn(cotangents)

@@ -108,5 +108,7 @@ class AdaClipDPOptimizer(DPOptimizer):
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if "fxdp" in state_dict:  # the bound this optimizer learnt is its state, not a setting: it is resumed
+            self.max_grad_norm = state_dict["fxdp"]["max_grad_norm"]
         super().load_state_dict(state_dict)
         self._centred_count = state_dict.get("fxdp", {}).get("adaclip_centred_count", 0.0)

@@ -36,7 +36,9 @@ sampling requires) — a gradient without per-sample gradients means the origina
 
 Conventions: a frozen parameter (``requires_grad=False``) is ignored; a trainable parameter unused in
 a step contributes a zero clipped sum and still gets noise (noise must not depend on the data); a tied
-parameter is one object whose per-sample gradients arrive summed over its uses (the sink's convention).
+parameter is one object whose per-sample gradients arrive summed over its uses (the sink's convention); a
+sample whose per-sample gradient is not finite is dropped from the step, as if clipped to 0, with a warning
+(``_drop_non_finite``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fxdp.optim.extension_points import OpacusExtensionPoints
+from fxdp.optim.step_checks import StepChecks, _wide, _wide_dtype
 from fxdp.optim.noise import add_gaussian_noise_
 from fxdp.sinks.contract import LOSS_REDUCTIONS, GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError
 
@@ -66,7 +69,7 @@ _SECURE_WITH_GENERATOR = ("fxdp: secure_mode draws noise from the OS's cryptogra
                           "would make the noise predictable. Pass generator=None")
 
 
-class DPOptimizer(OpacusExtensionPoints, Optimizer):
+class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
     """Wraps ``optimizer`` (any ``torch.optim.Optimizer``) so that its step is a DP-SGD step.
 
     Args:
@@ -139,6 +142,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         self._summed: Dict[nn.Parameter, torch.Tensor] = {}  # clipped sums of this logical batch so far
         self._skip_next = False
         self._step_factors: Optional[Dict[nn.Parameter, torch.Tensor]] = None  # (for clip_and_accumulate)
+        self._dropped_samples = False  # whether this step dropped samples whose per-sample gradient is not finite
         self._needs_zero_grad = False  # a logical step ran and zero_grad() has not been called since
         self.steps = 0  # logical steps taken
         # what the data loader said (observe_batch): logical batches begun since the last step (None: no
@@ -303,10 +307,11 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the per-sample gradients and ``p.grad``. The clipped sum of a logical batch in progress
-        (after a skipped step) is kept: it belongs to the next real step."""
+        (after a skipped step) is kept, with ``p.summed_grad``: it belongs to the next real step."""
         self.sink.clear(self._all_params())
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
-        for p in [] if self._overrides else self._all_params():  # (an override accumulates in p.summed_grad)
+        # (an override accumulates in p.summed_grad; skipped steps' sums are the next step's)
+        for p in [] if self._overrides or self._summed else self._all_params():
             if getattr(p, "summed_grad", None) is not None:
                 p.summed_grad = None
         self._needs_zero_grad = False
@@ -383,16 +388,25 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         if not norms:
             self._check_a_batch_was_seen(params)
         rows = self._check_rows(norms)
-        self._check_finite(norms)
+        self._check_not_negative(norms)
+        dropped = self._drop_non_finite(norms, rows)
         self._check_every_gradient_is_per_sample(params, norms, rows)
-        return self._clip_factors(norms) if norms else {}
+        factors = self._clip_factors(norms) if norms else {}
+        if dropped is not None:  # (their factor C / (inf + eps) would be 0, or NaN: 0 either way)
+            factors = {p: c.masked_fill(dropped.to(c.device), 0.0) for p, c in factors.items()}
+        self._dropped_samples = dropped is not None
+        return factors
 
     def _accumulate(self, params: List[nn.Parameter], factors: Dict[nn.Parameter, torch.Tensor]) -> None:
         """A skipped step: add this physical batch's clipped sums to the logical batch's."""
         sums = self.sink.take_clipped_sums(list(factors), factors) if factors else {}
         self.sink.clear(params)
+        self._check_finite_after_dropping(sums.values())
         for p, s in sums.items():
             self._summed[p] = self._summed[p] + s if p in self._summed else s
+        if isinstance(self.sink, GradSampleSink):  # the logical batch's clipped sum so far, as Opacus shows it
+            for p, s in self._summed.items():
+                p.summed_grad = s.to(p.dtype, copy=True).view_as(p)
         # the plain (unclipped) gradient of this physical batch is not private: nothing reads it
         for p in params:
             p.grad = None
@@ -414,16 +428,21 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         then the noise is added in place, in the parameters' order, a chunk at a time, with the values
         one draw per parameter would give (:func:`~fxdp.optim.noise.add_gaussian_noise_`). Under book-keeping no
         second copy of the gradients exists at any point; with per-sample gradients materialised (a
-        :class:`GradSampleSink`) the un-noised clipped sum stays as ``p.summed_grad`` until ``zero_grad()``, as on
-        Opacus. Scaling before the all-reduce of training across
+        :class:`GradSampleSink`) they stay readable as ``p.grad_sample``, and the un-noised clipped sum as
+        ``p.summed_grad``, until ``zero_grad()``, as on Opacus (the next backward pass replaces the rows, so they
+        never reach another step). Scaling before the all-reduce of training across
         processes is the same sum."""
         std = self.noise_std if self._adds_noise() else 0.0
         scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
         # With per-sample gradients materialised (they cost N gradients), the un-noised clipped sum is kept as
         # p.summed_grad until zero_grad(), as Opacus leaves it; book-keeping keeps no second copy of the gradients
         keep_summed = isinstance(self.sink, GradSampleSink)
-        sums = self.sink.take_clipped_sums(list(factors), factors, alpha=scale) if factors else {}
-        self.sink.clear(params)
+        if keep_summed:  # and p.grad_sample stays readable until zero_grad(), as on Opacus (never reaching a step)
+            sums = {p: s * scale for p, s in self.sink.clipped_sums(list(factors), factors).items()} if factors else {}
+            self.sink.end_step(params)
+        else:
+            sums = self.sink.take_clipped_sums(list(factors), factors, alpha=scale) if factors else {}
+            self.sink.clear(params)
         grads = []
         for p in params:
             # formed in at least float32 (the sinks' sums are), noise included: a half-precision parameter's
@@ -439,6 +458,7 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
             if std > 0:
                 add_gaussian_noise_(grad, std * scale, secure_mode=self.secure_mode, generator=self.generator)
             grads.append(grad)
+        self._check_finite_after_dropping(grads)
         for p, grad in zip(params, self._reduce(grads)):
             p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
         self._summed.clear()
@@ -463,121 +483,6 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         those of the other processes training together. A single process has nothing to combine."""
         return noised_sums
 
-    # -- checks: an error before any silently wrong step -------------------------------------------
-
-    def _check_rows(self, norms: Dict[nn.Parameter, torch.Tensor]) -> int:
-        """Every parameter must have one row per sample seen since the last step."""
-        rows = {p: sq.shape[0] for p, sq in norms.items()}
-        if len(set(rows.values())) > 1:
-            (p1, n1), *others = rows.items()
-            p2, n2 = next((p, n) for p, n in others if n != n1)
-            raise StepRefusedError(
-                f"fxdp: parameter '{self._name(p1)}' has per-sample gradients for {n1} samples but "
-                f"'{self._name(p2)}' for {n2}: one of them received none in some backward pass since the last "
-                "step, so samples cannot be matched up for clipping. Call optimizer.step() after each "
-                "backward pass (optimizer.signal_skip_step() before it to accumulate a logical batch)"
-            )
-        return next(iter(rows.values()), 0)
-
-    def _check_params_are_the_models(self, params: List[nn.Parameter]) -> None:
-        """Before anything moves: every trainable parameter is still one the model uses, and has its bound
-        under per_layer clipping (a parameter frozen when the optimizer was built and unfrozen since has none)."""
-        for p in params:
-            why = self.sink.retired_reason(p)
-            if why is not None:
-                raise StepRefusedError(
-                    f"fxdp: parameter '{self._name(p)}' is in the optimizer, but the model no longer uses it ({why}), "
-                    "so DP-SGD would move it by noise alone. Call make_private again with the changed model and an "
-                    "optimizer over its parameters (the PrivacyEngine's accountant keeps the privacy spent so far), "
-                    "or freeze the old parameter (requires_grad_(False)) and add the new ones with "
-                    "optimizer.add_param_group")
-            if self.clipping == "per_layer":
-                self._bound(p)
-
-    def _check_one_logical_batch(self) -> None:
-        """A private step (with the skip steps before it) takes one logical batch: the accountant records one
-        step at the sampling rate. Two Poisson batches in one step would be clipped as if one batch and
-        accounted at the rate of one; none (once a loader tells its batches) means the batch came from
-        elsewhere, and would be accounted as a Poisson sample it is not."""
-        if self._logical_batches == 0:
-            raise StepRefusedError(
-                "fxdp: optimizer.step() without a batch from the data loader make_private returned since the last "
-                "step: this step's batch came from elsewhere (the loader you passed to make_private, or a batch "
-                "already used for a step), but the accountant would record it as a fresh Poisson sample of the "
-                "dataset. Iterate the loader make_private returned (model, optimizer, loader = "
-                "engine.make_private(...)), one step per batch"
-            )
-        if self._logical_batches is not None and self._logical_batches > 1:
-            raise StepRefusedError(
-                f"fxdp: the data loader handed out {self._logical_batches} batches since the last optimizer step, "
-                "but one private step takes one batch (the accountant records one step at the sampling rate). "
-                "Call optimizer.step() once per batch, an empty one too (it adds noise only); to cut a batch that "
-                "does not fit in memory into physical batches, use BatchMemoryManager, which signals the skip steps"
-            )
-
-    def _check_a_batch_was_seen(self, params: List[nn.Parameter]) -> None:
-        """No per-sample gradient since the last step: the step would add noise only, and be counted. That
-        is right for an empty batch, and a useless (silently counted) step otherwise."""
-        plain = next((p for p in params if p.grad is not None and bool(p.grad.ne(0).any())), None)
-        if plain is not None and not self.sink.enabled:
-            raise StepRefusedError(
-                f"fxdp: parameter '{self._name(plain)}' received a gradient in backward but no per-sample gradient: "
-                "the model's per-sample computation is switched off (model.disable_hooks()). Call "
-                "model.enable_hooks() before the forward and backward of a private step; this step would have "
-                "discarded the gradient and added noise only"
-            )
-        if plain is not None:
-            raise StepRefusedError(
-                f"fxdp: parameter '{self._name(plain)}' received a gradient in backward but no parameter received "
-                "a per-sample gradient: the backward pass ran through a model fxdp did not compile or wrap, most "
-                "likely the original model instead of the one make_private (or fxdp.compile_for_dp) returned. Call "
-                "the returned model: it shares the original's parameters and records the per-sample gradients "
-                "DP-SGD clips; this step would have discarded the gradient and added noise only"
-            )
-        if not self._batch_empty and params:
-            raise StepRefusedError(
-                "fxdp: optimizer.step() found no per-sample gradient since the last step: no backward pass ran "
-                "through the private model (loss.backward() missing, or called after step()?). The step would add "
-                "noise only and still be counted by the accountant. Run the model and loss.backward() on the batch "
-                "before step(). An empty batch (Poisson sampling) steps with noise only, as it should: run the model "
-                "on it as on any batch, or take the batches from the data loader make_private returned, which "
-                "tells the optimizer when a batch is empty"
-            )
-
-    def _check_finite(self, norms: Dict[nn.Parameter, torch.Tensor]) -> None:
-        if any(sq.numel() for sq in norms.values()) and bool(
-                torch.stack([sq.amin() for sq in norms.values() if sq.numel()]).lt(0).any()):
-            p = next(p for p, sq in norms.items() if bool(sq.lt(0).any()))
-            raise StepRefusedError(f"fxdp: the gradient sink gave parameter '{self._name(p)}' a negative squared "
-                                 "per-sample norm; its clip factor would be NaN. This is a bug in the sink: please "
-                                 "report it")
-        if not norms or bool(torch.isfinite(torch.stack([_wide(sq).sum() for sq in norms.values()])).all()):
-            return  # one check for the common case; the loop below only runs to name the culprits
-        for p, sq in norms.items():
-            bad = ~torch.isfinite(sq)
-            if bool(bad.any()):
-                raise StepRefusedError(
-                    f"fxdp: the per-sample gradient of parameter '{self._name(p)}' is not finite (inf or nan, or "
-                    f"too large to square) for {int(bad.sum())} of {sq.shape[0]} samples (first: sample "
-                    f"{int(bad.nonzero()[0])}); "
-                    "clipping cannot bound it, so the optimizer refuses to step. Look for inf/nan in the inputs "
-                    "and the loss (log of 0, division by 0), or lower the learning rate if training diverged"
-                )
-
-    def _check_every_gradient_is_per_sample(self, params, norms, rows: int) -> None:
-        """A parameter that got a gradient in backward but no per-sample gradient would silently lose
-        its update: the engine did not see how the parameter was used."""
-        if rows == 0:
-            return  # an empty batch (or no backward): nothing to compare with
-        for p in params:
-            if p not in norms and p.grad is not None and bool(p.grad.ne(0).any()):
-                raise StepRefusedError(
-                    f"fxdp: parameter '{self._name(p)}' received a gradient in backward but no per-sample "
-                    "gradient, so DP-SGD cannot clip it. Is it used outside the model that was compiled or "
-                    "wrapped (fxdp.compile_for_dp / make_private), or is the optimizer's parameter list from "
-                    "another model? Check fxdp.report(model) for ops fxdp does not cover"
-                )
-
     # -- state ---------------------------------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
@@ -600,9 +505,12 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (a plain optimizer's state dict goes to the wrapped optimizer).
-        The checkpoint's noise multiplier, bounds and expected batch size replace the current ones (with
-        a warning when they differ), so a resumed run is the run that was accounted for."""
+        """Restore a :meth:`state_dict` (a plain optimizer's state dict goes to the wrapped optimizer): the wrapped
+        optimizer's state, the logical steps, the noise generator and a logical batch in progress. The noise
+        multiplier, bounds and expected batch size stay this optimizer's, as on Opacus (a warning says which
+        differ from the checkpoint's): they are settings, like the ones a scheduler restored from its own state
+        sets, and the accountant records every step with the noise multiplier it ran with. A logical batch in
+        progress must be finished with the bounds it was clipped to."""
         if set(state_dict) != {"optimizer", "fxdp"}:
             self.original_optimizer.load_state_dict(state_dict)
             return
@@ -615,16 +523,20 @@ class DPOptimizer(OpacusExtensionPoints, Optimizer):
         if len(own["accumulated"]) != len(params):
             raise ValueError(f"fxdp: the checkpoint's optimizer had {len(own['accumulated'])} trainable "
                              f"parameters, this one has {len(params)}")
+        if any(s is not None for s in own["accumulated"]) and own["max_grad_norm"] != self.max_grad_norm:
+            raise ValueError(
+                f"fxdp: the checkpoint holds a logical batch in progress (skipped steps' clipped sums) clipped to "
+                f"max_grad_norm={own['max_grad_norm']!r}, and this optimizer's bound is {self.max_grad_norm!r}: its "
+                "step would add noise for the wrong bound. Build the optimizer with the checkpoint's max_grad_norm, "
+                "or save the checkpoint after a real step")
         self.original_optimizer.load_state_dict(state_dict["optimizer"])
         changed = [k for k in ("noise_multiplier", "max_grad_norm", "expected_batch_size")
                    if own[k] != getattr(self, k)]
         if changed:
-            warnings.warn("fxdp: the checkpoint's " + ", ".join(f"{k}={own[k]!r}" for k in changed)
-                          + " replace this optimizer's, so the resumed run matches the one accounted for",
+            warnings.warn("fxdp: the checkpoint was saved with " + ", ".join(f"{k}={own[k]!r}" for k in changed)
+                          + "; this optimizer keeps its own " + ", ".join(f"{k}={getattr(self, k)!r}" for k in changed)
+                          + " (as on Opacus): set them on the optimizer to continue with the checkpoint's",
                           stacklevel=2)
-        self.noise_multiplier = own["noise_multiplier"]
-        self.max_grad_norm = own["max_grad_norm"]
-        self.expected_batch_size = own["expected_batch_size"]
         self._check_settings()
         self.steps = own["steps"]
         self._skip_next = own["skip_next"]
@@ -675,16 +587,6 @@ def _positive_bound(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise PrivacySettingError(f"fxdp: {what} must be a finite number > 0, got {value!r}")
     return float(value)
-
-
-def _wide_dtype(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """At least float32: squared norms of half-precision gradients overflow, and a half-precision clipped sum
-    or noise is rounded to a few mantissa bits."""
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 class DPPerLayerOptimizer(DPOptimizer):

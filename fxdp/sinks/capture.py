@@ -27,13 +27,14 @@ def layer_capture(
     generic: bool = False,
     backprops_scale: float = 1.0,
     autocast: Optional[AutocastState] = None,
+    out_batch_dim: Optional[int] = None,
 ) -> LayerCapture:
     """What a layer hands its model's sink: ``activations`` and ``backprops`` are batch first, the
     backprops those of a summed loss once multiplied by ``backprops_scale`` (left to the capture: see
     :class:`~fxdp.sinks.contract.LayerCapture`). With a hand-written rule (unless ``generic``) the
     capture carries the layer, A and G (the rule sees neither ``kwargs`` nor ``batch_dim``); otherwise only
     the generic rule's thunk, which re-runs each sample with the batch at ``batch_dim`` (the layer's own
-    layout), under ``autocast`` (the autocast settings of the layer's forward, see
+    layout; its output's at ``out_batch_dim`` when that differs), under ``autocast`` (the autocast settings of the layer's forward, see
     :func:`~fxdp.grad_sample.generic.autocast_state`). A hand-written rule sees half-precision A and G in
     float32 (:func:`float32_if_half`)."""
     params = tuple(trainable_parameters(module).values())
@@ -65,6 +66,7 @@ def layer_capture(
     def generic() -> Dict[nn.Parameter, torch.Tensor]:
         with torch.enable_grad():
             rerun = under_autocast(autocast, generic_grad_sampler)
-            return summed(lambda g: rerun(module, activations, g, batch_dim=batch_dim, kwargs=kwargs))
+            return summed(lambda g: rerun(module, activations, g, batch_dim=batch_dim, kwargs=kwargs,
+                                         out_batch_dim=out_batch_dim))
 
     return LayerCapture(batch_size, generic, params=params)

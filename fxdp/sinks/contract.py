@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 # Re-exported: readers of this contract (the DP optimizer, which imports only this module) raise it too.
-from fxdp.diagnostics.errors import PerSampleError, PrivacySettingError, StepRefusedError
+from fxdp.diagnostics.errors import NonFiniteSampleWarning, PerSampleError, PrivacySettingError, StepRefusedError
 
 # How a training loss reduces over the batch; a sink is always handed G of the summed loss.
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -141,6 +141,12 @@ class GradientSink(abc.ABC):
         sums = self.clipped_sums(params, factors)
         self.clear(params)
         return {p: s * alpha for p, s in sums.items()}  # new tensors, whatever clipped_sums hands out
+
+    def drop_samples(self, params: Iterable[nn.Parameter], dropped: torch.Tensor) -> None:
+        """Zero what was recorded for the samples ``dropped`` marks (a bool ``(N,)``), so that their clipped sums
+        are 0: the optimizer drops a sample whose per-sample gradient is not finite. A sink that cannot raises
+        NotImplementedError, and the optimizer refuses the step instead."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def clear(self, params: Iterable[nn.Parameter]) -> None:
@@ -291,8 +297,12 @@ class GradSampleSink(GradientSink):
         and the step refused (see :class:`StepCalls`)."""
         if not self.enabled:
             return
-        if not any(getattr(p, "grad_sample", None) is not None for p in self._step.params.values()):
-            self._step.reset()  # nothing of the step is held any more: this pass starts a new one
+        held = [p for p in self._step.params.values() if getattr(p, "grad_sample", None) is not None]
+        if all(getattr(p.grad_sample, _STEPPED, False) for p in held):
+            # nothing of the step is held any more (or only rows a step consumed): this pass starts a new one
+            for p in held:
+                p.grad_sample = None
+            self._step.reset()
         earlier = {i: p.grad_sample for i, p in self._step.params.items()
                    if getattr(p, "grad_sample", None) is not None}
         refusal = refusal or self._step.problem(calls)
@@ -325,11 +335,30 @@ class GradSampleSink(GradientSink):
                 out[p] = torch.tensordot(factors[p].to(gs.dtype), gs, dims=1)
         return out
 
+    def drop_samples(self, params, dropped):
+        for p in params:
+            gs = getattr(p, "grad_sample", None)
+            if gs is not None:
+                p.grad_sample = gs.masked_fill(dropped.to(gs.device).view(-1, *[1] * (gs.dim() - 1)), 0)
+
     def clear(self, params):
         self._step.reset()
         for p in params:
             if hasattr(p, "grad_sample"):
                 p.grad_sample = None
+
+    def end_step(self, params: Iterable[nn.Parameter]) -> None:
+        """A private step consumed the rows: the next backward pass begins a new step. Until it (or ``clear``,
+        which ``zero_grad()`` calls) the rows stay readable as ``p.grad_sample``, where Opacus leaves them, marked
+        as consumed, so that the pass replaces them (in whichever sink it delivers to: a DP optimizer built without
+        the model's sink has its own) and a stepped batch's rows never reach another step."""
+        self._step.reset()
+        for p in params:
+            if getattr(p, "grad_sample", None) is not None:
+                setattr(p.grad_sample, _STEPPED, True)
+
+
+_STEPPED = "_fxdp_stepped"  # on a p.grad_sample a step consumed (GradSampleSink.end_step)
 
 
 def wide(t: torch.Tensor) -> torch.Tensor:

@@ -595,3 +595,33 @@ def test_wrappers_forward_attribute_access_to_the_model():
         assert dp.fc is model.fc
         with pytest.raises(AttributeError, match="no_such_thing"):
             dp.no_such_thing
+
+
+class BatchSecondInBatchFirstOut(nn.Module):
+    """Tokens (T, N) in, one row per sample out (N, T): the batch moves from dim 1 to dim 0 (Opacus's
+    privacy-engine text model does this)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(20, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.fc(self.emb(x)).permute(1, 0, 2).reshape(x.shape[1], -1)
+
+
+# (5, 5): two dims of the batch's size, told apart by a probe; (7, 1): one sample, the output's batch dim not 1
+@pytest.mark.parametrize("length, n", [(7, 5), (5, 5), (7, 1)])
+def test_functorch_finds_the_batch_where_the_output_has_it(length, n):
+    torch.manual_seed(0)
+    model, x = BatchSecondInBatchFirstOut().double(), torch.randint(0, 20, (length, n))
+    weights = torch.randn(n, length, dtype=torch.float64)
+    expected = []
+    for i in range(n):
+        model.zero_grad()
+        (model(x[:, i:i + 1]) * weights[i:i + 1]).sum().backward()
+        expected.append([p.grad.clone() for p in model.parameters()])
+    model.zero_grad()
+    private = FunctorchGradSampleModule(model, batch_first=False, loss_reduction="sum")
+    (private(x) * weights).sum().backward()
+    for k, p in enumerate(model.parameters()):
+        torch.testing.assert_close(p.grad_sample, torch.stack([e[k] for e in expected]))

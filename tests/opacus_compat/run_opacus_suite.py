@@ -200,11 +200,6 @@ DIFFERENT_BY_DESIGN: Dict[str, Tuple[str, str]] = {
         "the same search as Opacus's, over fxdp's \"prv\" (PLD, tighter): it lands on a smaller noise multiplier "
         "than Opacus's PRV, with epsilon within the tolerance below the target", "Intentional differences: Accounting"),
 }
-# Files left out of a run over the whole suite (CI's), each with why; name one to run it.
-SEPARATE: Dict[str, str] = {
-    "privacy_engine_test.py": "256 tests that train models under hypothesis, about 80 min on Opacus on a 2-core "
-                              "machine: longer than the rest of the suite together. Run it on its own by naming it",
-}
 BASELINE = pathlib.Path(__file__).with_name("passing_on_opacus.txt")
 FXDP_MARK = "# rewritten for fxdp by run_opacus_suite.py"
 
@@ -259,7 +254,7 @@ def run_suite(folder: pathlib.Path, files: List[str], pytest_args: List[str], jo
     """Test id -> (outcome, first line of the failure) for the tests of ``files`` (all when empty), run by
     ``jobs`` pytest processes of one thread each, the files shared out by size."""
     paths = [folder / f for f in files] or sorted(
-        (f for f in folder.rglob("*_test.py") if f.relative_to(folder).as_posix() not in SEPARATE),
+        folder.rglob("*_test.py"),
         key=lambda f: -f.stat().st_size)
     shards: List[List[pathlib.Path]] = [[] for _ in range(max(1, min(jobs, len(paths))))]
     sizes = [0] * len(shards)
@@ -369,7 +364,7 @@ def main() -> int:
                          else read_baseline())
     files = args.files or None
     passing_on_opacus = [t for t in passing_on_opacus
-                         if (t.split("::")[0] in files if files else t.split("::")[0] not in SEPARATE)]
+                         if not files or t.split("::")[0] in files]
     if args.k:
         passing_on_opacus = [t for t in passing_on_opacus if t in outcomes["fxdp"]]
     return summarise(passing_on_opacus, outcomes["fxdp"], args.require, args.require_by_design)

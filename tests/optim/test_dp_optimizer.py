@@ -24,7 +24,9 @@ from torch import nn
 import fxdp
 from fxdp.optim import DPOptimizer
 from fxdp.optim.noise import SECURE_DRAWS, gaussian_noise, secure_standard_normal
-from fxdp.sinks.contract import GradSampleSink, sink_of
+from fxdp.errors import NonFiniteSampleWarning
+from fxdp.sinks.bookkeeping import BookkeepingSink
+from fxdp.sinks.contract import GradientSink, GradSampleSink, sink_of
 
 ENGINES = ("fx", "hooks")
 DTYPE = torch.float64
@@ -249,6 +251,8 @@ def test_empty_batch_with_zero_rows_steps_with_noise():
                       expected_batch_size=1, loss_reduction="sum", generator=torch.Generator().manual_seed(0))
     opt.step()
     assert_gaussian(torch.cat([p.grad.flatten() for p in model.parameters()]), 1.0)
+    assert all(p.grad_sample.shape[0] == 0 for p in model.parameters())  # left until zero_grad(), as on Opacus
+    opt.zero_grad()
     assert all(p.grad_sample is None for p in model.parameters())
 
 
@@ -353,32 +357,52 @@ def test_forgotten_zero_grad_is_an_error(mode):
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
-@pytest.mark.parametrize("mode", ENGINES)
-def test_non_finite_per_sample_gradient_is_an_error_naming_the_parameter(mode):
+@pytest.mark.parametrize("mode", [*ENGINES, "fx+bookkeeping"])
+def test_a_sample_with_a_non_finite_per_sample_gradient_is_dropped_with_a_warning_naming_it(mode):
+    """Its contribution is 0 (as if clipped to 0: the step stays private, and no inf or NaN reaches the sum);
+    the others are clipped and added as always, checked against batches of one."""
+    C = 0.5
     model = mlp()
-    x, y = data()
+    x, y = data(scale=10.0)
     x[3, 2] = float("inf")
-    dp_model = compiled(model, x, mode)
-    before = [p.detach().clone() for p in model.parameters()]
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
-                      expected_batch_size=7, sink=sink_of(dp_model),
+    reference = per_sample_grads(model, x, y)
+    expected = {}
+    for i, ref in enumerate(reference):
+        if i != 3:
+            norm = torch.sqrt(sum(g.pow(2).sum() for g in ref.values()))
+            for q, g in ref.items():
+                expected[q] = expected.get(q, 0) + g * min(1.0, C / (float(norm) + 1e-6))
+    dp_model = fxdp.compile_for_dp(model, example_inputs=x, loss_reduction="sum",
+                                   sink=BookkeepingSink() if mode == "fx+bookkeeping" else None,
+                                   grad_sample_mode="fx" if mode == "fx+bookkeeping" else mode)
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=C,
+                      expected_batch_size=7, loss_reduction="sum", sink=sink_of(dp_model),
                       param_names={p: n for n, p in model.named_parameters()})
     opt.zero_grad()
-    loss_fn(dp_model(x), y, "mean").backward()
-    with pytest.raises(RuntimeError, match=r"parameter '0.weight' is not finite .* 1 of 7 samples \(first: sample 3\)"):
+    loss_fn(dp_model(x), y, "sum").backward()
+    with pytest.warns(NonFiniteSampleWarning, match=r"parameter '0.weight' is not finite .* 1 of 7 samples \(first: "
+                                                    r"sample 3\): those samples contribute nothing"):
         opt.step()
-    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    for q in model.parameters():
+        torch.testing.assert_close(q.grad, expected[q])
 
 
-def test_non_finite_error_without_names_says_where_the_parameter_is():
+def test_a_sink_that_cannot_drop_samples_refuses_the_step_saying_where_the_parameter_is():
+    class CannotDrop(GradSampleSink):
+        drop_samples = GradientSink.drop_samples
+
     model = mlp()
     params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
     for p in params:
         p.grad_sample = torch.zeros(3, *p.shape, dtype=p.dtype)
     params[2].grad_sample[1, 0, 0] = float("nan")
-    opt = DPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=3)
-    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[2\] of shape \(3, 5\)' is not finite"):
+    opt = DPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=3,
+                      sink=CannotDrop())
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[2\] of shape \(3, 5\)' is not finite .* "
+                                           r"cannot leave those samples out"):
         opt.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, params))
 
 
 def test_per_sample_gradients_of_different_batches_are_an_error():
@@ -527,14 +551,36 @@ def test_sink_none_reads_grad_sample():
     assert isinstance(opt.sink, GradSampleSink)
 
 
-def test_load_state_dict_takes_the_checkpoints_noise_and_bounds_with_a_warning():
+def test_load_state_dict_keeps_the_optimizers_noise_and_bounds_with_a_warning():
+    """As on Opacus: the settings stay the optimizer's; the state (steps) is the checkpoint's."""
     params = list(mlp().parameters())
     saved = DPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, max_grad_norm=0.5,
-                        expected_batch_size=4).state_dict()
+                        expected_batch_size=4)
+    saved.steps = 3
     opt = DPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=2.0, max_grad_norm=0.5, expected_batch_size=8)
-    with pytest.warns(UserWarning, match="noise_multiplier=1.0, expected_batch_size=4 replace"):
-        opt.load_state_dict(saved)
-    assert (opt.noise_multiplier, opt.max_grad_norm, opt.expected_batch_size) == (1.0, 0.5, 4)
+    with pytest.warns(UserWarning, match=r"saved with noise_multiplier=1.0, expected_batch_size=4; this optimizer "
+                                         r"keeps its own noise_multiplier=2.0, expected_batch_size=8"):
+        opt.load_state_dict(saved.state_dict())
+    assert (opt.noise_multiplier, opt.max_grad_norm, opt.expected_batch_size, opt.steps) == (2.0, 0.5, 8, 3)
+
+
+def test_load_state_dict_refuses_a_logical_batch_in_progress_clipped_to_another_bound():
+    """Skipped steps' clipped sums were clipped to the checkpoint's bound; the noise of the step that finishes
+    them follows this optimizer's: a larger saved bound would be under-noised."""
+    model = mlp()
+    saved = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=2.0,
+                        expected_batch_size=4)
+    for p in model.parameters():
+        p.grad_sample = torch.ones(2, *p.shape)
+    saved.signal_skip_step()
+    saved.step()
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=0.5,
+                      expected_batch_size=4)
+    with pytest.raises(ValueError, match=r"logical batch in progress .* clipped to max_grad_norm=2.0"):
+        opt.load_state_dict(saved.state_dict())
+    opt.max_grad_norm = 2.0
+    opt.load_state_dict(saved.state_dict())
+    assert len(opt._summed) == len(list(model.parameters()))
 
 
 def test_optim_imports_nothing_from_fxdp_but_the_sink_contract():
@@ -554,3 +600,46 @@ def test_optim_imports_nothing_from_fxdp_but_the_sink_contract():
                 if name == "fxdp" or name.startswith("fxdp."):
                     allowed = name == "fxdp.sinks.contract" or name.startswith("fxdp.optim")
                     assert allowed, f"{path.name} imports {name}"
+
+
+class Mixed(nn.Module):
+    """An embedding, a convolution, a layer norm, an attention block and a linear head: each book-keeping family."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.conv = nn.Embedding(11, 6), nn.Conv1d(6, 6, 3, padding=1)
+        self.norm, self.attn = nn.LayerNorm(6), nn.MultiheadAttention(6, 2, batch_first=True)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, tokens):
+        h = self.conv(self.emb(tokens).transpose(1, 2)).transpose(1, 2)
+        h = self.norm(h)
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("book_kept", [True, False], ids=["bookkeeping", "materialised"])
+def test_a_dropped_sample_adds_nothing_in_every_layer_family(book_kept):
+    """Sample 2's loss weighted by inf makes its gradient non-finite in every layer: the step is the clipped sum
+    of the other samples, each computed alone."""
+    torch.manual_seed(0)
+    model = Mixed().to(DTYPE)
+    tokens = torch.randint(0, 11, (5, 7))
+    weights = torch.ones(5, dtype=DTYPE)
+    weights[2] = float("inf")
+    C, params = 0.3, list(model.parameters())
+    expected = [torch.zeros_like(p) for p in params]
+    for i in (0, 1, 3, 4):
+        grads = torch.autograd.grad(model(tokens[i:i + 1]).pow(2).sum(), params)
+        norm = float(torch.sqrt(sum(g.pow(2).sum() for g in grads)))
+        for e, g in zip(expected, grads):
+            e += g * min(1.0, C / (norm + 1e-6))
+    dp = fxdp.compile_for_dp(model, example_inputs=tokens, loss_reduction="sum",
+                             sink=BookkeepingSink() if book_kept else None)
+    opt = DPOptimizer(torch.optim.SGD(params, lr=0.0), noise_multiplier=0.0, max_grad_norm=C, expected_batch_size=5,
+                      loss_reduction="sum", sink=sink_of(dp))
+    (dp(tokens).pow(2).sum(1) * weights).sum().backward()
+    with pytest.warns(NonFiniteSampleWarning, match=r"for 1 of 5 samples \(first: sample 2\)"):
+        opt.step()
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.grad, e)

@@ -7,6 +7,7 @@ References are plain PyTorch: each sample's gradient from the model run on a bat
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
@@ -247,20 +248,65 @@ def test_privacy_engine_adaptive_clipping_accounts_the_users_sigma_and_moves_the
 # -- p.summed_grad after the default step -------------------------------------------------------------------
 
 
-def test_the_default_step_leaves_the_clipped_sum_as_summed_grad_with_materialised_per_sample_gradients():
-    """As on Opacus: after step(), p.summed_grad is the un-noised clipped sum (not scaled), until zero_grad()."""
+MATERIALISING = {  # engine -> the private model, per-sample gradients materialised as p.grad_sample
+    "hooks": lambda model: fxdp.GradSampleModule(model, loss_reduction="sum"),
+    "ew": lambda model: fxdp.engines.ExpandedWeightsGradSampleModule(model, loss_reduction="sum"),
+    "functorch": lambda model: fxdp.engines.FunctorchGradSampleModule(model, loss_reduction="sum"),
+    "fx": lambda model: fxdp.compile_for_dp(model, example_inputs=(torch.zeros(2, 4, dtype=DTYPE),),
+                                            loss_reduction="sum"),
+}
+
+
+@pytest.mark.parametrize("engine", sorted(MATERIALISING))
+def test_the_default_step_leaves_grad_sample_and_summed_grad_with_materialised_per_sample_gradients(engine):
+    """As on Opacus: after step(), p.grad_sample holds the per-sample gradients and p.summed_grad the un-noised
+    clipped sum (not scaled), until zero_grad(). A backward pass before zero_grad() replaces those rows (never
+    adds to them: ExpandedWeights adds to a p.grad_sample it finds), and the step after it is still refused."""
     model, x, y = model_and_batch()
-    expected = clipped_sum(per_sample_grads(model, x, y), 0.5)
-    private = fxdp.GradSampleModule(model, loss_reduction="sum")
+    samples = per_sample_grads(model, x, y)
+    expected = clipped_sum(samples, 0.5)
+    private = MATERIALISING[engine](model)
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=1.0, max_grad_norm=0.5,
                       expected_batch_size=6, loss_reduction="mean")
     backward(private, x, y)
     opt.step()
-    for p, s in zip(model.parameters(), expected):
+    for k, (p, s) in enumerate(zip(model.parameters(), expected)):
         torch.testing.assert_close(p.summed_grad, s)  # not divided by the expected batch size, as on Opacus
         assert not torch.allclose(p.grad, s / 6)  # the noised gradient is another tensor
+        torch.testing.assert_close(p.grad_sample, torch.stack([sample[k] for sample in samples]))
+    _, x2, y2 = model_and_batch(seed=1, n=6)
+    samples2 = per_sample_grads(copy.deepcopy(model), x2, y2)  # (a copy: the hooks engine's layers record calls)
+    backward(private, x2, y2)  # no zero_grad() first
+    for k, p in enumerate(model.parameters()):
+        torch.testing.assert_close(p.grad_sample, torch.stack([sample[k] for sample in samples2]))
+    with pytest.raises(StepRefusedError, match="without optimizer.zero_grad"):
+        opt.step()
     opt.zero_grad()
-    assert all(p.summed_grad is None for p in model.parameters())
+    assert all(p.summed_grad is None and p.grad_sample is None for p in model.parameters())
+
+
+def test_a_skipped_step_shows_the_clipped_sum_so_far_as_summed_grad_until_the_real_step():
+    """As on Opacus (its per-layer clipping test reads p.summed_grad after signal_skip_step): after a skipped
+    step p.summed_grad is the logical batch's clipped sum so far, kept by zero_grad(); the real step adds its
+    physical batch and steps on the whole."""
+    model, x, y = model_and_batch()
+    before = [p.detach().clone() for p in model.parameters()]
+    first = clipped_sum(per_sample_grads(model, x[:4], y[:4]), 0.5)
+    both = clipped_sum(per_sample_grads(model, x, y), 0.5)
+    private = fxdp.GradSampleModule(model, loss_reduction="sum")
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0, max_grad_norm=0.5,
+                      expected_batch_size=6, loss_reduction="sum")
+    backward(private, x[:4], y[:4])
+    opt.signal_skip_step()
+    opt.step()
+    opt.zero_grad()
+    for p, s in zip(model.parameters(), first):
+        torch.testing.assert_close(p.summed_grad, s)
+    backward(private, x[4:], y[4:])
+    opt.step()
+    for p, b, s in zip(model.parameters(), before, both):
+        torch.testing.assert_close(p.summed_grad, s)
+        torch.testing.assert_close(p.detach(), b - s)
 
 
 def test_book_keeping_keeps_no_second_copy_of_the_gradients():

@@ -233,6 +233,13 @@ class BookkeepingSink(GradientSink):
             out[p] = [(use, c) for use in segment.uses]
         return out
 
+    def drop_samples(self, params, dropped):
+        with self._lock:
+            for p in params:
+                segment = self._segments.get(p)
+                for use in segment.uses if segment is not None else ():
+                    use.drop_samples(dropped)
+
     def clear(self, params: Iterable[nn.Parameter]) -> None:
         self._last_bias_sum = None
         with self._lock:

@@ -1,0 +1,174 @@
+"""The checks :class:`~fxdp.optim.dp_optimizer.DPOptimizer` runs before a step moves anything: one row per sample
+in every parameter, every trainable parameter still the model's, one logical batch per step, a batch seen,
+every gradient per-sample, and per-sample norms that clipping can bound. A sample whose per-sample gradient is
+not finite is dropped from the step (its records zeroed by the sink, so it adds nothing, as if clipped to 0)
+with a warning; a sink that cannot drop samples makes that a refused step. Each refusal is a
+:class:`~fxdp.sinks.contract.StepRefusedError` naming the parameter and saying what to do."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from fxdp.sinks.contract import NonFiniteSampleWarning, StepRefusedError
+
+
+class StepChecks:
+    """Mixed into :class:`~fxdp.optim.dp_optimizer.DPOptimizer` (which supplies the sink, the settings, the
+    logical-batch bookkeeping and ``_name``)."""
+
+    def _check_rows(self, norms: Dict[nn.Parameter, torch.Tensor]) -> int:
+        """Every parameter must have one row per sample seen since the last step."""
+        rows = {p: sq.shape[0] for p, sq in norms.items()}
+        if len(set(rows.values())) > 1:
+            (p1, n1), *others = rows.items()
+            p2, n2 = next((p, n) for p, n in others if n != n1)
+            raise StepRefusedError(
+                f"fxdp: parameter '{self._name(p1)}' has per-sample gradients for {n1} samples but "
+                f"'{self._name(p2)}' for {n2}: one of them received none in some backward pass since the last "
+                "step, so samples cannot be matched up for clipping. Call optimizer.step() after each "
+                "backward pass (optimizer.signal_skip_step() before it to accumulate a logical batch)"
+            )
+        return next(iter(rows.values()), 0)
+
+    def _check_params_are_the_models(self, params: List[nn.Parameter]) -> None:
+        """Before anything moves: every trainable parameter is still one the model uses, and has its bound
+        under per_layer clipping (a parameter frozen when the optimizer was built and unfrozen since has none)."""
+        for p in params:
+            why = self.sink.retired_reason(p)
+            if why is not None:
+                raise StepRefusedError(
+                    f"fxdp: parameter '{self._name(p)}' is in the optimizer, but the model no longer uses it ({why}), "
+                    "so DP-SGD would move it by noise alone. Call make_private again with the changed model and an "
+                    "optimizer over its parameters (the PrivacyEngine's accountant keeps the privacy spent so far), "
+                    "or freeze the old parameter (requires_grad_(False)) and add the new ones with "
+                    "optimizer.add_param_group")
+            if self.clipping == "per_layer":
+                self._bound(p)
+
+    def _check_one_logical_batch(self) -> None:
+        """A private step (with the skip steps before it) takes one logical batch: the accountant records one
+        step at the sampling rate. Two Poisson batches in one step would be clipped as if one batch and
+        accounted at the rate of one; none (once a loader tells its batches) means the batch came from
+        elsewhere, and would be accounted as a Poisson sample it is not."""
+        if self._logical_batches == 0:
+            raise StepRefusedError(
+                "fxdp: optimizer.step() without a batch from the data loader make_private returned since the last "
+                "step: this step's batch came from elsewhere (the loader you passed to make_private, or a batch "
+                "already used for a step), but the accountant would record it as a fresh Poisson sample of the "
+                "dataset. Iterate the loader make_private returned (model, optimizer, loader = "
+                "engine.make_private(...)), one step per batch"
+            )
+        if self._logical_batches is not None and self._logical_batches > 1:
+            raise StepRefusedError(
+                f"fxdp: the data loader handed out {self._logical_batches} batches since the last optimizer step, "
+                "but one private step takes one batch (the accountant records one step at the sampling rate). "
+                "Call optimizer.step() once per batch, an empty one too (it adds noise only); to cut a batch that "
+                "does not fit in memory into physical batches, use BatchMemoryManager, which signals the skip steps"
+            )
+
+    def _check_a_batch_was_seen(self, params: List[nn.Parameter]) -> None:
+        """No per-sample gradient since the last step: the step would add noise only, and be counted. That
+        is right for an empty batch, and a useless (silently counted) step otherwise."""
+        plain = next((p for p in params if p.grad is not None and bool(p.grad.ne(0).any())), None)
+        if plain is not None and not self.sink.enabled:
+            raise StepRefusedError(
+                f"fxdp: parameter '{self._name(plain)}' received a gradient in backward but no per-sample gradient: "
+                "the model's per-sample computation is switched off (model.disable_hooks()). Call "
+                "model.enable_hooks() before the forward and backward of a private step; this step would have "
+                "discarded the gradient and added noise only"
+            )
+        if plain is not None:
+            raise StepRefusedError(
+                f"fxdp: parameter '{self._name(plain)}' received a gradient in backward but no parameter received "
+                "a per-sample gradient: the backward pass ran through a model fxdp did not compile or wrap, most "
+                "likely the original model instead of the one make_private (or fxdp.compile_for_dp) returned. Call "
+                "the returned model: it shares the original's parameters and records the per-sample gradients "
+                "DP-SGD clips; this step would have discarded the gradient and added noise only"
+            )
+        if not self._batch_empty and params:
+            raise StepRefusedError(
+                "fxdp: optimizer.step() found no per-sample gradient since the last step: no backward pass ran "
+                "through the private model (loss.backward() missing, or called after step()?). The step would add "
+                "noise only and still be counted by the accountant. Run the model and loss.backward() on the batch "
+                "before step(). An empty batch (Poisson sampling) steps with noise only, as it should: run the model "
+                "on it as on any batch, or take the batches from the data loader make_private returned, which "
+                "tells the optimizer when a batch is empty"
+            )
+
+    def _check_not_negative(self, norms: Dict[nn.Parameter, torch.Tensor]) -> None:
+        if any(sq.numel() for sq in norms.values()) and bool(
+                torch.stack([sq.amin() for sq in norms.values() if sq.numel()]).lt(0).any()):
+            p = next(p for p, sq in norms.items() if bool(sq.lt(0).any()))
+            raise StepRefusedError(f"fxdp: the gradient sink gave parameter '{self._name(p)}' a negative squared "
+                                 "per-sample norm; its clip factor would be NaN. This is a bug in the sink: please "
+                                 "report it")
+
+    def _drop_non_finite(self, norms: Dict[nn.Parameter, torch.Tensor], rows: int) -> Optional[torch.Tensor]:
+        """The samples whose per-sample gradient is not finite (inf or NaN, or too large to square), as a bool
+        ``(N,)``, or None when there are none. They are dropped: the sink zeroes their records, so each
+        contributes nothing, as if clipped to 0. That keeps the step private (every sample still adds at most C;
+        an inf or NaN in the sum would show, through the noise, which coordinates that sample reached), and the
+        step goes on, with a warning naming the parameter and the sample. A sink that cannot drop samples makes
+        it a refused step."""
+        if not norms or bool(torch.isfinite(torch.stack([_wide(sq).sum() for sq in norms.values()])).all()):
+            return None  # one check for the common case
+        device = next(iter(norms.values())).device
+        dropped = torch.zeros(rows, dtype=torch.bool, device=device)
+        for sq in norms.values():
+            dropped |= ~torch.isfinite(sq.to(device))
+        if not bool(dropped.any()):
+            return None  # (finite per sample, only their sum overflowed: clipping bounds each)
+        p, sq = next((p, sq) for p, sq in norms.items() if not bool(torch.isfinite(sq).all()))
+        where = (f"the per-sample gradient of parameter '{self._name(p)}' is not finite (inf or nan, or too large "
+                 f"to square) for {int(dropped.sum())} of {rows} samples (first: sample "
+                 f"{int((~torch.isfinite(sq)).nonzero()[0])})")
+        try:
+            self.sink.drop_samples(list(norms), dropped)
+        except NotImplementedError:
+            raise StepRefusedError(
+                f"fxdp: {where}; clipping cannot bound it and this model's gradient sink cannot leave those "
+                "samples out, so the optimizer refuses to step. Look for inf/nan in the inputs and the loss (log "
+                "of 0, division by 0), or lower the learning rate if training diverged") from None
+        warnings.warn(
+            f"fxdp: {where}: those samples contribute nothing to this step (as if clipped to 0; the noise is "
+            "added as always). Look for inf/nan in the inputs and the loss (log of 0, division by 0); if every "
+            "sample is dropped, training has diverged (lower the learning rate)", NonFiniteSampleWarning,
+            stacklevel=4)
+        return dropped
+
+    def _check_finite_after_dropping(self, sums) -> None:
+        """After samples were dropped, every clipped sum must be finite (a record the sink did not zero would let
+        an inf or NaN through the noise): checked only then, so a normal step pays nothing."""
+        if self._dropped_samples and not all(bool(torch.isfinite(s).all()) for s in sums):
+            raise StepRefusedError(
+                "fxdp: a clipped sum is not finite after the samples with a non-finite per-sample gradient were "
+                "dropped, so the optimizer refuses to step. Look for inf/nan in the inputs and the loss; this is "
+                "also a bug in the gradient sink: please report it")
+
+    def _check_every_gradient_is_per_sample(self, params, norms, rows: int) -> None:
+        """A parameter that got a gradient in backward but no per-sample gradient would silently lose
+        its update: the engine did not see how the parameter was used."""
+        if rows == 0:
+            return  # an empty batch (or no backward): nothing to compare with
+        for p in params:
+            if p not in norms and p.grad is not None and bool(p.grad.ne(0).any()):
+                raise StepRefusedError(
+                    f"fxdp: parameter '{self._name(p)}' received a gradient in backward but no per-sample "
+                    "gradient, so DP-SGD cannot clip it. Is it used outside the model that was compiled or "
+                    "wrapped (fxdp.compile_for_dp / make_private), or is the optimizer's parameter list from "
+                    "another model? Check fxdp.report(model) for ops fxdp does not cover"
+                )
+
+
+def _wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """At least float32: squared norms of half-precision gradients overflow, and a half-precision clipped sum
+    or noise is rounded to a few mantissa bits."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
