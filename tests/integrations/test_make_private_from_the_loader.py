@@ -70,10 +70,13 @@ def _unpadded(batch, i):
     return {k: v[i:i + 1, :n] if v.dim() == 2 else v[i:i + 1] for k, v in batch.items()}
 
 
-def _assert_per_sample_gradients(model, private, batch, task):
+def _assert_per_sample_gradients(model, private, batch, task, labels_to_the_model=False):
     labels = batch["labels"]
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    per_sample_loss(private(**inputs).logits, labels, task).mean().backward()
+    if labels_to_the_model:  # as a transformers user calls it: the loss comes first in the output
+        private(**batch)[0].backward()
+    else:
+        per_sample_loss(private(**inputs).logits, labels, task).mean().backward()
     got = {name: p.grad_sample.clone() for name, p in model.named_parameters()}
     for i in range(labels.shape[0]):
         one = _unpadded(batch, i)
@@ -133,17 +136,50 @@ def test_a_tuple_batch_gives_its_first_item_as_the_positional_input():
     assert model.score.weight.grad_sample.shape == (3, 2, 32)
 
 
-def test_labels_given_to_the_captured_model_are_refused_and_nothing_moves():
-    model = gpt2()
-    private, optimizer, loader = _private(model, DataLoader(Texts(), batch_size=4))
+@pytest.mark.parametrize("task", ["causal_lm", "classification"])
+def test_labels_given_to_the_private_model_give_each_samples_own_loss(task):
+    """``private(**batch)`` with the labels, as a transformers user calls the model: the output has the loss first, and
+    it is the mean of each sample's own loss (for classification, the model's own loss); its per-sample gradients
+    match each sample run alone."""
+    if task == "causal_lm":
+        model, data = gpt2(), Texts()
+    else:
+        model, data = gpt2(transformers.GPT2ForSequenceClassification, num_labels=3), Texts(classes=3)
+    private, _, _ = _private(model, DataLoader(data, batch_size=4), materialise_grad_sample=True)
+    assert any(f"left out: labels (given to the private model, they give each sample's own {task} loss" in n
+               for n in fxdp.report(private).notes)
+    batch = next(iter(DataLoader(data, batch_size=5, shuffle=False)))
+    out = private(**batch)
+    assert list(out.keys()) == ["loss", "logits"] and out[0] is out.loss
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    torch.testing.assert_close(out.loss, per_sample_loss(model(**inputs).logits, batch["labels"], task).mean())
+    if task == "classification":
+        torch.testing.assert_close(out.loss, model(**batch).loss)
+    model.zero_grad()
+    _assert_per_sample_gradients(model, private, batch, task, labels_to_the_model=True)
+
+
+def test_labels_of_a_model_whose_loss_fxdp_does_not_know_are_refused_and_nothing_moves():
+    class Tagger(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, 3)
+
+        def forward(self, input_ids, labels=None):
+            logits = self.head(self.emb(input_ids))
+            return logits if labels is None else torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    model = Tagger()
+    ids = torch.randint(2, VOCAB, (6, T), generator=torch.Generator().manual_seed(1))
+    loader = DataLoader([{"input_ids": i, "labels": i % 3} for i in ids], batch_size=3)
+    private, _, _ = _private(model, loader, example_inputs={"input_ids": ids[:2]})
     before = [p.detach().clone() for p in model.parameters()]
-    batch = next(iter(DataLoader(Texts(), batch_size=3)))
     with pytest.raises(UnsupportedInputError) as info:
-        private(**batch)
+        private(input_ids=ids[:3], labels=ids[:3] % 3)
     message = str(info.value)
-    assert "the private model was given 'labels', which make_private left out" in message
-    assert "averaged over the whole batch" in message
-    assert "fxdp.integrations.transformers.per_sample_loss(outputs.logits, labels, task)" in message
+    assert "the private model was given 'labels'" in message and "averaged over the whole batch" in message
+    assert "fxdp cannot tell which loss this model computes" in message
+    assert "fxdp.per_sample_loss.per_sample_loss(outputs.logits, labels, task) does" in message
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 

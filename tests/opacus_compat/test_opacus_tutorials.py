@@ -38,10 +38,10 @@ def changed(before, module):
 
 # Text classifier with fast gradient clipping: a BERT sequence classifier whose lower layers are frozen, made
 # private with grad_sample_mode="ghost" and criterion=, which returns the criterion to call for the loss.
-# Two edits beyond the imports (docs/migrating_from_opacus.md, "Not yet"): the loader yields tuples that the loop
+# One edit beyond the imports (docs/migrating_from_opacus.md, "Not yet"): the loader yields tuples that the loop
 # passes as keywords, so make_private is given those keywords as example_inputs (from a tuple batch it captures
-# the model from the first item alone); and labels= is not passed to the model (fxdp refuses a loss computed
-# inside the model; the tutorial's loss is the criterion's, outside, anyway).
+# the model from the first item alone). labels= goes to the model as in the tutorial: the output has a loss first
+# (each sample's own, outside the graph) and the logits second, which the tutorial's criterion takes.
 def test_text_classifier_tutorial():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -73,9 +73,9 @@ def test_text_classifier_tutorial():
     steps = 0
     for batch in train_dataloader:
         optimizer.zero_grad()
-        inputs = {"input_ids": batch[0], "attention_mask": batch[1], "token_type_ids": batch[2]}  # edit 2: no labels
-        outputs = model(**inputs)
-        loss = criterion(outputs[0], batch[3])
+        inputs = {"input_ids": batch[0], "attention_mask": batch[1], "token_type_ids": batch[2], "labels": batch[3]}
+        outputs = model(**inputs)  # output = loss, logits, hidden_states, attentions
+        loss = criterion(outputs[1], batch[3])
         loss.backward()
         optimizer.step()
         steps += 1
