@@ -528,10 +528,14 @@ class LabelsAsPerSampleLoss:
         self._taken: List[Optional[torch.Tensor]] = []  # the labels of each call in progress (calls may nest)
 
     def attach(self, compiled: nn.Module) -> None:
-        compiled.register_forward_pre_hook(self.take, with_kwargs=True)
+        compiled.register_forward_pre_hook(self, with_kwargs=True)
         compiled.register_forward_hook(self.give, with_kwargs=True, always_call=True)
 
-    def take(self, module, args, kwargs):
+    @property
+    def fxdp_outside_inputs(self) -> Tuple[str, ...]:  # what the captured graph never takes (a graph captured again
+        return self.labels                              # for another call leaves them out too)
+
+    def __call__(self, module, args, kwargs):  # the forward pre-hook
         given = [k for k in self.labels if kwargs.get(k) is not None]
         if len(given) > 1:
             raise UnsupportedInputError(f"fxdp: the private model was given labels twice ({', '.join(given)}); "
@@ -556,7 +560,7 @@ class LabelsLeftOut:
     them, saying why (a loss averaged inside the model over the batch mixes the samples) and what to do."""
 
     def __init__(self, labels: Tuple[str, ...]):
-        self.labels = labels
+        self.labels = self.fxdp_outside_inputs = labels
 
     def __call__(self, module, args, kwargs):
         given = [k for k in self.labels if k in kwargs]

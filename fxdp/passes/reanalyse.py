@@ -5,9 +5,9 @@ implementation of :class:`fxdp.runtime.guards.Reanalysis` (the runtime imports n
   merged ``(N*T, d)`` layout): the batch_dim pass runs again on the graph as it was before the per_sample
   pass, and the sites get the layouts it finds (:meth:`GraphReanalysis.layouts_for`), or the forward is
   refused with the findings.
-- A graph torch.export captured, given inputs of sizes it does not hold (another sequence length): the
-  model is captured again for them, or a graph captured for them earlier is put in
-  (:meth:`GraphReanalysis.recapture`).
+- A graph torch.export captured, given inputs of sizes it does not hold (another sequence length), or keyword
+  inputs it was not captured with that the model's ``forward`` takes: the model is captured again for them, or a
+  graph captured for them earlier is put in (:meth:`GraphReanalysis.recapture`).
 - A layer or parameter replaced, a frozen parameter unfrozen (the structure watch,
   :mod:`fxdp.runtime.structure`): the model is compiled again in place (:meth:`GraphReanalysis.rebuild`).
 
@@ -286,21 +286,26 @@ def _copy_replacements(compiled: torch.fx.GraphModule, reanalysis: GraphReanalys
 
 
 def _recapture(compiled: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
-    """For inputs whose sizes the captured graph does not hold (another sequence length), put in the graph
-    captured for them (kept from an earlier capture, or captured now, with the same settings and the same sink:
-    the parameters are the same, so their per-sample norms and clipped sums go on accumulating where they did).
-    Each graph keeps its own guards and its analysis; the forward calls go on being numbered across them."""
+    """For inputs whose sizes the captured graph does not hold (another sequence length), or keyword inputs it was
+    not captured with (a model captured from a tuple batch's first item, then called with the batch's items as
+    keywords), put in the graph captured for them (kept from an earlier capture, or captured now, with the same
+    settings and the same sink: the parameters are the same, so their per-sample norms and clipped sums go on
+    accumulating where they did). Each graph keeps its own guards and its analysis; the forward calls go on being
+    numbered across them. Inputs a forward pre-hook takes out of the call before the graph runs (one that says so
+    in ``fxdp_outside_inputs``: labels, whose loss is computed outside the graph) are left out."""
+    outside = {k for hook in compiled._forward_pre_hooks.values() for k in getattr(hook, "fxdp_outside_inputs", ())}
+    kwargs = {k: v for k, v in kwargs.items() if k not in outside}
     inputs = flat_inputs(compiled, args, kwargs)
-    if inputs is None or getattr(compiled, _INPUT_SHAPES).mismatch(inputs) is None:
-        return  # fits, or a call the captured graph's own code refuses
+    if inputs is not None and getattr(compiled, _INPUT_SHAPES).mismatch(inputs) is None:
+        return  # fits
     guard = getattr(compiled, GUARD_ATTR)
     reanalysis = guard.reanalysis
-    if reanalysis.original is None:
-        return
+    if reanalysis.original is None or (inputs is None and not _binds(reanalysis.original, args, kwargs)):
+        return  # a call the model's own forward refuses: the captured graph's code says what is wrong
     if reanalysis.captures is None:
         reanalysis.captures = [(type(compiled), dict(compiled.__dict__))]
     captures = reanalysis.captures
-    entry = next((e for e in captures if e[1]["_modules"][_INPUT_SHAPES].mismatch(inputs) is None), None)
+    entry = next((e for e in captures if _fits(e, args, kwargs)), None)
     if entry is None:
         entry = _capture_again(compiled, reanalysis, inputs, args, kwargs)
         captures.append(entry)
@@ -320,10 +325,29 @@ def _recapture(compiled: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Non
     now.calls = calls  # a call before the switch and one after, then one backward, hold different samples
 
 
+def _binds(original: nn.Module, args: tuple, kwargs: dict) -> bool:
+    try:
+        inspect.signature(original.forward).bind(*args, **kwargs)
+        return True
+    except TypeError:
+        return False
+
+
+def _fits(entry: Tuple[type, dict], args: tuple, kwargs: dict) -> bool:
+    """Whether a kept capture (class, __dict__ of its compiled graph) takes this call: its inputs bind to the
+    graph's and have the sizes it holds."""
+    cls, body = entry
+    graph = object.__new__(cls)  # (GraphModule.__new__ would make another class; reads only, the body kept)
+    graph.__dict__.update(body)
+    inputs = flat_inputs(graph, args, kwargs)
+    return inputs is not None and body["_modules"][_INPUT_SHAPES].mismatch(inputs) is None
+
+
 def _capture_again(compiled: torch.fx.GraphModule, reanalysis: GraphReanalysis, inputs, args: tuple,
                    kwargs: dict) -> Tuple[type, dict]:
     """The model captured again for these inputs, as (class, __dict__) of the compiled graph; raises where the
-    result would not be one graph."""
+    result would not be one graph. ``inputs`` is None for a call with other inputs than the graph's: which of
+    them carry the batch is then found afresh (the names pinned for the graph are not all of them)."""
     original = reanalysis.original
     # in the mode the first graph was captured in, whatever the mode now: every graph then treats dropout
     # as the first does (a layer's follows train()/eval(); functional dropout keeps the captured mode, and
@@ -334,7 +358,7 @@ def _capture_again(compiled: torch.fx.GraphModule, reanalysis: GraphReanalysis, 
         new = reanalysis.compile_again(
             original, _capture_inputs(original, args, kwargs, reanalysis.batch_dim), batch_dim=reanalysis.batch_dim,
             loss_reduction=reanalysis.loss_reduction, strict=reanalysis.strict, sink=sink_of(compiled),
-            batch_inputs=reanalysis.batch_inputs)
+            batch_inputs=reanalysis.batch_inputs if inputs is not None else None)
     finally:
         for m, mode in modes:
             m.training = mode
@@ -342,10 +366,11 @@ def _capture_again(compiled: torch.fx.GraphModule, reanalysis: GraphReanalysis, 
     if rep.engine != "fx" or not isinstance(getattr(new, _INPUT_SHAPES, None), ExportShapeGuard):
         _remove_hooks(new)
         shape_guard = getattr(compiled, _INPUT_SHAPES)
-        name, want, shape = shape_guard.mismatch(inputs)
+        given = (f"input '{shape_guard.mismatch(inputs)[0]}' has shape {shape_guard.mismatch(inputs)[2]}"
+                 if inputs is not None else f"this call passes {', '.join([*(['positional'] if args else []), *kwargs])}")
         raise ExportShapeError(
             f"fxdp: {rep.model} was captured with torch.export for inputs of shapes {shape_guard.describe()}; "
-            f"input '{name}' has shape {shape}, and captured again for it the model needs the {rep.engine} "
+            f"{given}, and captured again for it the model needs the {rep.engine} "
             f"engine ({rep.fallback_reason or 'not one graph'}), which cannot take the graph's place: give it inputs "
             "of the shapes it was captured for (pad every batch to one length, padding='max_length')")
     getattr(new, GUARD_ATTR).reanalysis.captures = reanalysis.captures

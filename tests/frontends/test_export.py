@@ -375,17 +375,29 @@ class WithMask(LoopOverTime):
         return h if mask is None else h * mask
 
 
-def test_a_keyword_the_capture_did_not_have_is_refused_saying_how_to_capture_it():
-    """torch.export fixes a captured graph's inputs to the example's: a keyword the example did not pass
-    cannot reach the graph (before, torch's own TypeError from the graph's code, naming nothing to do)."""
-    compiled = fxdp.compile_for_dp(WithMask(), example_inputs=(_x(),))
+def test_a_keyword_the_capture_did_not_have_is_captured_again_and_one_the_model_does_not_take_is_refused():
+    """torch.export fixes a captured graph's inputs to the example's: a call with a keyword the example did not pass
+    (that the model's forward takes) has the model captured again for it, once, and its per-sample gradients are
+    exact; a keyword the model's forward does not take either is refused, saying how to compile for it (before,
+    torch's own TypeError from the graph's code, naming nothing to do)."""
+    torch.manual_seed(0)
+    model = WithMask()
+    compiled = fxdp.compile_for_dp(model, example_inputs=(_x(),), loss_reduction="sum")
     assert fxdp.report(compiled).front_end == "torch.export"
+    x, mask = _x(), torch.randn(3, 2)
+    (compiled(x, mask=mask) * 1.0).sum().backward()
+    for name, p in model.named_parameters():
+        rows = [torch.autograd.grad(model(x[i:i + 1], mask=mask[i:i + 1]).sum(), p)[0] for i in range(len(x))]
+        torch.testing.assert_close(p.grad_sample, torch.stack(rows), msg=name)
+        del p.grad_sample
+    model.zero_grad()
+    assert fxdp.report(compiled).notes[-1] == ("torch.export: captured once per input shape seen (2 graphs, kept: "
+                                               "x (N, 4, 4); x (N, 4, 4), mask (N, 2))")
+    _check_against_batches_of_one(model, compiled, _x(seed=3))  # without the keyword: the first graph again
     with pytest.raises(UnsupportedInputError) as caught:
-        compiled(_x(), mask=torch.ones(3, 2))
+        compiled(_x(), weights=torch.ones(3, 2))
     assert str(caught.value).startswith(
         "fxdp: the compiled model takes the inputs of the example it was compiled from (x); this call passes 1 "
-        "positional, mask= (got an unexpected keyword argument 'mask').")
+        "positional, weights= (got an unexpected keyword argument 'weights').")
     assert "example_inputs=dict(input_ids=..., attention_mask=...)" in str(caught.value)
     assert isinstance(caught.value, TypeError)  # what torch raised before, for code that catches it
-    with_mask = fxdp.compile_for_dp(WithMask(), example_inputs={"x": _x(), "mask": torch.ones(3, 2)})
-    assert with_mask(_x(), mask=torch.ones(3, 2)).shape == (3, 2)  # captured with the keyword: it runs

@@ -159,6 +159,22 @@ def test_labels_given_to_the_private_model_give_each_samples_own_loss(task):
     _assert_per_sample_gradients(model, private, batch, task, labels_to_the_model=True)
 
 
+def test_a_model_captured_from_a_tuple_batch_called_with_its_items_as_keywords_is_captured_again_for_them():
+    """Opacus's text-classifier tutorial: the loader yields (input_ids, attention_mask, labels) tuples and the loop
+    calls the model with them as keywords. make_private captured the model from the tuple's first item; the first
+    call with the keywords captures it again for them (labels left out: their loss is computed outside the graph),
+    and the per-sample gradients match each sample run alone, without its padding."""
+    model = gpt2(transformers.GPT2ForSequenceClassification, num_labels=3)
+    items = [Texts(classes=3)[i] for i in range(12)]
+    data = TensorDataset(*(torch.stack([item[k] for item in items]) for k in ("input_ids", "attention_mask", "labels")))
+    private, _, _ = _private(model, DataLoader(data, batch_size=4), materialise_grad_sample=True)
+    ids, mask, labels = next(iter(DataLoader(data, batch_size=5)))
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    _assert_per_sample_gradients(model, private, batch, "classification", labels_to_the_model=True)
+    note = next(n for n in fxdp.report(private).notes if n.startswith("torch.export: captured once per input shape"))
+    assert "2 graphs, kept: input_ids (N, 8); input_ids (N, 8), attention_mask (N, 8)" in note, note
+
+
 def test_labels_of_a_model_whose_loss_fxdp_does_not_know_are_refused_and_nothing_moves():
     class Tagger(torch.nn.Module):
         def __init__(self):

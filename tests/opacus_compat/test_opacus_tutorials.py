@@ -38,10 +38,10 @@ def changed(before, module):
 
 # Text classifier with fast gradient clipping: a BERT sequence classifier whose lower layers are frozen, made
 # private with grad_sample_mode="ghost" and criterion=, which returns the criterion to call for the loss.
-# One edit beyond the imports (docs/migrating_from_opacus.md, "Not yet"): the loader yields tuples that the loop
-# passes as keywords, so make_private is given those keywords as example_inputs (from a tuple batch it captures
-# the model from the first item alone). labels= goes to the model as in the tutorial: the output has a loss first
-# (each sample's own, outside the graph) and the logits second, which the tutorial's criterion takes.
+# Only the imports switched. make_private captures the model from the first item of the loader's tuple batches;
+# the loop passes the batch's items as keywords, so the first call captures the model again for them (once).
+# labels= goes to the model, as in the tutorial: the output has a loss first (each sample's own, computed outside
+# the graph) and the logits second, which the tutorial's criterion takes.
 def test_text_classifier_tutorial():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -66,9 +66,7 @@ def test_text_classifier_tutorial():
     model, optimizer, criterion, train_dataloader = privacy_engine.make_private_with_epsilon(
         module=model, optimizer=optimizer, data_loader=DataLoader(data, batch_size=8), target_delta=DELTA,
         target_epsilon=7.5, epochs=1, max_grad_norm=0.1, grad_sample_mode="ghost",
-        criterion=torch.nn.CrossEntropyLoss(),
-        example_inputs=dict(input_ids=input_ids[:2], attention_mask=attention_mask[:2],       # edit 1
-                            token_type_ids=token_type_ids[:2]))
+        criterion=torch.nn.CrossEntropyLoss())
     model.train()
     steps = 0
     for batch in train_dataloader:
