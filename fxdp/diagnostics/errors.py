@@ -13,9 +13,9 @@ them:
   :class:`UnsupportedModuleError` (the module cannot be made private, e.g. BatchNorm in training; also
   what ``strict`` validation raises, carrying every error in ``errors``; :class:`SampleMixingModuleError`, also a
   NotImplementedError, when a per-sample engine is built on a model with BatchNorm in training;
-  :class:`UnsupportedModelError`, compile_for_dp's refusal when validation's findings are all it has), :class:`ShouldReplaceModuleError`
-  (works once replaced by a drop-in), :class:`IllegalModuleConfigurationError` (its configuration breaks
-  DP-SGD), :class:`NotYetSupportedModuleError` (could be supported, is not yet).
+  :class:`UnsupportedModelError`, compile_for_dp's refusal when validation's findings are all it has),
+  :class:`ShouldReplaceModuleError` (works once replaced by a drop-in), :class:`IllegalModuleConfigurationError`
+  (its configuration breaks DP-SGD), :class:`NotYetSupportedModuleError` (could be supported, is not yet).
 
 The others say fxdp could not finish its own work: :class:`PassError` (a pass failed unexpectedly; the
 original exception is ``__cause__``) and :class:`BatchDimAnalysisError` (the batch-dimension analysis

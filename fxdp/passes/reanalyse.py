@@ -366,8 +366,11 @@ def _capture_again(compiled: torch.fx.GraphModule, reanalysis: GraphReanalysis, 
     if rep.engine != "fx" or not isinstance(getattr(new, _INPUT_SHAPES, None), ExportShapeGuard):
         _remove_hooks(new)
         shape_guard = getattr(compiled, _INPUT_SHAPES)
-        given = (f"input '{shape_guard.mismatch(inputs)[0]}' has shape {shape_guard.mismatch(inputs)[2]}"
-                 if inputs is not None else f"this call passes {', '.join([*(['positional'] if args else []), *kwargs])}")
+        if inputs is not None:
+            name, _, shape = shape_guard.mismatch(inputs)
+            given = f"input '{name}' has shape {shape}"
+        else:
+            given = f"this call passes {', '.join([*(['positional'] if args else []), *kwargs])}"
         raise ExportShapeError(
             f"fxdp: {rep.model} was captured with torch.export for inputs of shapes {shape_guard.describe()}; "
             f"{given}, and captured again for it the model needs the {rep.engine} "

@@ -34,9 +34,9 @@ def layer_capture(
     :class:`~fxdp.sinks.contract.LayerCapture`). With a hand-written rule (unless ``generic``) the
     capture carries the layer, A and G (the rule sees neither ``kwargs`` nor ``batch_dim``); otherwise only
     the generic rule's thunk, which re-runs each sample with the batch at ``batch_dim`` (the layer's own
-    layout; its output's at ``out_batch_dim`` when that differs), under ``autocast`` (the autocast settings of the layer's forward, see
-    :func:`~fxdp.grad_sample.generic.autocast_state`). A hand-written rule sees half-precision A and G in
-    float32 (:func:`float32_if_half`)."""
+    layout; its output's at ``out_batch_dim`` when that differs), under ``autocast`` (the autocast settings of the
+    layer's forward, see :func:`~fxdp.grad_sample.generic.autocast_state`). A hand-written rule sees
+    half-precision A and G in float32 (:func:`float32_if_half`)."""
     params = tuple(trainable_parameters(module).values())
     if batch_size == 0:  # an empty batch (Poisson sampling): no rows; rules' reshape(n, -1) cannot take it
         return LayerCapture(0, lambda: {p: p.new_zeros((0, *p.shape)) for p in params}, params=params)

@@ -183,7 +183,9 @@ def test_labels_of_a_model_whose_loss_fxdp_does_not_know_are_refused_and_nothing
 
         def forward(self, input_ids, labels=None):
             logits = self.head(self.emb(input_ids))
-            return logits if labels is None else torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            if labels is None:
+                return logits
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
     model = Tagger()
     ids = torch.randint(2, VOCAB, (6, T), generator=torch.Generator().manual_seed(1))
