@@ -53,9 +53,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fxdp.optim.extension_points import OpacusExtensionPoints
-from fxdp.optim.step_checks import StepChecks, _wide, _wide_dtype
+from fxdp.optim.step_checks import StepChecks
 from fxdp.optim.noise import add_gaussian_noise_
-from fxdp.sinks.contract import LOSS_REDUCTIONS, GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError
+from fxdp.sinks.contract import (LOSS_REDUCTIONS, GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError,
+                                 wide)
 
 CLIPPING_MODES = ("flat", "per_layer")
 _EPS = 1e-6  # in the clip factor C / (norm + eps): a zero gradient gets factor 1, never a division by 0
@@ -413,9 +414,9 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
 
     def _clip_factors(self, norms: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
         if self.clipping == "per_layer":
-            return {p: (self._bound(p) / (_wide(sq).sqrt() + _EPS)).clamp(max=1.0) for p, sq in norms.items()}
+            return {p: (self._bound(p) / (wide(sq).sqrt() + _EPS)).clamp(max=1.0) for p, sq in norms.items()}
         device = next(iter(norms.values())).device
-        total = sum(_wide(sq).to(device) for sq in norms.values())
+        total = sum(wide(sq).to(device) for sq in norms.values())
         factor = (self._max_grad_norm / (total.sqrt() + _EPS)).clamp(max=1.0)
         return {p: factor.to(sq.device) for p, sq in norms.items()}
 
@@ -587,6 +588,12 @@ def _positive_bound(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise PrivacySettingError(f"fxdp: {what} must be a finite number > 0, got {value!r}")
     return float(value)
+
+
+def _wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """At least float32: a half-precision clipped sum or noise is rounded to a few mantissa bits (the sinks' own
+    rule for norms and sums, :func:`fxdp.sinks.contract.wide`, as a dtype)."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 class DPPerLayerOptimizer(DPOptimizer):

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from fxdp.sinks.contract import NonFiniteSampleWarning, StepRefusedError
+from fxdp.sinks.contract import NonFiniteSampleWarning, StepRefusedError, wide
 
 
 class StepChecks:
@@ -114,7 +114,7 @@ class StepChecks:
         an inf or NaN in the sum would show, through the noise, which coordinates that sample reached), and the
         step goes on, with a warning naming the parameter and the sample. A sink that cannot drop samples makes
         it a refused step."""
-        if not norms or bool(torch.isfinite(torch.stack([_wide(sq).sum() for sq in norms.values()])).all()):
+        if not norms or bool(torch.isfinite(torch.stack([wide(sq).sum() for sq in norms.values()])).all()):
             return None  # one check for the common case
         device = next(iter(norms.values())).device
         dropped = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -162,13 +162,3 @@ class StepChecks:
                     "wrapped (fxdp.compile_for_dp / make_private), or is the optimizer's parameter list from "
                     "another model? Check fxdp.report(model) for ops fxdp does not cover"
                 )
-
-
-def _wide_dtype(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """At least float32: squared norms of half-precision gradients overflow, and a half-precision clipped sum
-    or noise is rounded to a few mantissa bits."""
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()

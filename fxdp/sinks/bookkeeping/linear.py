@@ -38,6 +38,10 @@ class LinearWeight(Use):
         if self.method == "ghost" and self.g_blocks is None:
             self.g_blocks = gram_blocks(self.g)
 
+    def drop_samples(self, dropped: torch.Tensor) -> None:
+        super().drop_samples(dropped)
+        self.g_blocks = None  # formed from the G before it
+
     def g_gram_blocks(self) -> List[torch.Tensor]:
         return self.g_blocks if self.g_blocks is not None else gram_blocks(self.g)
 

@@ -33,13 +33,11 @@ class Use:
     def drop_samples(self, dropped: torch.Tensor) -> None:
         """Zero the rows of the samples ``dropped`` marks in every floating-point tensor this use keeps batch first
         (A, G, per-sample gradients), so that their clipped sum is 0 (0 times an inf would be NaN). New tensors
-        replace them: another use may share one. Caches formed from them go (they would be stale)."""
+        replace them: another use may share one. A use that caches something formed from them drops it too."""
         for name, value in list(vars(self).items()):
             if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0 \
                     and value.shape[0] == self.batch_size:
                 setattr(self, name, value.masked_fill(dropped.to(value.device).view(-1, *[1] * (value.dim() - 1)), 0))
-            elif name.endswith("_blocks"):
-                setattr(self, name, None)
 
     def grad_samples(self) -> torch.Tensor:  # (N, *p.shape)
         raise NotImplementedError
