@@ -4,9 +4,11 @@ and the peak memory of each, for full fine-tuning and for LoRA (peft, rank ``--r
 projection layers, the head trainable):
 
 - ``plain``: plain PyTorch, the floor (ratio 1.00), once with every parameter trained, once with the adapters;
-- ``noise only``: just the noise draws of one step (one ``torch.normal`` per trainable parameter, what fxdp and
-  Opacus both add): a floor under (DP step / plain step - 1) for any DP-SGD drawing torch's Gaussian noise (on
-  the CPU torch's sampler runs on one thread whatever the number of threads);
+- ``noise only``: just the noise draws of one step (one ``torch.normal`` per trainable parameter, what Opacus
+  adds): a floor under (DP step / plain step - 1) for any DP-SGD drawing torch's Gaussian noise so (on the CPU
+  torch's sampler runs on one thread whatever the number of threads);
+- ``fxdp noise only``: the same noise as fxdp's optimizer adds it (``fxdp.optim.add_gaussian_noise_all_``: a
+  large CPU draw in blocks, each from a generator of its own, on torch's number of threads);
 - ``fxdp``: ``fxdp.PrivacyEngine().make_private`` called as an Opacus user calls it, without example_inputs (the
   model is captured from the loader's first batch), book-keeping sink and DP optimizer;
 - ``opacus-hooks`` / ``opacus-ghost`` / ``opacus-functorch`` / ``opacus-ew``: every Opacus mode that runs the model
@@ -147,6 +149,15 @@ def noise_step(args, inputs, lora):
     return step
 
 
+def fxdp_noise_step(args, inputs, lora):
+    """Only the noise of fxdp's DP step: N(0, (sigma C)^2) added to a tensor of each trainable parameter's shape
+    as its optimizer adds it (``add_gaussian_noise_all_``: large draws in blocks, in parallel)."""
+    from fxdp.optim import add_gaussian_noise_all_
+
+    grads = [torch.zeros_like(p, dtype=torch.float32) for p in build(args, lora).parameters() if p.requires_grad]
+    return lambda: add_gaussian_noise_all_(grads, NOISE * CLIP)
+
+
 def fxdp_step(args, inputs, lora):
     model = build(args, lora)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
@@ -219,7 +230,7 @@ def phases(args, inputs) -> None:
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=_loader(inputs),
         noise_multiplier=NOISE, max_grad_norm=CLIP, poisson_sampling=False)
     x, y = _split(inputs)
-    noise = noise_step(args, inputs, False)
+    noise, fxdp_noise = noise_step(args, inputs, False), fxdp_noise_step(args, inputs, False)
     plain, dp = dp_step_profile.Timers(), dp_step_profile.Timers()
     sink = dp_model.fxdp_sink
     dp.wrap(sink, "add", "  capture (in backward)")
@@ -243,7 +254,8 @@ def phases(args, inputs) -> None:
         dp.phase("backward", loss.backward)
         dp.phase("step", dp_opt.step)
 
-    steps = {"plain": timed(args, plain_step), "dp": timed(args, dp_step), "noise": timed(args, noise)}
+    steps = {"plain": timed(args, plain_step), "dp": timed(args, dp_step), "noise": timed(args, noise),
+             "fxdp noise": timed(args, fxdp_noise)}
     for step in steps.values():
         step()
     plain.steps.clear(), dp.steps.clear()
@@ -263,7 +275,9 @@ def phases(args, inputs) -> None:
     print(f"plain step {base:.1f} ms, DP step {statistics.median(totals['dp']) * 1e3:.1f} ms = "
           f"{statistics.median(totals['dp']) * 1e3 / base:.2f} x plain; the noise draws alone "
           f"{statistics.median(totals['noise']) * 1e3:.1f} ms = {statistics.median(totals['noise']) * 1e3 / base:.3f} "
-          f"x plain (medians of {args.repeats})")
+          f"x plain (one torch.normal per parameter), as fxdp draws them "
+          f"{statistics.median(totals['fxdp noise']) * 1e3:.1f} ms = "
+          f"{statistics.median(totals['fxdp noise']) * 1e3 / base:.3f} x plain (medians of {args.repeats})")
     print(f"{'phase':28s} {'plain ms':>9s} {'dp ms':>9s} {'dp/plain step':>14s}")
     for k in ["forward", "backward", "  capture (in backward)", "  norms (end of backward)", "clip (checks, factors)",
               "clipped sums", "noise + write", "optimizer", "zero_grad"]:
@@ -278,10 +292,12 @@ def measure(args, inputs, lora: bool):
     except ImportError:
         modes = ()
         print("opacus is not installed: only fxdp is timed (pip install opacus to compare)")
-    makers: Dict[str, Callable] = {"plain": plain_step, "noise only": noise_step, "fxdp": fxdp_step,
+    makers: Dict[str, Callable] = {"plain": plain_step, "noise only": noise_step,
+                                   "fxdp noise only": fxdp_noise_step, "fxdp": fxdp_step,
                                    **{f"opacus-{m}": opacus_step(m) for m in modes}}
     if args.engines:
-        makers = {k: v for k, v in makers.items() if k in args.engines or k in ("plain", "noise only")}
+        floors = ("plain", "noise only", "fxdp noise only")
+        makers = {k: v for k, v in makers.items() if k in args.engines or k in floors}
     steps, failed, notes = {}, {}, {}
     for name, make in makers.items():
         try:
@@ -302,8 +318,8 @@ def measure(args, inputs, lora: bool):
     rows = []
     for name in steps:
         times = ", ".join(f"{r:.2f}x" for _, r in ratios[name])
-        mem = "-" if name == "noise only" else f"{memory[name]:.0f}"
-        mem_ratio = "-" if name == "noise only" else f"{memory[name] / memory['plain']:.2f}x"
+        mem = "-" if "noise only" in name else f"{memory[name]:.0f}"
+        mem_ratio = "-" if "noise only" in name else f"{memory[name] / memory['plain']:.2f}x"
         rows.append([name, f"{ratios[name][-1][0]:.1f}", times, mem, mem_ratio, notes[name]])
     rows += [[name, "-", error, "-", "-", ""] for name, error in failed.items()]
     return rows

@@ -481,6 +481,9 @@ class _LoaderInputs:
             left = (f"; left out: {', '.join(self.labels)} (given to the private model, they give each sample's own "
                     f"{task} loss, computed outside the graph: fxdp.per_sample_loss)" if task else
                     f"; left out: {', '.join(self.labels)} (the loss belongs outside the model)")
+        elif task:  # a tuple batch: its labels are not named, but the model takes them as a user calls it
+            left = (f"; labels= given to the private model give each sample's own {task} loss, computed outside "
+                    f"the graph: fxdp.per_sample_loss")
         rep = report(compiled)
         did = "captured the model" if rep.front_end == "torch.export" else "tried to capture the model (see the reason)"
         setattr(compiled, REPORT_ATTR, dataclasses.replace(rep, notes=(

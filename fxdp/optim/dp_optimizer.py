@@ -54,7 +54,7 @@ from torch.optim import Optimizer
 
 from fxdp.optim.extension_points import OpacusExtensionPoints
 from fxdp.optim.step_checks import StepChecks
-from fxdp.optim.noise import add_gaussian_noise_
+from fxdp.optim.noise import add_gaussian_noise_all_
 from fxdp.sinks.contract import (LOSS_REDUCTIONS, GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError,
                                  wide)
 
@@ -426,8 +426,8 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
 
         Written as ``scale * S + N(0, (std * scale)^2)`` into the sum's own buffer: the sink forms each
         scaled sum and frees that layer's inputs and output gradients as it goes (``take_clipped_sums``),
-        then the noise is added in place, in the parameters' order, a chunk at a time, with the values
-        one draw per parameter would give (:func:`~fxdp.optim.noise.add_gaussian_noise_`). Under book-keeping no
+        then the noise is added in place, in the parameters' order, a chunk at a time, the large parameters'
+        blocks drawn in parallel (:func:`~fxdp.optim.noise.add_gaussian_noise_all_`). Under book-keeping no
         second copy of the gradients exists at any point; with per-sample gradients materialised (a
         :class:`GradSampleSink`) they stay readable as ``p.grad_sample``, and the un-noised clipped sum as
         ``p.summed_grad``, until ``zero_grad()``, as on Opacus (the next backward pass replaces the rows, so they
@@ -456,9 +456,9 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
                 grad.add_(earlier.view_as(grad), alpha=scale)
             if keep_summed:
                 p.summed_grad = (grad / scale).to(p.dtype)
-            if std > 0:
-                add_gaussian_noise_(grad, std * scale, secure_mode=self.secure_mode, generator=self.generator)
             grads.append(grad)
+        if std > 0:  # in the parameters' order; the large ones' blocks drawn in parallel
+            add_gaussian_noise_all_(grads, std * scale, secure_mode=self.secure_mode, generator=self.generator)
         self._check_finite_after_dropping(grads)
         for p, grad in zip(params, self._reduce(grads)):
             p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)

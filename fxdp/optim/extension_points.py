@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from fxdp.optim.noise import add_gaussian_noise_
+from fxdp.optim.noise import add_gaussian_noise_all_
 
 
 class OpacusExtensionPoints:
@@ -84,10 +84,10 @@ class OpacusExtensionPoints:
     def add_noise(self) -> None:
         """``p.grad = p.summed_grad + N(0, noise_std^2)``."""
         std = self.noise_std if self._adds_noise() else 0.0
-        for p in self.params:
-            grad = p.summed_grad.clone().view_as(p)
-            if std > 0:
-                add_gaussian_noise_(grad, std, secure_mode=self.secure_mode, generator=self.generator)
+        grads = [p.summed_grad.clone().view_as(p) for p in self.params]
+        if std > 0:
+            add_gaussian_noise_all_(grads, std, secure_mode=self.secure_mode, generator=self.generator)
+        for p, grad in zip(self.params, grads):
             p.grad = grad
 
     def scale_grad(self) -> None:

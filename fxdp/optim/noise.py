@@ -28,10 +28,13 @@ small models, comparable to it for large ones (docs/training.md, "Secure mode", 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import struct
 import threading
-from typing import Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -69,38 +72,20 @@ def gaussian_noise(
 
     Drawn in at least float32 (half-precision parameters get rounded noise, not half-precision draws).
     With ``generator``, the draw happens on the generator's device, so a CPU generator gives the same
-    noise whatever device the parameter lives on.
+    noise whatever device the parameter lives on. More than :data:`NOISE_CHUNK` values drawn on the CPU
+    are drawn in blocks, each from a generator of its own (see "Large draws" below).
     """
     draw_dtype = torch.promote_types(reference.dtype, torch.float32)
+    draw_device = generator.device if generator is not None else reference.device
     if secure_mode:
-        z = secure_standard_normal(reference.numel()).view(reference.shape)
-        noise = z * std
-    elif generator is not None:
-        noise = torch.normal(0.0, std, size=reference.shape, generator=generator,
-                             device=generator.device, dtype=draw_dtype)
+        noise = secure_standard_normal(reference.numel()).view(reference.shape) * std
+    elif _large_cpu_draw(reference.numel(), draw_device, draw_dtype) and _twister_template() is not None:
+        noise = torch.empty(reference.shape, dtype=draw_dtype)
+        _draw_blocks(_blocks(noise.view(-1), generator), std, add=False)
     else:
-        noise = torch.normal(0.0, std, size=reference.shape, device=reference.device, dtype=draw_dtype)
+        noise = torch.normal(0.0, std, size=reference.shape, generator=generator, device=draw_device,
+                             dtype=draw_dtype)
     return noise.to(device=reference.device, dtype=reference.dtype)
-
-
-# Values drawn at a time by :func:`add_gaussian_noise_` (a multiple of 16, see there): 256 KiB of float32.
-NOISE_CHUNK = 1 << 16
-
-
-_BUFFERS = threading.local()  # per thread: {dtype: buffer of NOISE_CHUNK + 15 values}
-
-
-def _chunk_buffer(dtype: torch.dtype) -> torch.Tensor:
-    """The calling thread's buffer for chunks of noise, kept between calls: allocating 256 KiB afresh for
-    every parameter costs the system calls and page faults of new memory each time (a measurable part of
-    the noise draws of a small model; docs/per_sample.md, "Why some code paths look as they do")."""
-    buffers = getattr(_BUFFERS, "by_dtype", None)
-    if buffers is None:
-        buffers = _BUFFERS.by_dtype = {}
-    buffer = buffers.get(dtype)
-    if buffer is None or buffer.numel() != NOISE_CHUNK + 15:
-        buffer = buffers[dtype] = torch.empty(NOISE_CHUNK + 15, dtype=dtype)
-    return buffer
 
 
 def add_gaussian_noise_(
@@ -111,32 +96,187 @@ def add_gaussian_noise_(
     generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
     """``out += N(0, std^2)`` in place, with the very values :func:`gaussian_noise` would draw for a tensor
-    of ``out``'s shape, and returns ``out``.
+    of ``out``'s shape, and returns ``out`` (:func:`add_gaussian_noise_all_` of ``[out]``)."""
+    add_gaussian_noise_all_([out], std, secure_mode=secure_mode, generator=generator)
+    return out
 
-    Where the draw happens on the CPU, into a CPU tensor, the values are drawn :data:`NOISE_CHUNK` at a
-    time into one small buffer (the calling thread's, kept between calls) instead of a whole noise tensor,
-    so adding noise to a model's gradients needs no second copy of them. Torch's CPU sampler fills a tensor with uniforms in order and maps
-    them to normals 16 at a time, recomputing a tail that is not a multiple of 16 from fresh uniforms;
-    chunks that are multiples of 16, with a last chunk of at least 16 values, therefore give the same
-    stream as one draw (checked bitwise by ``tests/optim/test_private_grads_in_place.py``). Elsewhere (secure
-    mode, a GPU draw, a non-contiguous ``out``) the noise is drawn whole and added.
+
+def add_gaussian_noise_all_(
+    outs: Sequence[torch.Tensor],
+    std: float,
+    *,
+    secure_mode: bool = False,
+    generator: Optional[torch.Generator] = None,
+) -> None:
+    """``out += N(0, std^2)`` in place for each of ``outs``, with the values :func:`add_gaussian_noise_` called
+    on each in turn gives, the large ones drawn in parallel.
+
+    A contiguous CPU tensor of more than :data:`NOISE_CHUNK` values drawn on the CPU gets its noise in blocks
+    (see "Large draws" below): the blocks of all such ``outs`` are drawn together, on torch's number of threads,
+    each added a chunk at a time from a small buffer (its thread's, kept between calls), so adding noise to a
+    model's gradients needs no second copy of them. The others (few values, secure mode, a GPU draw, a
+    non-contiguous tensor) get :func:`gaussian_noise` added, in order.
     """
-    draw_dtype = torch.promote_types(out.dtype, torch.float32)
-    draw_device = generator.device if generator is not None else out.device
-    n = out.numel()
-    if (secure_mode or n <= NOISE_CHUNK or draw_device.type != "cpu" or out.device.type != "cpu"
-            or draw_dtype not in (torch.float32, torch.float64) or not out.is_contiguous()):
-        return out.add_(gaussian_noise(out, std, secure_mode=secure_mode, generator=generator))
-    flat = out.view(-1)
+    blocks = []
+    for out in outs:
+        draw_dtype = torch.promote_types(out.dtype, torch.float32)
+        draw_device = generator.device if generator is not None else out.device
+        if (secure_mode or out.device.type != "cpu" or not out.is_contiguous()
+                or not _large_cpu_draw(out.numel(), draw_device, draw_dtype)):
+            out.add_(gaussian_noise(out, std, secure_mode=secure_mode, generator=generator))
+        elif _twister_template() is None:  # one stream (see below), still without a second copy of out
+            _add_in_chunks(out.view(-1), std, generator)
+        else:
+            blocks += _blocks(out.view(-1), generator)  # the key drawn now: the generator's draws in order
+    _draw_blocks(blocks, std, add=True)
+
+
+# --- Large draws: blocks from generators of their own, in parallel -----------------------------------------
+#
+# Torch's CPU sampler is one Mersenne Twister (MT19937), drawn on one thread: 16 million values take about
+# 55 ms on this project's CPU, 0.3 of a plain GPT-2-4L fine-tuning step there with two threads, whose matrix
+# products use both cores. More than NOISE_CHUNK values drawn on the CPU are therefore cut into blocks of up to
+# NOISE_BLOCK values, each drawn by a Mersenne Twister of its own, and the blocks are spread over
+# torch.get_num_threads() threads. A block's generator does not depend on the number of threads, so neither do
+# the values.
+#
+# A block's generator gets a whole 624-word state (19,968 bits), not a seed: torch seeds a Mersenne Twister
+# from 32 bits only, and blocks seeded from 32-bit draws would, over a long training run, meet the same seed
+# twice (among a million blocks, about a hundred pairs), adding the same noise to two blocks of gradient, whose
+# difference the noise then no longer hides. Each tensor's draw takes a 248-bit key from the caller's
+# generator (or torch's default one, so torch.manual_seed still makes a run repeat), and block k's state is the
+# k-th 624 words of SHAKE-256's output for the key: distinct blocks get unrelated states unless two keys meet
+# (about 2^-124 per pair). Torch takes a whole state only as the bytes of Generator.get_state(); where those
+# do not hold the 624 words where this torch keeps them (checked once, by rebuilding a known seed's state and
+# comparing draws), every draw is one stream from the caller's generator, on one thread.
+
+# Values up to which a CPU draw is one stream from the caller's generator (a multiple of 16, see _add_in_chunks)
+NOISE_CHUNK = 1 << 16
+# Values of one block drawn by a generator of its own: making one costs about 17 us, 2% of drawing the block
+NOISE_BLOCK = 1 << 18
+# Values a block's thread draws and adds at a time: the largest multiple of 16 under torch's grain for splitting
+# an elementwise operation across threads (32,768), so that each addition runs on the block's own thread
+_BLOCK_CHUNK = (1 << 15) - 16
+_TWISTER_WORDS = 624  # MT19937's state: 624 words of 32 bits
+_WORDS_AT = 24  # in torch's CPU generator state: after the seed (8 bytes), two ints and `next` (8), as 624 uint64
+_UNCHECKED = object()
+_TEMPLATE = _UNCHECKED  # a CPU generator state whose words can be replaced; None where they cannot
+_POOL: dict = {}  # {"pid": process id, "threads": n, "pool": ThreadPoolExecutor}
+_BUFFERS = threading.local()  # per thread: {dtype: buffer of _BLOCK_CHUNK + 15 values}
+
+
+def _large_cpu_draw(n: int, draw_device: torch.device, draw_dtype: torch.dtype) -> bool:
+    """Whether a draw is of more than :data:`NOISE_CHUNK` values of a float32 or float64 on the CPU: drawn in
+    blocks, each from a generator of its own (where this torch's generator state is understood)."""
+    return n > NOISE_CHUNK and draw_device.type == "cpu" and draw_dtype in (torch.float32, torch.float64)
+
+
+def _blocks(flat: torch.Tensor, generator: Optional[torch.Generator]) -> List[tuple]:
+    """``[(part of flat, its generator), ...]``: ``flat`` cut into blocks of :data:`NOISE_BLOCK` values, block
+    k's generator's state the k-th 624 words of the SHAKE-256 output for a key drawn from ``generator`` (torch's
+    default CPU generator if None; see the comment above)."""
+    key = struct.pack("<4q", *torch.randint(0, 2 ** 62, (4,), generator=generator).tolist())
+    starts = range(0, flat.numel(), NOISE_BLOCK)
+    digest = hashlib.shake_256(key).digest(4 * _TWISTER_WORDS * len(starts))  # block k: its k-th 624 words
+    words = torch.frombuffer(bytearray(digest), dtype=torch.int32).to(torch.int64).view(len(starts), -1) & 0xFFFFFFFF
+    words[:, 0] = 0x80000000  # of word 0 only the top bit counts; set, the state is never all zero
+    template = _twister_template()
+    return [(flat[start:start + NOISE_BLOCK], _generator_from_words(template, w)) for start, w in zip(starts, words)]
+
+
+def _draw_blocks(blocks: List[tuple], std: float, *, add: bool) -> None:
+    """Each block ``+=`` (``add``) or ``=`` N(0, std^2) drawn from its own generator, on up to
+    ``torch.get_num_threads()`` threads."""
+
+    def draw(block: tuple) -> None:
+        part, generator = block
+        if add:
+            _add_in_chunks(part, std, generator)
+        else:
+            part.normal_(0.0, std, generator=generator)
+
+    threads = min(torch.get_num_threads(), len(blocks))
+    if threads <= 1:
+        for block in blocks:
+            draw(block)
+    else:
+        list(_pool(threads).map(draw, blocks))
+
+
+def _add_in_chunks(flat: torch.Tensor, std: float, generator: Optional[torch.Generator]) -> None:
+    """``flat += N(0, std^2)``, drawn :data:`_BLOCK_CHUNK` values at a time into the calling thread's buffer.
+
+    Torch's CPU sampler fills a tensor with uniforms in order and maps them to normals 16 at a time,
+    recomputing a tail that is not a multiple of 16 from fresh uniforms: chunks that are multiples of 16, with
+    a last chunk of at least 16 values, give the values one draw of ``flat``'s size gives (checked bitwise by
+    ``tests/optim/test_private_grads_in_place.py``)."""
+    draw_dtype = torch.promote_types(flat.dtype, torch.float32)
     buffer = _chunk_buffer(draw_dtype)
-    start = 0
+    n, start = flat.numel(), 0
     while start < n:
         left = n - start
-        size = left if left < NOISE_CHUNK + 16 else NOISE_CHUNK  # never leave a tail under 16 values
+        size = left if left < _BLOCK_CHUNK + 16 else _BLOCK_CHUNK  # never leave a tail under 16 values
         part = buffer[:size].normal_(0.0, std, generator=generator)
-        flat[start:start + size].add_(part if part.dtype == out.dtype else part.to(out.dtype))
+        flat[start:start + size].add_(part if part.dtype == flat.dtype else part.to(flat.dtype))
         start += size
-    return out
+
+
+def _chunk_buffer(dtype: torch.dtype) -> torch.Tensor:
+    """The calling thread's buffer for chunks of noise, kept between calls: allocating it afresh for every
+    block costs the system calls and page faults of new memory each time (a measurable part of the noise
+    draws of a small model; docs/per_sample.md, "Why some code paths look as they do")."""
+    buffers = getattr(_BUFFERS, "by_dtype", None)
+    if buffers is None:
+        buffers = _BUFFERS.by_dtype = {}
+    buffer = buffers.get(dtype)
+    if buffer is None:
+        buffer = buffers[dtype] = torch.empty(_BLOCK_CHUNK + 15, dtype=dtype)
+    return buffer
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """This process's threads for drawing blocks (made again after a fork, whose child has none of them)."""
+    if _POOL.get("pid") != os.getpid() or _POOL.get("threads") != threads:
+        _POOL.update(pid=os.getpid(), threads=threads,
+                     pool=ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fxdp-noise"))
+    return _POOL["pool"]
+
+
+def _generator_from_words(template: torch.Tensor, words: torch.Tensor) -> torch.Generator:
+    """A CPU generator whose Mersenne Twister state is ``words`` (624 values in [0, 2^32), int64)."""
+    state = template.clone()
+    state[_WORDS_AT:_WORDS_AT + 8 * _TWISTER_WORDS].view(torch.int64).copy_(words)
+    generator = torch.Generator()
+    generator.set_state(state)
+    return generator
+
+
+def _twister_init_words(seed: int) -> List[int]:
+    """The 624 words MT19937's reference initialisation (init_genrand) makes of a 32-bit seed."""
+    words = [seed & 0xFFFFFFFF]
+    for i in range(1, _TWISTER_WORDS):
+        prev = words[-1]
+        words.append((1812433253 * (prev ^ (prev >> 30)) + i) & 0xFFFFFFFF)
+    return words
+
+
+def _twister_template() -> Optional[torch.Tensor]:
+    """Torch's CPU generator state, freshly seeded, if its 624 words sit where :data:`_WORDS_AT` says (a state
+    rebuilt from a known seed's words must draw what that seed draws); None otherwise. Checked once."""
+    global _TEMPLATE
+    if _TEMPLATE is _UNCHECKED:
+        template, seed = torch.Generator().manual_seed(0).get_state(), 20261204
+        _TEMPLATE = None
+        if template.dtype == torch.uint8 and template.numel() >= _WORDS_AT + 8 * _TWISTER_WORDS:
+            try:
+                rebuilt = _generator_from_words(template, torch.tensor(_twister_init_words(seed)))
+            except RuntimeError:  # a state this torch refuses
+                rebuilt = None
+            known = torch.Generator().manual_seed(seed)
+            if rebuilt is not None and torch.equal(torch.randn(1000, generator=rebuilt),
+                                                   torch.randn(1000, generator=known)):
+                _TEMPLATE = template
+    return _TEMPLATE
 
 
 def secure_seed() -> int:

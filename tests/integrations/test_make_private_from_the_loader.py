@@ -131,7 +131,9 @@ def test_a_tuple_batch_gives_its_first_item_as_the_positional_input():
     loader = DataLoader(TensorDataset(ids, torch.arange(6) % 2), batch_size=3)
     private, _, _ = _private(model, loader, materialise_grad_sample=True)
     assert fxdp.report(private).engine == "fx"
-    assert any("(2, 8)); the loader's sampling was not touched" in n for n in fxdp.report(private).notes)
+    assert any("(2, 8)); labels= given to the private model give each sample's own classification loss, computed "
+               "outside the graph: fxdp.per_sample_loss; the loader's sampling was not touched" in n
+               for n in fxdp.report(private).notes)
     torch.nn.functional.cross_entropy(private(ids[:3]).logits, torch.arange(3) % 2).backward()
     assert model.score.weight.grad_sample.shape == (3, 2, 32)
 
@@ -173,6 +175,9 @@ def test_a_model_captured_from_a_tuple_batch_called_with_its_items_as_keywords_i
     _assert_per_sample_gradients(model, private, batch, "classification", labels_to_the_model=True)
     note = next(n for n in fxdp.report(private).notes if n.startswith("torch.export: captured once per input shape"))
     assert "2 graphs, kept: input_ids (N, 8); input_ids (N, 8), attention_mask (N, 8)" in note, note
+    loader_note = next(n for n in fxdp.report(private).notes if n.startswith("make_private captured the model"))
+    assert ("from a batch of the data loader's first samples ((2, 8)); labels= given to the private model give each "
+            "sample's own classification loss, computed outside the graph") in loader_note, loader_note
 
 
 def test_labels_of_a_model_whose_loss_fxdp_does_not_know_are_refused_and_nothing_moves():

@@ -1,7 +1,7 @@
 """The DP step writes each private gradient into its clipped sum's own buffer: the sink forms the sums
 and frees each layer's records as it goes (``take_clipped_sums``), and the noise is added in place a chunk
-at a time (``add_gaussian_noise_``) with exactly the values one draw per parameter gives, in the
-parameters' order."""
+at a time (``add_gaussian_noise_``) with exactly the values ``gaussian_noise`` draws for each parameter, in
+the parameters' order."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from torch import nn
 
 import fxdp
 from fxdp.optim import DPOptimizer
-from fxdp.optim.noise import NOISE_CHUNK, add_gaussian_noise_, gaussian_noise
+from fxdp.optim.noise import NOISE_BLOCK, NOISE_CHUNK, add_gaussian_noise_, gaussian_noise
 from fxdp.sinks.bookkeeping import BookkeepingSink
 from fxdp.sinks.bookkeeping.linear import LinearWeight
 from fxdp.sinks.contract import GradSampleSink
 
 SIZES = [5, 17, NOISE_CHUNK - 1, NOISE_CHUNK, NOISE_CHUNK + 1, NOISE_CHUNK + 15, NOISE_CHUNK + 16,
-         NOISE_CHUNK + 17, 2 * NOISE_CHUNK + 8, 3 * NOISE_CHUNK + 100]
+         NOISE_CHUNK + 17, 2 * NOISE_CHUNK + 8, 3 * NOISE_CHUNK + 100, NOISE_BLOCK + 1, 2 * NOISE_BLOCK + 40_017]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
