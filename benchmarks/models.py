@@ -144,7 +144,8 @@ CASES = {
 def median_ms(steps: Dict[str, Callable[[], None]], repeats: int, warmup: int = 1,
               clock: Callable[[], float] = time.perf_counter) -> Dict[str, float]:
     """Median milliseconds per step; the engines take turns, so drift in machine load hits all alike.
-    ``clock=time.thread_time``: the calling thread's CPU time (one intra-op thread), which other jobs on a
+    ``clock=time.thread_time``: the calling thread's CPU time (set one intra-op thread: with more, the work of
+    torch's other threads, and of the threads fxdp draws large noise on, goes uncounted), which other jobs on a
     shared machine disturb far less than wall time."""
     for step in steps.values():
         for _ in range(warmup):

@@ -157,6 +157,10 @@ NOISE_BLOCK = 1 << 18
 # Values a block's thread draws and adds at a time: the largest multiple of 16 under torch's grain for splitting
 # an elementwise operation across threads (32,768), so that each addition runs on the block's own thread
 _BLOCK_CHUNK = (1 << 15) - 16
+# Fewer values than this are drawn on the calling thread, block after block (the same values): right after the
+# step's matrix products, torch's OpenMP threads keep spinning on the other cores for a while, and a draw this
+# small was measured no faster on two threads (about 1.7 times faster with the other core free)
+_PARALLEL_FROM = 1 << 21
 _TWISTER_WORDS = 624  # MT19937's state: 624 words of 32 bits
 _WORDS_AT = 24  # in torch's CPU generator state: after the seed (8 bytes), two ints and `next` (8), as 624 uint64
 _UNCHECKED = object()
@@ -186,7 +190,7 @@ def _blocks(flat: torch.Tensor, generator: Optional[torch.Generator]) -> List[tu
 
 def _draw_blocks(blocks: List[tuple], std: float, *, add: bool) -> None:
     """Each block ``+=`` (``add``) or ``=`` N(0, std^2) drawn from its own generator, on up to
-    ``torch.get_num_threads()`` threads."""
+    ``torch.get_num_threads()`` threads (from :data:`_PARALLEL_FROM` values on)."""
 
     def draw(block: tuple) -> None:
         part, generator = block
@@ -196,7 +200,7 @@ def _draw_blocks(blocks: List[tuple], std: float, *, add: bool) -> None:
             part.normal_(0.0, std, generator=generator)
 
     threads = min(torch.get_num_threads(), len(blocks))
-    if threads <= 1:
+    if threads <= 1 or sum(part.numel() for part, _ in blocks) < _PARALLEL_FROM:
         for block in blocks:
             draw(block)
     else:

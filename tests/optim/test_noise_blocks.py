@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 
 import pytest
 import torch
 
 import fxdp.optim.noise as noise
 from fxdp.optim.noise import NOISE_BLOCK, NOISE_CHUNK, add_gaussian_noise_, add_gaussian_noise_all_, gaussian_noise
+
+LARGE = 9 * NOISE_BLOCK + 17  # enough values to be drawn on several threads (smaller draws use the calling one)
 
 
 @pytest.fixture
@@ -39,8 +42,9 @@ def test_the_generator_state_of_this_torch_is_understood():
     assert noise._twister_template() is not None
 
 
-@pytest.mark.parametrize("n", [NOISE_CHUNK + 1, 3 * NOISE_BLOCK + 17])
+@pytest.mark.parametrize("n", [NOISE_CHUNK + 1, 3 * NOISE_BLOCK + 17, LARGE])
 def test_the_values_do_not_depend_on_the_number_of_threads(n):
+    assert LARGE >= noise._PARALLEL_FROM
     one, two, three = _draw(n, 7, 1), _draw(n, 7, 2), _draw(n, 7, 3)
     assert torch.equal(one, two) and torch.equal(one, three)
 
@@ -60,7 +64,7 @@ def test_the_noise_repeats_from_a_seeded_generator_or_torch_manual_seed(two_thre
 def test_many_tensors_at_once_get_what_each_in_turn_gets(two_threads):
     """The optimizer adds the noise of all parameters in one call; the values are those of one call per
     parameter in order, small tensors (one stream from the generator) and large ones (blocks) interleaved."""
-    sizes = [10, 3 * NOISE_BLOCK + 100, NOISE_CHUNK, NOISE_CHUNK + 16, 7, NOISE_BLOCK]
+    sizes = [10, 3 * NOISE_BLOCK + 100, NOISE_CHUNK, NOISE_CHUNK + 16, 7, NOISE_BLOCK, LARGE]
     together = [torch.zeros(n) for n in sizes]
     add_gaussian_noise_all_(together, 0.5, generator=torch.Generator().manual_seed(2))
     generator = torch.Generator().manual_seed(2)
@@ -114,9 +118,15 @@ def test_no_block_repeats_another_or_the_generators_own_stream(two_threads):
 
 def test_a_child_process_forked_after_a_draw_draws_too():
     """The threads that draw blocks do not survive a fork: the child makes its own (else it would wait forever)."""
-    add_gaussian_noise_(torch.zeros(2 * NOISE_BLOCK), 1.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        add_gaussian_noise_(torch.zeros(LARGE), 1.0)
+    finally:
+        torch.set_num_threads(before)
+    assert noise._POOL.get("pid") == os.getpid()  # the parent drew on its threads
     context = multiprocessing.get_context("fork")
-    child = context.Process(target=add_gaussian_noise_, args=(torch.zeros(2 * NOISE_BLOCK), 1.0))
+    child = context.Process(target=add_gaussian_noise_, args=(torch.zeros(LARGE), 1.0))
     child.start()
     child.join(120)
     assert child.exitcode == 0
