@@ -112,9 +112,9 @@ def add_gaussian_noise_all_(
     on each in turn gives, the large ones drawn in parallel.
 
     A contiguous CPU tensor of more than :data:`NOISE_CHUNK` values drawn on the CPU gets its noise in blocks
-    (see "Large draws" below): the blocks of all such ``outs`` are drawn together, on torch's number of threads,
-    each added a chunk at a time from a small buffer (its thread's, kept between calls), so adding noise to a
-    model's gradients needs no second copy of them. The others (few values, secure mode, a GPU draw, a
+    (see "Large draws" below): the blocks of all such ``outs`` are drawn together, on torch's number of threads
+    when they hold :data:`_PARALLEL_FROM` values or more, each added a chunk at a time from a small buffer (its
+    thread's, kept between calls), so adding noise to a model's gradients needs no second copy of them. The others (few values, secure mode, a GPU draw, a
     non-contiguous tensor) get :func:`gaussian_noise` added, in order.
     """
     blocks = []
