@@ -239,7 +239,8 @@ def _chunk_buffer(dtype: torch.dtype) -> torch.Tensor:
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:
-    """This process's threads for drawing blocks (made again after a fork, whose child has none of them)."""
+    """This process's threads for drawing blocks, made again after a fork (whose child has none of them) and when
+    torch's number of threads changes (the former pool, no longer referenced, lets its threads go)."""
     if _POOL.get("pid") != os.getpid() or _POOL.get("threads") != threads:
         _POOL.update(pid=os.getpid(), threads=threads,
                      pool=ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fxdp-noise"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import time
 
 import pytest
 import torch
@@ -130,6 +131,21 @@ def test_a_child_process_forked_after_a_draw_draws_too():
     child.start()
     child.join(120)
     assert child.exitcode == 0
+
+
+def test_a_new_number_of_threads_lets_the_former_threads_go():
+    """The pool is made again when torch's number of threads changes; the former ones' threads must not pile up."""
+    import threading
+
+    def noise_threads():
+        return sum(t.name.startswith("fxdp-noise") for t in threading.enumerate())
+
+    for threads in (2, 3, 2, 3):
+        _draw(LARGE, 0, threads)
+    deadline = time.monotonic() + 30
+    while noise_threads() > 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert noise_threads() <= 3
 
 
 def test_where_the_generator_state_is_not_understood_the_draw_is_one_stream(monkeypatch):
