@@ -8,6 +8,8 @@ The pipeline, in the order it runs::
     fxdp.passes.inplace    in-place ops rewritten out of place
     fxdp.passes.batch_dim  where the batch sits at every node; ops that move it or mix samples
     fxdp.passes.per_sample DP-aware ops (fxdp.runtime) that record per-sample gradients
+    fxdp.passes.loss       your loss, judged by the same batch rules on the first step (or traced from the
+                           criterion): ops that mix samples, normalisers the whole batch sets
 
 then a per-sample engine (fxdp.engines) chosen by fxdp.compiler: the compiled graph ("fx"), the whole
 model as one DP-aware op ("fx+whole-model"), or one that does not compile ("hooks", "ew", "functorch",
@@ -38,6 +40,7 @@ from fxdp.passes.batch_dim import find_batch_dim_violations
 from fxdp.passes.batch_rules import register_batch_rule
 from fxdp.data import BatchMemoryManager, DPDataLoader
 from fxdp.optim import DPOptimizer
+from fxdp.per_sample_loss import per_sample_mean
 from fxdp.privacy_engine import PrivacyEngine, PrivacyEngineAdaptiveClipping
 from fxdp import accounting, audit  # noqa: E402  (fxdp.accounting.RDPAccountant, fxdp.audit.one_run)
 
@@ -64,6 +67,7 @@ __all__ = [
     "grad_sample",
     "inspect",
     "per_sample_gradient_diagnostics",
+    "per_sample_mean",
     "register_batch_rule",
     "register_grad_sampler",
     "register_moe_block",

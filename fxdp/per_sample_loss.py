@@ -8,6 +8,8 @@ loss per sample instead; its mean over the batch is a loss DP-SGD can clip per s
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,6 +43,24 @@ def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor, task: str = "cau
         return F.mse_loss(logits.reshape(n, -1), labels.reshape(n, -1).to(logits.dtype), reduction="none").mean(1)
     return F.binary_cross_entropy_with_logits(logits.reshape(n, -1), labels.reshape(n, -1).to(logits.dtype),
                                               reduction="none").mean(1)
+
+
+def per_sample_mean(values: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The batch's loss as a mean of each sample's own mean: the fix for a loss normalised by the whole batch.
+
+    ``values``: per-element losses with the batch first, ``(N, ...)`` (a loss function's ``reduction="none"``);
+    ``weights``: broadcastable to ``values`` (a mask such as ``labels != -100``, or weights per element). Each
+    sample's loss is ``sum(w * v) / sum(w)`` over its own elements (0 for a sample whose weights sum to 0), and
+    the result is their mean over the batch, so sample i's gradient is what sample i alone would give. A mean
+    over all the batch's tokens (or a weighted mean) divides instead by a count that every sample sets, which
+    DP-SGD's clipping does not bound."""
+    n = values.shape[0]  # (no branch on the values: torch.fx traces this where a criterion calls it)
+    weights = torch.ones_like(values) if weights is None else torch.broadcast_to(weights, values.shape).to(values.dtype)
+    total = (values * weights).reshape(n, -1).sum(1)
+    count = weights.reshape(n, -1).sum(1)
+    counted = count != 0
+    return torch.where(counted, total / torch.where(counted, count, torch.ones_like(count)),
+                       torch.zeros_like(total)).mean()
 
 
 def task_of(model: nn.Module) -> str:

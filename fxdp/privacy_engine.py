@@ -52,6 +52,7 @@ from fxdp.optim import AdaClipDPOptimizer, DPOptimizer
 from fxdp.optim.noise import secure_seed
 from fxdp.per_sample_loss import per_sample_loss, task_of
 from fxdp.frontends.fx import trace
+from fxdp.runtime.loss_probe import batch_probe_of  # the first batch's labels followed into the loss
 from fxdp.sinks.bookkeeping import BookkeepingSink
 from fxdp.sinks.contract import sink_of
 from fxdp.validators import ModuleValidator
@@ -234,6 +235,7 @@ class PrivacyEngine:
         self._claim(module)
         if isinstance(data_loader, DPDataLoader):  # a step then knows how many batches it covers, and empty ones
             data_loader.batch_observer = dp_optimizer.observe_batch
+            data_loader.batch_probe = batch_probe_of(compiled) if ddp is None and sharded is None else None
             dp_optimizer.expect_observed_batches()
         if ddp is not None:
             compiled = wrap_like(compiled, ddp)

@@ -276,10 +276,14 @@ class DPDataLoader(DataLoader):
             **loader_kwargs,
         )
         self.batch_observer: Optional[Callable[..., None]] = None
+        # a callable that hands out a batch in its place (the compiled model's loss probe, which follows what the
+        # loss computes from the labels on the first step: fxdp.runtime.loss_probe)
+        self.batch_probe: Optional[Callable[[Any], Any]] = None
 
     def __iter__(self):
         batches = super().__iter__()
-        return batches if self.batch_observer is None else self._observed(batches, self.batch_observer)
+        batches = batches if self.batch_observer is None else self._observed(batches, self.batch_observer)
+        return batches if self.batch_probe is None else map(self.batch_probe, batches)
 
     @staticmethod
     def _observed(batches, observer):

@@ -31,6 +31,7 @@ class Kind(str, enum.Enum):
     MOVES_BATCH = "moves the batch"
     MIXES_SAMPLES = "mixes samples"
     UNVERIFIED = "unverified"
+    NORMALISER = "normalised by the batch"  # a loss divided by a count or weight the whole batch sets
     REWRITE = "rewrite"
     NOTE = "note"
 

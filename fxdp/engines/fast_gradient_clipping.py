@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from fxdp.engines.hooks import GradSampleHooks, GradSampleModule
+from fxdp.runtime.guards import GUARD_ATTR
+from fxdp.runtime.loss_probe import add_loss_report, plain, warn_of
 from fxdp.sinks.bookkeeping import BookkeepingSink
 from fxdp.sinks.contract import SINK_ATTR, sink_of
 
@@ -172,10 +174,27 @@ class DPLossFastGradientClipping:
         if getattr(optimizer, "sink", sink) is not sink:
             optimizer.sink = sink  # what its step reads: this module's per-sample norms and clipped sums
         self.module, self.optimizer, self.criterion, self.loss_reduction = module, optimizer, criterion, loss_reduction
+        self._judged = False
+
+    def _judge(self, args, kwargs) -> None:
+        """The criterion, traced by torch.fx with the model's output as a batched input, judged by the batch rules
+        before its first loss is computed (:mod:`fxdp.passes.loss`): an op that mixes samples raises, a normaliser
+        set by the batch warns, ``fxdp.report(module)`` lists what it finds. A model that is no compiled graph, or
+        a criterion torch.fx cannot trace, is judged by the loss probe on the first backward instead."""
+        guard = getattr(self.module, GUARD_ATTR, None)
+        if kwargs or guard is None or guard.reanalysis is None or guard.batch_size is None:
+            return
+        report = guard.reanalysis.judge_criterion(self.criterion, plain(args), guard.batch_size)
+        if report is not None:
+            warn_of(report)  # raises what mixes samples: judged again on the next call
+            add_loss_report(self.module, report)
+        self._judged = True
 
     def __call__(self, *args, shape: Optional[tuple] = None, **kwargs) -> DPTensorFastGradientClipping:
         reduction, self.criterion.reduction = self.criterion.reduction, "none"
         try:
+            if not self._judged:
+                self._judge(args, kwargs)
             loss_per_sample = self.criterion(*args, **kwargs)
         finally:
             self.criterion.reduction = reduction

@@ -134,7 +134,7 @@ class _Raw:
 class BatchDimInterpreter(torch.fx.Interpreter):
     """Runs the graph on fake tensors; records each node's batch layout and the findings."""
 
-    def __init__(self, gm: torch.fx.GraphModule, mode: FakeTensorMode, input_layouts: Dict[torch.fx.Node, Any],
+    def __init__(self, gm: torch.fx.GraphModule, mode: Optional[FakeTensorMode], input_layouts: Dict[torch.fx.Node, Any],
                  batch_size: int, home: BatchLayout, strict: bool):
         super().__init__(gm)
         # our errors name the node and the user's line; torch's extra traceback would paste its own
@@ -197,7 +197,7 @@ class BatchDimInterpreter(torch.fx.Interpreter):
     def get_attr(self, target, args, kwargs):
         value = super().get_attr(target, args, kwargs)
         # constants that are not parameters or buffers (tensors stored on modules) become fake too
-        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and self.mode is not None:
             key = id(value)
             if key not in self._fake_constants:
                 self._fake_constants[key] = self.mode.from_tensor(value)
@@ -511,15 +511,28 @@ def _interpret(gm, placeholders, values, n: int, batched: FrozenSet[int], batch_
     those at ``packed`` their entries one after another."""
     input_layouts = {p: BatchLayout.packed(0) if i in packed else _input_layout(v, batch_dim, n) if i in batched
                      else _shared_layout(v, batch_dim) for i, (p, v) in enumerate(zip(placeholders, values))}
+    return interpret(gm, values, input_layouts, n, BatchLayout.at(batch_dim), strict), input_layouts
+
+
+def interpret(gm: torch.fx.GraphModule, values: Sequence[Any], input_layouts: Dict[torch.fx.Node, Any], n: int,
+              home: BatchLayout, strict: bool = False, real: bool = False) -> "BatchDimInterpreter":
+    """Run the interpreter on fake copies of ``values`` (one per placeholder) whose layouts are ``input_layouts``,
+    with ``n`` samples whose home is ``home``; every node's layout and fake value is written to its meta.
+    ``real``: on ``values`` themselves, without gradients (a loss, whose ops may depend on the data: CTC)."""
+    if real:
+        interpreter = BatchDimInterpreter(gm, None, input_layouts, n, home, strict)
+        with torch.no_grad(), quiet_torch_logs():
+            interpreter.run(*values)
+        return interpreter
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_values = [_to_fake(v, mode) for v in values]
     # fake copies of every parameter and buffer, under every name (tied ones stay tied)
     state = {name: mode.from_tensor(t) for name, t in
              list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))}
-    interpreter = BatchDimInterpreter(gm, mode, input_layouts, n, BatchLayout.at(batch_dim), strict)
+    interpreter = BatchDimInterpreter(gm, mode, input_layouts, n, home, strict)
     with _reparametrize_module(gm, state), mode, quiet_torch_logs():
         interpreter.run(*fake_values)
-    return interpreter, input_layouts
+    return interpreter
 
 
 def bind_inputs(gm: torch.fx.GraphModule, example_inputs) -> List[Any]:

@@ -21,22 +21,25 @@ import dataclasses
 import inspect
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx
 from torch import nn
 
 from fxdp import meta
+from fxdp.layout import BATCHED, BatchLayout
 from fxdp.diagnostics import (BatchDimAnalysisError, ExportShapeError, FxdpError, ModelChangedError, NotPrivateError,
                               PassReport, Severity)
 from fxdp.diagnostics.report import REPORT_ATTR, refuse_if_not_private
 from fxdp.frontends.export import flat_inputs, symbolic_batch
 from fxdp.sinks.contract import sink_of
 from fxdp.passes.batch_dim import batched_input_names, bind_inputs, propagate_batch_dim
+from fxdp.passes.loss import analyse_loss, trace_criterion
 from fxdp.passes.per_sample import one_sample_layouts, site_layouts
 from fxdp.runtime.guards import (GUARD_ATTR, AnalysedLayouts, BatchGuard, ExportShapeGuard, batch_size_of,
                                  input_signature)
+from fxdp.runtime.loss_probe import LOSS_WATCH_ATTR, LossWatch
 from fxdp.runtime.structure import StructureWatch
 
 NO_INPUTS_NOTE = ("batch_dim: not run (no example_inputs); compile_for_dp runs it on the first batch, "
@@ -166,10 +169,47 @@ class GraphReanalysis:
                       "how). A DP optimizer trains a new parameter only if it holds it, and "
                       "refuses to step while it holds one the model no longer uses", stacklevel=6)
 
+    def judge_loss(self, graph: torch.fx.GraphModule, values: Sequence[Any], outputs: Sequence[Tuple[int, tuple]],
+                   batch_size: int) -> PassReport:
+        """The loss pass on a loss recorded from the model's output (:mod:`fxdp.runtime.loss_probe`): the output
+        tensors it reads get the layouts the analysis found for them."""
+        structure = self._output_layouts()
+        layouts: List[Any] = [None] * len(values)
+        for position, path in outputs:
+            layouts[position] = _layout_at(structure, path, values[position], batch_size)
+        return analyse_loss(graph, values, layouts, [position for position, _ in outputs], batch_size, self.batch_dim)
+
+    def judge_criterion(self, criterion, args: Sequence[Any], batch_size: int) -> Optional[PassReport]:
+        """The loss pass on ``criterion(*args)`` traced by torch.fx, ``args[0]`` the model's output; None where it
+        cannot be traced (the loss probe judges it on the first backward then)."""
+        graph, _ = trace_criterion(criterion, len(args))
+        if graph is None:
+            return None
+        layouts = [_layout_at(self._output_layouts(), (), args[0], batch_size)] + [None] * (len(args) - 1)
+        return analyse_loss(graph, list(args), layouts, [0], batch_size, self.batch_dim)
+
+    def _output_layouts(self):
+        output = next(n for n in reversed(self.analysed.graph.nodes) if n.op == "output")
+        return output.meta.get(meta.BATCH_LAYOUT)
+
     def recapture(self, compiled: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
         """Before each forward of a graph torch.export captured: see :func:`_recapture`."""
         if self.captured:
             _recapture(compiled, args, kwargs)
+
+
+def _layout_at(structure, path: tuple, value, batch_size: int):
+    """The layout the analysis found at ``path`` in the model's output, where it fits ``value``; else None (the
+    loss pass then reads it from the shape)."""
+    for key in path:
+        try:
+            structure = structure[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    if isinstance(structure, BatchLayout) and isinstance(value, torch.Tensor) and structure.kind == BATCHED:
+        fits = value.dim() > structure.dim and value.shape[structure.dim] == batch_size
+        return structure if fits else None
+    return structure if isinstance(structure, BatchLayout) and structure.kind != BATCHED else None
 
 
 def _report(compiled: nn.Module):
@@ -216,6 +256,7 @@ def install_guards(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule, mod
         reanalysis.pin_batch_inputs(values, guard.input_index, guard.dim)
         guard.remember(input_signature(values), values)
     watch_model(gm, model, loss_reduction, example_inputs is not None)
+    setattr(gm, LOSS_WATCH_ATTR, LossWatch())  # the loss is judged on the first step (fxdp.runtime.loss_probe)
 
 
 def watch_model(gm: torch.fx.GraphModule, model: nn.Module, loss_reduction: str, with_example_inputs: bool,

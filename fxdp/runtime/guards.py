@@ -144,6 +144,7 @@ class BatchGuard:
     # checked before every forward (fxdp.runtime.module.CompiledGraphModule.__call__); on a change,
     # ``reanalysis.rebuild`` compiles the model again in place, or raises.
     watch: Optional[StructureWatch] = field(default=None, repr=False)
+    batch_size: Optional[int] = None  # the number of samples in the last forward (what the loss probe judges)
 
     def __repr__(self) -> str:
         return f"BatchGuard(input {self.input_index}, dim {self.dim})"
@@ -306,7 +307,8 @@ def _guarded_batch_size(guard: BatchGuard, *inputs) -> int:
         guard.check(inputs)
     guard.calls += 1
     guard.call_number = torch.tensor(guard.calls)
-    return guard.size_of(inputs)
+    guard.batch_size = guard.size_of(inputs)
+    return guard.batch_size
 
 
 def forward_call(site) -> int:

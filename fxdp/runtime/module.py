@@ -24,6 +24,7 @@ from torch import nn
 from fxdp.diagnostics import FxdpError, UnsupportedInputError
 from fxdp.sinks.model_methods import OpacusModelMethods
 from fxdp.runtime.guards import GUARD_ATTR, run_eagerly
+from fxdp.runtime.loss_probe import LOSS_WATCH_ATTR, plain
 
 
 class OutputType:
@@ -85,15 +86,21 @@ class CompiledGraphModule(OpacusModelMethods, torch.fx.GraphModule):
         # a model changed since it was compiled (a layer replaced, a parameter unfrozen) is compiled again
         # before its forward runs (fxdp.runtime.structure): the graph's code calls what it was compiled with
         guard = self.__dict__.get(GUARD_ATTR)
+        watch = self.__dict__.get(LOSS_WATCH_ATTR)
+        if watch is not None and watch.pending is not None:  # the loader's batch as probes: the graph gets tensors
+            args, kwargs = plain(args, detach=False), plain(kwargs, detach=False)
         if guard is not None:
             run_eagerly(guard.before_forward, self, args, kwargs)  # (also under torch.compile)
         try:
-            return super().__call__(*args, **kwargs)
+            output = super().__call__(*args, **kwargs)
         except FxdpError:  # (some are TypeErrors too): already says what to do
             raise
         except TypeError:
             _refuse_inputs_the_graph_does_not_take(self, args, kwargs)
             raise
+        if watch is not None and guard is not None and watch.wants(self):  # the first step: the loss is judged
+            output = watch.probe(self, output, guard.reanalysis, guard.batch_size)
+        return output
 
     # torch.fx saves the code and re-traces it on load, which renames the nodes (the DP-aware ops'
     # sites refer to them by name): the graph itself is saved instead.

@@ -219,7 +219,7 @@ _LOSSES = (
     "cross_entropy nll_loss mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy "
     "binary_cross_entropy_with_logits kl_div poisson_nll_loss gaussian_nll_loss soft_margin_loss "
     "margin_ranking_loss hinge_embedding_loss cosine_embedding_loss triplet_margin_loss "
-    "multilabel_margin_loss multilabel_soft_margin_loss multi_margin_loss"
+    "multilabel_margin_loss multilabel_soft_margin_loss multi_margin_loss ctc_loss triplet_margin_with_distance_loss"
 ).split()
 _CONVS = ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
 _INSTANCE_NORMS = ("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d",
