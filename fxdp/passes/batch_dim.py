@@ -148,6 +148,7 @@ class BatchDimInterpreter(torch.fx.Interpreter):
         self.layouts: Dict[torch.fx.Node, Any] = {}
         self.facts = Facts()
         self.raw: List[_Raw] = []
+        self.data_dependent = False  # an op's output shape depended on the data (fake tensors cannot run it)
         self._fake_constants: Dict[int, torch.Tensor] = {}
         # batch moves travel with the values they produced until an op computes with them (then they
         # are reported) or a rearranging op puts the batch back home (then they are dropped)
@@ -167,6 +168,7 @@ class BatchDimInterpreter(torch.fx.Interpreter):
                     out = getattr(self, n.op)(n.target, args, kwargs)
                 except _DATA_DEPENDENT as exc:
                     out = _UNKNOWN_VALUE
+                    self.data_dependent = True
                     if self._any_per_sample(n):
                         self._report(n, Kind.UNVERIFIED, Severity.WARNING,
                                      "its output's shape depends on the data (boolean masks, nonzero, "

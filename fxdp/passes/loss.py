@@ -39,7 +39,7 @@ from fxdp.diagnostics import Finding, Kind, PassReport, Severity
 from fxdp.frontends.fx import source_location
 from fxdp.layout import UNBATCHED_LAYOUT, BatchLayout
 from fxdp.passes.batch_dim import interpret
-from fxdp.passes.batch_rules import carries_batch, tensor_pairs
+from fxdp.passes.batch_rules import carries_batch, is_inplace, stores_item, tensor_pairs
 
 PASS_NAME = "loss"
 
@@ -231,14 +231,25 @@ def input_layout(value: Any, n: int, batch_dim: int) -> Any:
 
 def analyse_loss(gm: torch.fx.GraphModule, values: Sequence[Any], layouts: Sequence[Any], outputs: Sequence[int],
                  n: int, batch_dim: int = 0) -> PassReport:
-    """Judge the loss graph ``gm`` (see the module docstring), run on ``values`` (one per placeholder: the
-    tensors the loss computed with, so that ops whose shapes depend on the data run too); ``layouts``: their layouts (None: found from the shape with :func:`input_layout`);
-    ``outputs``: the positions of the placeholders that are the model's outputs; ``n``: the batch size."""
+    """Judge the loss graph ``gm`` (see the module docstring) on ``values`` (one per placeholder: the tensors the
+    loss computed with; run on fake copies, or on these values where an op's shapes depend on the data);
+    ``layouts``: their layouts (None: found from the shape with :func:`input_layout`); ``outputs``: the positions
+    of the placeholders that are the model's outputs; ``n``: the batch size."""
     placeholders = [p for p in gm.graph.nodes if p.op == "placeholder"]
     input_layouts = {p: lay if lay is not None else input_layout(v, n, batch_dim)
                      for p, v, lay in zip(placeholders, values, layouts)}
-    interpreter = interpret(gm, values, input_layouts, n, BatchLayout.at(batch_dim), real=True)
-    findings = _Judge(gm, interpreter, {placeholders[i] for i in outputs}, n).run()
+    try:
+        interpreter = interpret(gm, values, input_layouts, n, BatchLayout.at(batch_dim))
+        if interpreter.data_dependent:  # CTC, boolean masks: on the values (an input written in place: a copy)
+            written = {a for node in gm.graph.nodes if is_inplace(node) or stores_item(node) for a in node.args[:1]}
+            values = [v.clone() if p in written and isinstance(v, torch.Tensor) else v
+                      for p, v in zip(placeholders, values)]
+            interpreter = interpret(gm, values, input_layouts, n, BatchLayout.at(batch_dim), real=True)
+        findings = _Judge(gm, interpreter, {placeholders[i] for i in outputs}, n).run()
+    except Exception as exc:  # noqa: BLE001 - a loss fxdp cannot follow is reported, never a crash of backward()
+        findings = [Finding(PASS_NAME, "<loss>", "loss", Kind.UNVERIFIED, Severity.WARNING,
+                            f"fxdp could not analyse the loss ({type(exc).__name__}: {str(exc).strip()[:200]})",
+                            "check by hand that each sample's loss reads only its own output; report this at fxdp")]
     return PassReport(PASS_NAME, (), tuple(findings))
 
 
