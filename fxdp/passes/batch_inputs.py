@@ -13,11 +13,18 @@ Without ``batch_inputs=`` fxdp decides from all inputs (positional and keyword) 
 2. a hypothesis is *consistent* when the analysis finds no op mixing samples and the model's
    output carries the batch where its inputs do (dimension ``batch_dim``) — the loss is then a sum
    over samples; it is *not* when an op mixes samples or the output has no batch or has it elsewhere;
-3. one consistent hypothesis: taken. None: the inputs of size N are tried in smaller groups (a
-   ``(T, T)`` mask with T == N is then seen to be shared). Still none: N is the first tensor
-   input's size (or the first reading where the analysis lost the batch rather than contradicted
-   it), and the analysis reports what is wrong. Several: an error asks the user to name the
-   batched inputs with ``batch_inputs=``.
+3. one consistent hypothesis: taken. Several: an error asks the user to name the batched inputs with
+   ``batch_inputs=``. None: N is the first tensor input's size, every input of that size batched (or the
+   first reading where the analysis lost the batch rather than contradicted it), and the analysis reports
+   what is wrong -- unless the model would hold together with some inputs of size N read as shared
+   (tried in smaller groups, :func:`_smaller_groups`): then fxdp refuses, naming the inputs, their shapes
+   and the op that mixes samples, and asks for ``batch_inputs=``.
+
+**An input with the batch's number of rows is never read as shared unless the user names the batched
+inputs.** Read as batched, an input is checked to be read row by row (at worst a refusal); read as
+shared, an input that holds one row per sample gives wrong per-sample gradients with no error (a
+two-tower model returning ``(u @ v.T, u, v)`` holds together with its text input read as shared). A
+``(T, T)`` mask with T == N by coincidence is refused the same way: its shape cannot show it is shared.
 
 A model with a single batched-looking input costs one analysis, as before.
 
