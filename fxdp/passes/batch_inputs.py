@@ -242,9 +242,9 @@ def choose_batch_inputs(placeholders, values, batch_dim: int, verdict: Callable[
     chosen = next((h for h, v in verdicts.items() if v == MAYBE), default)
     if verdicts.get(chosen) == MAYBE:
         return chosen
-    for n, group in tried:
-        for smaller in _smaller_groups(n, group, consistent):
-            _refuse_shared_rows(placeholders, values, batch_dim, (n, group), smaller, explain((n, group)))
+    for n, group in tried:  # (a batch of one too: the engine a reading chooses keeps it for later batches)
+        for reading in _smaller_groups(n, group, consistent):
+            _refuse_shared_rows(placeholders, values, batch_dim, (n, group), reading, explain((n, group)))
     return chosen
 
 
@@ -256,7 +256,7 @@ def _refuse_shared_rows(placeholders, values, batch_dim: int, whole: Hypothesis,
     listed = ", ".join(repr(names[i]) for i in shared)
     raise BatchDimAnalysisError(
         f"fxdp batch_dim: cannot tell which inputs carry the batch. The inputs "
-        f"{_shapes(placeholders, values, sorted(group))} {'both' if len(group) == 2 else 'all'} have {n} rows at "
+        f"{_shapes(placeholders, values, sorted(group))} {'both' if len(group) == 2 else 'all'} have {n} row{'s' if n != 1 else ''} at "
         f"dimension {batch_dim} (batch_dim). "
         f"Read as the batch, {why or 'they do not hold together'}; the model holds together only with {listed} "
         f"read as shared by all samples (the same for every sample), which fxdp never assumes of an input with "

@@ -111,6 +111,19 @@ def test_the_similarity_model_is_refused_until_the_batched_inputs_are_named(with
     assert "combines every sample with every other" in finding.message
 
 
+def test_a_batch_of_one_is_read_by_the_same_rule():
+    """Analysed on one sample, the text is not read as shared either (the engine chosen then would keep that
+    reading for later batches); the model without the similarity then trains right on batches of several."""
+    with pytest.raises(BatchDimAnalysisError, match=r"'image' \(1, 3\), 'text' \(1, 5\) both have 1 row at"):
+        fxdp.compile_for_dp(Towers(similarity=True).double(), pairs(n=1))
+    model = Towers(similarity=False).double()
+    compiled = fxdp.compile_for_dp(model, pairs(n=1), loss_reduction="sum")
+    image, text = pairs()
+    expected = alone(copy.deepcopy(model), image, text)
+    own_pair_loss(*compiled(image, text)).sum().backward()
+    assert_both_towers_right(model, expected)
+
+
 def test_an_input_named_shared_is_read_as_shared():
     """The user's word: with the text named shared (zero-shot classes, say), the model compiles and only the image
     tower sees per-sample data."""
