@@ -149,7 +149,8 @@ def compile_for_dp(
 
     ``batch_inputs``: names (or positions) of the forward() inputs that hold one row per sample at
     ``batch_dim``; the others are shared by all samples (masks, position ids). Without it fxdp finds
-    them from all inputs and the graph, and asks for it when the inputs can be read two ways.
+    them from all inputs and the graph, and asks for it when the inputs can be read two ways or the model
+    holds together only with an input of the batch's number of rows read as shared (never assumed).
 
     The compiled model guards what its analysis assumed: a forward on input shapes not analysed yet
     re-runs the analysis for them (once per shape signature) or raises an fxdp error before any

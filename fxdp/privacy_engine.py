@@ -41,7 +41,8 @@ from fxdp.compiler import attach_hooks, compile_for_dp, report
 from fxdp.diagnostics import AlreadyPrivateError, UnsupportedInputError, location_of_caller
 from fxdp.diagnostics.report import REPORT_ATTR
 from fxdp.data import DPDataLoader
-from fxdp.data.loader import first_samples_batch, loader_options
+from fxdp.data.example_inputs import LABEL_KEYS, inputs_from_the_loader
+from fxdp.data.loader import loader_options
 from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer, bucket_bytes_of, check_poisson_group,
                               global_batch_size, split_data_parallel, wrap_like)
 from fxdp.distributed.fsdp import (DPFullyShardedModule, check_sharded_mode, fsdp_forward_hooks_off, report_sharding,
@@ -113,6 +114,7 @@ class PrivacyEngine:
         loss_reduction: str = "mean",
         batch_first: bool = True,
         example_inputs: Any = None,
+        batch_inputs: Optional[Sequence[Union[str, int]]] = None,
         noise_generator: Optional[torch.Generator] = None,
         materialise_grad_sample: bool = False,
         fixed_batch_accounting: str = "poisson",
@@ -147,7 +149,11 @@ class PrivacyEngine:
         ``example_inputs``: a batch to compile with (without it, the analysis runs on the first
         batch; a model torch.fx cannot trace, as Hugging Face models, is captured with torch.export from a
         batch of the dataset's first two samples made by the loader's collate function, without drawing
-        from the loader or any random generator: see :func:`_inputs_from_the_loader`).
+        from the loader or any random generator: see :func:`fxdp.data.example_inputs.inputs_from_the_loader`).
+        ``batch_inputs``: the names (or positions) of the model's inputs that hold one row per sample, as for
+        :func:`fxdp.compile_for_dp` (the others are shared by all samples); fxdp asks for it where the inputs can
+        be read two ways. Inputs captured from the loader's batch are batched: every tensor its collate makes
+        holds one row per sample.
         ``noise_generator``: a ``torch.Generator`` for reproducible noise (not in secure mode).
 
         With ``grad_sample_mode="fx"`` the step is book-kept (:class:`~fxdp.sinks.bookkeeping.BookkeepingSink`):
@@ -188,11 +194,13 @@ class PrivacyEngine:
         else:
             from_loader = None
             if example_inputs is None and grad_sample_mode == "fx" and not trace(module).ok:
-                from_loader = _inputs_from_the_loader(module, data_loader)
-                example_inputs = from_loader.inputs if from_loader is not None else None
+                from_loader = inputs_from_the_loader(module, data_loader, 0 if batch_first else 1)
+                if from_loader is not None:
+                    example_inputs = from_loader.inputs
+                    batch_inputs = batch_inputs if batch_inputs is not None else from_loader.batch_inputs or None
             compiled = compile_for_dp(module, example_inputs, batch_dim=0 if batch_first else 1,
                                       loss_reduction=loss_reduction, grad_sample_mode=grad_sample_mode,
-                                      sink=BookkeepingSink() if bookkept else None)
+                                      sink=BookkeepingSink() if bookkept else None, batch_inputs=batch_inputs)
             task = _labels_outside_the_graph(compiled, module, example_inputs, loss_reduction)
             if from_loader is not None:
                 from_loader.mark(compiled, task)
@@ -462,37 +470,6 @@ class PrivacyEngine:
         return self._originals.get(module, module)
 
 
-# what a Hugging Face collator names the targets (the Trainer's default label names, and the datasets' own)
-LABEL_KEYS = ("labels", "label", "label_ids")
-
-
-@dataclasses.dataclass
-class _LoaderInputs:
-    """The example inputs make_private took from the data loader, and the label keys it left out."""
-
-    inputs: Any
-    labels: Tuple[str, ...]
-
-    def mark(self, compiled: nn.Module, task: Optional[str]) -> None:
-        """Say in the report where the graph came from, and what the labels left out do (``task``: the loss they
-        give, see :func:`_labels_outside_the_graph`)."""
-        shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in self.inputs.items() if isinstance(v, torch.Tensor)) \
-            if isinstance(self.inputs, dict) else f"{tuple(self.inputs.shape)}"
-        left = ""
-        if self.labels:
-            left = (f"; left out: {', '.join(self.labels)} (given to the private model, they give each sample's own "
-                    f"{task} loss, computed outside the graph: fxdp.per_sample_loss)" if task else
-                    f"; left out: {', '.join(self.labels)} (the loss belongs outside the model)")
-        elif task:  # a tuple batch: its labels are not named, but the model takes them as a user calls it
-            left = (f"; labels= given to the private model give each sample's own {task} loss, computed outside "
-                    f"the graph: fxdp.per_sample_loss")
-        rep = report(compiled)
-        did = "captured the model" if rep.front_end == "torch.export" else "tried to capture the model (see the reason)"
-        setattr(compiled, REPORT_ATTR, dataclasses.replace(rep, notes=(
-            *rep.notes, f"make_private {did} from a batch of the data loader's first samples "
-                        f"({shapes}){left}; the loader's sampling was not touched")))
-
-
 def _labels_outside_the_graph(compiled: nn.Module, module: nn.Module, example_inputs: Any,
                               loss_reduction: str) -> Optional[str]:
     """A model whose ``forward`` takes labels (a transformers model), compiled from example inputs without them
@@ -581,27 +558,6 @@ class LabelsLeftOut:
                 "labels, task) does), with the mean over the batch as the loss; or train with "
                 "fxdp.integrations.transformers.DPTrainer")
         return None
-
-
-def _inputs_from_the_loader(module: nn.Module, data_loader: DataLoader) -> Optional[_LoaderInputs]:
-    """The model's inputs in a batch of the dataset's first samples (:func:`fxdp.data.loader.first_samples_batch`:
-    the loader's sampling and the random generators untouched): a dict batch (Hugging Face collators) gives the
-    keyword inputs ``forward`` names, its labels left out; a tensor is the input; a tuple or list gives its first
-    item (``for x, y in loader: model(x)``). ``None`` when the batch holds nothing of the kind."""
-    batch = first_samples_batch(data_loader)
-    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], (torch.Tensor, collections.abc.Mapping)):
-        batch = batch[0]
-    if isinstance(batch, torch.Tensor):
-        return _LoaderInputs(batch, ())
-    if not isinstance(batch, collections.abc.Mapping):
-        return None
-    try:
-        params = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    inputs = {k: v for k, v in batch.items() if k in named and k not in LABEL_KEYS}
-    return _LoaderInputs(inputs, tuple(k for k in batch if k in LABEL_KEYS)) if inputs else None
 
 
 def _check_types(module, optimizer, data_loader) -> None:

@@ -5,7 +5,8 @@ at once, with the generic rule (``vmap`` over the samples of ``vjp`` through
 It differs from the compiled graph's whole-model fallback (``fx+whole-model``, :mod:`fxdp.engines.whole_model`),
 which knows where the batch sits in every input and output from the batch_dim pass: here positional
 tensor arguments carry the batch (at dim 0, or 1 with ``batch_first=False``), keyword arguments are
-passed unchanged to every sample, and the model must return one tensor. Random ops (dropout in
+passed unchanged to every sample (a keyword tensor with the batch's number of rows is refused: it may hold one
+row per sample, and fxdp does not guess), and the model must return one tensor. Random ops (dropout in
 training mode) cannot be replayed per sample and make vmap raise.
 
 A ``PackedSequence`` input (one positional argument, sequences of different lengths) cannot be split for
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_sequence, pad_packed_sequence
 
-from fxdp.diagnostics.errors import PerSampleError
+from fxdp.diagnostics.errors import PerSampleError, UnsupportedInputError
 from fxdp.engines.base import GradSampleModuleBase, ParameterWatch
 from fxdp.grad_sample.generic import autocast_state, summed_loss_backprops
 from fxdp.sinks.capture import layer_capture
@@ -50,9 +51,26 @@ class FunctorchGradSampleModule(GradSampleModuleBase):
                 "Use grad_sample_mode='fx' or 'hooks', or wrap the model so that forward returns one tensor."
             )
         if out.requires_grad and any(p.requires_grad for p in self._module.parameters()):
+            self._refuse_keywords_with_the_batch(args, kwargs)
             activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
             out.register_hook(self._whole_model_hook(activations, kwargs, self._output_batch_dim(args, kwargs, out)))
         return out
+
+    def _refuse_keywords_with_the_batch(self, args, kwargs) -> None:
+        """Keyword inputs go whole to every sample (shared by all samples): one with the batch's number of rows may
+        hold one row per sample, which that reading would get wrong; fxdp does not guess, it refuses."""
+        n = next((a.shape[self.batch_dim] for a in args if isinstance(a, torch.Tensor) and a.dim() > self.batch_dim),
+                 None)
+        rows = {k: tuple(v.shape) for k, v in kwargs.items()
+                if isinstance(v, torch.Tensor) and v.dim() > self.batch_dim and v.shape[self.batch_dim] == n}
+        if n is not None and n > 1 and rows:
+            listed = ", ".join(f"{k}= {shape}" for k, shape in rows.items())
+            raise UnsupportedInputError(
+                f"fxdp: grad_sample_mode='functorch' gives keyword inputs whole to every sample (shared by all "
+                f"samples), but {listed} {'has' if len(rows) == 1 else 'have'} the batch's {n} rows at dimension "
+                f"{self.batch_dim}, as if holding one row per sample; read as shared, per-sample gradients would be "
+                "wrong if it does. Pass it positionally if it holds one row per sample, or use grad_sample_mode='fx' "
+                "and name the batched inputs with batch_inputs= (the others are then shared)")
 
     def _output_batch_dim(self, args, kwargs, out: torch.Tensor) -> int:
         """Where the batch sits in the model's output, which need not be where it sits in the inputs (a

@@ -475,15 +475,20 @@ def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: 
                 f"fxdp batch_dim: the first tensor input has shape {tuple(first.shape)}, which has no dimension "
                 f"{batch_dim} to hold the batch; pass batch_dim=<where the batch is> (0 for batch-first).")
 
+        why: dict = {}  # hypothesis -> why it does not hold together, for a refusal
+
         def verdict(hypothesis) -> str:
             interpreter, layouts = _interpret(gm, placeholders, values, *hypothesis, batch_dim, False, packed)
             last[:] = [hypothesis, (interpreter, layouts)]
-            if any(r.kind is Kind.MIXES_SAMPLES for r in interpreter.raw):
+            mixing = next((r for r in interpreter.raw if r.kind is Kind.MIXES_SAMPLES), None)
+            if mixing is not None:
+                why[hypothesis] = _mixes_at(mixing.op, mixing.node)
                 return "no"
             output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
+            why[hypothesis] = f"the model's output does not carry the batch at dimension {batch_dim}"
             return output_verdict(interpreter.layouts.get(output), batch_dim)
 
-        chosen = choose_batch_inputs(placeholders, sized, batch_dim, verdict)
+        chosen = choose_batch_inputs(placeholders, sized, batch_dim, verdict, lambda h: why.get(h, ""))
     n, batched = chosen
     if not strict and last and last[0] == chosen:
         interpreter, input_layouts = last[1]
@@ -501,6 +506,13 @@ def propagate_batch_dim(gm: torch.fx.GraphModule, example_inputs, *, batch_dim: 
                     source_location(r.node), tuple(paths.get(r.node.name, ())))
             for r in interpreter.raw)
     return PassResult(gm, PassReport(PASS_NAME, (), findings))
+
+
+def _mixes_at(op: str, node: torch.fx.Node) -> str:
+    """``op`` (the node ``node``) mixes samples, with the user's line where known."""
+    loc = source_location(node)
+    where = "" if loc is None else f" at {loc.where}" + (f" ({loc.code.strip()})" if loc.code else "")
+    return f"{op}{where} mixes samples"
 
 
 def _is_packed(layout) -> bool:

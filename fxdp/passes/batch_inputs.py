@@ -13,11 +13,18 @@ Without ``batch_inputs=`` fxdp decides from all inputs (positional and keyword) 
 2. a hypothesis is *consistent* when the analysis finds no op mixing samples and the model's
    output carries the batch where its inputs do (dimension ``batch_dim``) — the loss is then a sum
    over samples; it is *not* when an op mixes samples or the output has no batch or has it elsewhere;
-3. one consistent hypothesis: taken. None: the inputs of size N are tried in smaller groups (a
-   ``(T, T)`` mask with T == N is then seen to be shared). Still none: N is the first tensor
-   input's size (or the first reading where the analysis lost the batch rather than contradicted
-   it), and the analysis reports what is wrong. Several: an error asks the user to name the
-   batched inputs with ``batch_inputs=``.
+3. one consistent hypothesis: taken. Several: an error asks the user to name the batched inputs with
+   ``batch_inputs=``. None: N is the first tensor input's size, every input of that size batched (or the
+   first reading where the analysis lost the batch rather than contradicted it), and the analysis reports
+   what is wrong -- unless the model would hold together with some inputs of size N read as shared
+   (tried in smaller groups, :func:`_smaller_groups`): then fxdp refuses, naming the inputs, their shapes
+   and the op that mixes samples, and asks for ``batch_inputs=``.
+
+**An input with the batch's number of rows is never read as shared unless the user names the batched
+inputs.** Read as batched, an input is checked to be read row by row (at worst a refusal); read as
+shared, an input that holds one row per sample gives wrong per-sample gradients with no error (a
+two-tower model returning ``(u @ v.T, u, v)`` holds together with its text input read as shared). A
+``(T, T)`` mask with T == N by coincidence is refused the same way: its shape cannot show it is shared.
 
 A model with a single batched-looking input costs one analysis, as before.
 
@@ -178,9 +185,26 @@ def named_batch_inputs(placeholders, values, batch_inputs: Sequence[Union[str, i
 YES, MAYBE, NO = "yes", "maybe", "no"  # is a hypothesis consistent? (maybe: the analysis lost the batch)
 
 
-def choose_batch_inputs(placeholders, values, batch_dim: int, verdict: Callable[[Hypothesis], str]) -> Hypothesis:
+def _shapes(placeholders, values, positions) -> str:
+    names = [input_name(p) for p in placeholders]
+    return ", ".join(f"'{names[i]}' {_shape_of(values[i])}" for i in positions)
+
+
+def _shape_of(value) -> str:
+    tensors = [tuple(t.shape) for t, _ in tensor_pairs(value, None)]
+    return str(tensors[0]) if len(tensors) == 1 else str(tensors)
+
+
+def _name_them(names: List[str], group) -> str:
+    listed = [repr(names[i]) for i in sorted(group)]
+    return f"batch_inputs=({listed[0]},)" if len(listed) == 1 else f"batch_inputs=({', '.join(listed)})"
+
+
+def choose_batch_inputs(placeholders, values, batch_dim: int, verdict: Callable[[Hypothesis], str],
+                        explain: Callable[[Hypothesis], str] = lambda h: "") -> Hypothesis:
     """Decide which inputs carry the batch (see the module docstring); ``verdict(hypothesis)`` runs the
-    analysis under a hypothesis and says whether it holds together (YES, MAYBE or NO)."""
+    analysis under a hypothesis and says whether it holds together (YES, MAYBE or NO); ``explain(hypothesis)``
+    says why one that was analysed does not (the op that mixes samples and its line), for the refusal."""
     first = _first_tensor(values)
     default = (first.shape[batch_dim], _holders(values, first.shape[batch_dim], batch_dim))
     sizes = list(dict.fromkeys(s for v in values for s in _sizes(v, batch_dim)))
@@ -193,25 +217,55 @@ def choose_batch_inputs(placeholders, values, batch_dim: int, verdict: Callable[
         return verdicts[h] == YES
 
     found: List[Hypothesis] = []
+    tried: List[Hypothesis] = []
     # a size of 1 against a larger one is broadcasting: a batch of one is tried only when no larger fits
     for candidates in ([s for s in sizes if s != 1], [1] if 1 in sizes else []):
         full = [(n, _holders(values, n, batch_dim)) for n in candidates]
+        tried += full
         found = [h for h in full if consistent(h)]
-        if not found:  # a shared input may have the batch size by coincidence (a (T, T) mask, T == N)
-            found = [h for n, group in full for h in _smaller_groups(n, group, consistent)]
         if found:
             break
-    if len(found) == 1:
-        return found[0]
-    if not found:  # no reading holds together: the first one that does not contradict itself, if any
-        return next((h for h, v in verdicts.items() if v == MAYBE), default)
     names = [input_name(p) for p in placeholders]
-    readings = "; ".join(f"{', '.join(repr(names[i]) for i in sorted(group))} as the batch (N={n})"
-                         for n, group in found)
+    if len(found) > 1:
+        readings = "; ".join(f"{', '.join(repr(names[i]) for i in sorted(group))} as the batch (N={n})"
+                             for n, group in found)
+        raise BatchDimAnalysisError(
+            f"fxdp batch_dim: cannot tell which inputs carry the batch; the model is consistent with {readings} "
+            f"(its inputs: {_shapes(placeholders, values, range(len(values)))}). Name the inputs that hold one row "
+            f"per sample, e.g. compile_for_dp(model, example_inputs, {_name_them(names, found[0][1])}) (or "
+            "make_private(..., batch_inputs=...)); the other inputs are then shared by all samples.")
+    if found:
+        return found[0]
+    # no reading holds together: the first that does not contradict itself (the analysis lost the batch), else
+    # the first tensor's; the analysis then reports what is wrong, unless the model holds together only with
+    # some inputs of the batch's size read as shared by all samples: that is never assumed, the user says
+    chosen = next((h for h, v in verdicts.items() if v == MAYBE), default)
+    if verdicts.get(chosen) == MAYBE:
+        return chosen
+    for n, group in tried:  # (a batch of one too: the engine a reading chooses keeps it for later batches)
+        for reading in _smaller_groups(n, group, consistent):
+            _refuse_shared_rows(placeholders, values, batch_dim, (n, group), reading, explain((n, group)))
+    return chosen
+
+
+def _refuse_shared_rows(placeholders, values, batch_dim: int, whole: Hypothesis, smaller: Hypothesis,
+                        why: str) -> None:
+    """The model holds together only with inputs that have the batch's number of rows read as shared: refuse."""
+    names = [input_name(p) for p in placeholders]
+    (n, group), shared = whole, sorted(whole[1] - smaller[1])
+    listed = ", ".join(repr(names[i]) for i in shared)
     raise BatchDimAnalysisError(
-        f"fxdp batch_dim: cannot tell which inputs carry the batch; the model is consistent with {readings}. "
-        "Name the inputs that hold one row per sample, e.g. compile_for_dp(model, example_inputs, "
-        f"batch_inputs=({names[sorted(found[0][1])[0]]!r},)); the other inputs are then shared by all samples.")
+        f"fxdp batch_dim: cannot tell which inputs carry the batch. The inputs "
+        f"{_shapes(placeholders, values, sorted(group))} {'both' if len(group) == 2 else 'all'} have {n} row{'s' if n != 1 else ''} at "
+        f"dimension {batch_dim} (batch_dim). "
+        f"Read as the batch, {why or 'they do not hold together'}; the model holds together only with {listed} "
+        f"read as shared by all samples (the same for every sample), which fxdp never assumes of an input with "
+        f"the batch's number of rows: if {listed} held one row per sample, that reading would give wrong "
+        "per-sample gradients. Name the inputs that hold one row per sample: compile_for_dp(model, example_inputs, "
+        f"{_name_them(names, group)}) (make_private(..., batch_inputs=...)), and fxdp reports what mixes "
+        f"samples; or {_name_them(names, smaller[1])} if {listed} really "
+        f"{'is' if len(shared) == 1 else 'are'} the same for every sample (or analyse with a batch whose size "
+        f"differs from the rows of {listed}).")
 
 
 def _smaller_groups(n: int, group: FrozenSet[int], consistent) -> List[Hypothesis]:

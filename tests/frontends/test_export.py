@@ -114,6 +114,19 @@ def test_mixing_in_a_captured_graph_is_refused_with_the_users_line():
     assert finding.op == "aten.mean.dim" and finding.location.line == line_of(Centre.forward, "h.mean(0)")
 
 
+class PairsEveryTwo(nn.Module):
+    def forward(self, h):
+        return (h @ h.T) @ h  # every sample with every other: torch.export records aten.numpy_T
+
+
+def test_a_transpose_by_dot_T_in_a_captured_graph_is_followed_and_its_mixing_refused():
+    with pytest.raises(fxdp.errors.BatchMixingError) as info:
+        fxdp.compile_for_dp(LoopOverTime(post=PairsEveryTwo()), example_inputs=_x())
+    finding = next(f for f in info.value.findings if f.kind is Kind.MIXES_SAMPLES)
+    assert finding.op == "aten.matmul.default" and finding.location.line == line_of(PairsEveryTwo.forward, "h.T")
+    assert not [f for f in info.value.findings if f.kind is Kind.UNVERIFIED]
+
+
 class SpecialOp(nn.Module):
     def __init__(self):
         super().__init__()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxdp
-from fxdp.diagnostics import FxdpError
+from fxdp.diagnostics import BatchDimAnalysisError, FxdpError
 from fxdp.layout import BatchLayout
 from fxdp.runtime.guards import BatchGuard, Reanalysis
 from fxdp.sinks.contract import sink_of
@@ -162,12 +162,25 @@ class SquareMaskFirst(nn.Module):
 @pytest.mark.parametrize("n,t", [(4, 5), (4, 4)], ids=["T!=N", "T==N"])
 @pytest.mark.parametrize("with_example", [True, False])
 def test_a_shared_first_input_is_not_the_batch(model_cls, mask_shape, n, t, with_example):
+    """A mask whose rows differ from the batch's is shared; one with the batch's number of rows (T == N) could
+    be either, so fxdp refuses to guess (on the first batch without example inputs) until it is named."""
     torch.manual_seed(0)
     model = model_cls()
     mask, x = torch.randn(*mask_shape(t)), torch.randn(n, t, 3)
-    assert fxdp.find_batch_dim_violations(model, (mask, x)) == []
+    named = {}
+    if t == n:
+        refusal = r"'mask' \(4, [34]\), 'x' \(4, 4, 3\) both have 4 rows.*batch_inputs=\('x',\) if 'mask' really is"
+        with pytest.raises(BatchDimAnalysisError, match=refusal):
+            fxdp.find_batch_dim_violations(model, (mask, x))
+        refused = fxdp.compile_for_dp(model_cls(), example_inputs=None, loss_reduction="sum") if not with_example \
+            else None
+        with pytest.raises(BatchDimAnalysisError, match=refusal):
+            refused(mask, x) if refused is not None else fxdp.compile_for_dp(model_cls(), example_inputs=(mask, x))
+        named = {"batch_inputs": ("x",)}
+    assert fxdp.find_batch_dim_violations(model, (mask, x), **named) == []
     expected, R = reference(model, (mask, x), [1])
-    compiled = fxdp.compile_for_dp(model, example_inputs=(mask, x) if with_example else None, loss_reduction="sum")
+    compiled = fxdp.compile_for_dp(model, example_inputs=(mask, x) if with_example else None, loss_reduction="sum",
+                                   **named)
     (compiled(mask, x) * R).sum().backward()
     assert_rows(model, expected)
     # by keyword, and with other sizes later (the batched input stays x)

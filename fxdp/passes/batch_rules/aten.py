@@ -29,6 +29,7 @@ from fxdp.passes.batch_rules.core import (
 )
 from fxdp.passes.batch_rules.indexing import index_layout
 from fxdp.passes.batch_rules.layers import _batch_norm, _loss
+from fxdp.passes.batch_rules.views import view
 
 aten = torch.ops.aten
 OpOverload = torch._ops.OpOverload
@@ -158,6 +159,7 @@ register_batch_rule([aten.embedding.default])(_embedding)
 register_batch_rule([aten.slice.Tensor])(_slice)
 register_batch_rule([aten.index.Tensor, aten._unsafe_index.Tensor])(_index)
 register_batch_rule([aten.batch_norm.default])(_aten_batch_norm)
+register_batch_rule([aten.numpy_T.default])(rearranging(view("T")))  # x.T, as torch.export records it
 
 
 # --------------------------------------------------------------------------------------------
