@@ -41,6 +41,7 @@ from fxdp.passes.batch_rules import register_batch_rule
 from fxdp.data import BatchMemoryManager, DPDataLoader
 from fxdp.optim import DPOptimizer
 from fxdp.per_sample_loss import per_sample_mean
+from fxdp.runtime.loss_probe import shared
 from fxdp.privacy_engine import PrivacyEngine, PrivacyEngineAdaptiveClipping
 from fxdp import accounting, audit  # noqa: E402  (fxdp.accounting.RDPAccountant, fxdp.audit.one_run)
 
@@ -72,6 +73,7 @@ __all__ = [
     "register_grad_sampler",
     "register_moe_block",
     "report",
+    "shared",
     "validators",
     "zero_grad_sample",
 ]

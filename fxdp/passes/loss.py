@@ -105,8 +105,10 @@ def _argument(node: torch.fx.Node, fn, name: str, position: int):
 class _Judge:
     """Reads the interpreter's findings and layouts as a loss's (see the module docstring)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, interpreter, outputs: Set[torch.fx.Node], n: int):
+    def __init__(self, gm: torch.fx.GraphModule, interpreter, outputs: Set[torch.fx.Node], n: int,
+                 guessed: Set[torch.fx.Node] = frozenset()):
         self.gm, self.layouts, self.n = gm, interpreter.layouts, n
+        self.guessed = {p: set([p]) for p in guessed}  # a tensor read as batched from its shape -> what reads it
         self.raw = {}
         for r in interpreter.raw:
             self.raw.setdefault(r.node, r)
@@ -122,6 +124,9 @@ class _Judge:
             inputs = node.all_input_nodes
             if any(a in self.grad for a in inputs):
                 self.grad.add(node)
+            for derived in self.guessed.values():
+                if any(a in derived for a in inputs):
+                    derived.add(node)
             self._judge(node, inputs)
         return self.findings
 
@@ -210,6 +215,14 @@ class _Judge:
         if kind is Kind.MIXES_SAMPLES:  # reported here: what is computed from it is not reported again
             self.totals.discard(node)
             self.mixed.add(node)
+            for p, derived in self.guessed.items():
+                if node in derived:
+                    value = p.meta.get(meta.FAKE_VALUE)
+                    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else "?"
+                    message += (f" (a tensor of shape {shape} the loss reads was taken as one row per sample, since "
+                                f"it has the batch's {self.n} rows)")
+                    fix = (f"If that tensor of shape {shape} is the same for every sample, mark it: "
+                           f"fxdp.shared(tensor). Otherwise: {fix}")
         self.findings.append(Finding(PASS_NAME, node.name, loss_name(node), kind, severity, message, fix,
                                      source_location(node)))
 
@@ -230,11 +243,12 @@ def input_layout(value: Any, n: int, batch_dim: int) -> Any:
 
 
 def analyse_loss(gm: torch.fx.GraphModule, values: Sequence[Any], layouts: Sequence[Any], outputs: Sequence[int],
-                 n: int, batch_dim: int = 0) -> PassReport:
+                 n: int, batch_dim: int = 0, guessed: Sequence[int] = ()) -> PassReport:
     """Judge the loss graph ``gm`` (see the module docstring) on ``values`` (one per placeholder: the tensors the
     loss computed with; run on fake copies, or on these values where an op's shapes depend on the data);
     ``layouts``: their layouts (None: found from the shape with :func:`input_layout`); ``outputs``: the positions
-    of the placeholders that are the model's outputs; ``n``: the batch size."""
+    of the placeholders that are the model's outputs; ``n``: the batch size; ``guessed``: the positions of tensors
+    whose layout was read from their shape alone (a finding they take part in says how to mark them shared)."""
     placeholders = [p for p in gm.graph.nodes if p.op == "placeholder"]
     input_layouts = {p: lay if lay is not None else input_layout(v, n, batch_dim)
                      for p, v, lay in zip(placeholders, values, layouts)}
@@ -245,7 +259,8 @@ def analyse_loss(gm: torch.fx.GraphModule, values: Sequence[Any], layouts: Seque
             values = [v.clone() if p in written and isinstance(v, torch.Tensor) else v
                       for p, v in zip(placeholders, values)]
             interpreter = interpret(gm, values, input_layouts, n, BatchLayout.at(batch_dim), real=True)
-        findings = _Judge(gm, interpreter, {placeholders[i] for i in outputs}, n).run()
+        findings = _Judge(gm, interpreter, {placeholders[i] for i in outputs}, n,
+                          {placeholders[i] for i in guessed if carries_batch(input_layouts[placeholders[i]])}).run()
     except Exception as exc:  # noqa: BLE001 - a loss fxdp cannot follow is reported, never a crash of backward()
         findings = [Finding(PASS_NAME, "<loss>", "loss", Kind.UNVERIFIED, Severity.WARNING,
                             f"fxdp could not analyse the loss ({type(exc).__name__}: {str(exc).strip()[:200]})",

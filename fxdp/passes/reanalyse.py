@@ -28,7 +28,7 @@ import torch.fx
 from torch import nn
 
 from fxdp import meta
-from fxdp.layout import BATCHED, BatchLayout
+from fxdp.layout import BATCHED, UNBATCHED_LAYOUT, BatchLayout
 from fxdp.diagnostics import (BatchDimAnalysisError, ExportShapeError, FxdpError, ModelChangedError, NotPrivateError,
                               PassReport, Severity)
 from fxdp.diagnostics.report import REPORT_ATTR, refuse_if_not_private
@@ -170,14 +170,17 @@ class GraphReanalysis:
                       "refuses to step while it holds one the model no longer uses", stacklevel=6)
 
     def judge_loss(self, graph: torch.fx.GraphModule, values: Sequence[Any], outputs: Sequence[Tuple[int, tuple]],
-                   batch_size: int) -> PassReport:
+                   batch_size: int, shared: Sequence[int] = (), guessed: Sequence[int] = ()) -> PassReport:
         """The loss pass on a loss recorded from the model's output (:mod:`fxdp.runtime.loss_probe`): the output
-        tensors it reads get the layouts the analysis found for them."""
+        tensors it reads get the layouts the analysis found for them, shared tensors none."""
         structure = self._output_layouts()
         layouts: List[Any] = [None] * len(values)
         for position, path in outputs:
             layouts[position] = _layout_at(structure, path, values[position], batch_size)
-        return analyse_loss(graph, values, layouts, [position for position, _ in outputs], batch_size, self.batch_dim)
+        for position in shared:
+            layouts[position] = UNBATCHED_LAYOUT
+        return analyse_loss(graph, values, layouts, [position for position, _ in outputs], batch_size, self.batch_dim,
+                            guessed)
 
     def judge_criterion(self, criterion, args: Sequence[Any], batch_size: int) -> Optional[PassReport]:
         """The loss pass on ``criterion(*args)`` traced by torch.fx, ``args[0]`` the model's output; None where it

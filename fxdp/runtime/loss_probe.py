@@ -30,6 +30,7 @@ from fxdp.diagnostics.report import REPORT_ATTR
 from fxdp.diagnostics.source import location_of_caller
 
 LOSS_WATCH_ATTR = "fxdp_loss_watch"  # where a compiled model holds its LossWatch
+SHARED_ATTR = "_fxdp_shared"  # on a tensor marked with fxdp.shared
 
 # properties whose value is a tensor computed from the tensor (a torch.fx graph reads them with getattr)
 _TENSOR_PROPERTIES = {"T", "mT", "H", "mH", "real", "imag"}
@@ -44,9 +45,10 @@ class LossAnalysis(Protocol):
     """The compile-time work the probe asks for (implemented by :class:`fxdp.passes.reanalyse.GraphReanalysis`)."""
 
     def judge_loss(self, graph: torch.fx.GraphModule, values: Sequence[Any], outputs: Sequence[Tuple[int, tuple]],
-                   batch_size: int) -> PassReport:
+                   batch_size: int, shared: Sequence[int] = (), guessed: Sequence[int] = ()) -> PassReport:
         """The loss pass's report on ``graph`` (placeholders: ``values``; ``outputs``: (placeholder position,
-        path in the model's output) of each output tensor the loss reads)."""
+        path in the model's output) of each output tensor the loss reads; ``shared``: positions of tensors shared
+        by all samples; ``guessed``: of tensors read as batched where they have the batch's number of rows)."""
 
 
 @dataclass
@@ -91,6 +93,14 @@ class LossWatch:
         """The loss was judged: ``report`` joins the model's report, and the probe steps aside."""
         add_loss_report(model, report)
         self.armed, self.report = False, getattr(model, REPORT_ATTR, None)
+
+
+def shared(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark ``tensor`` as the same for every sample (a vector of weights, a temperature) for the analysis of the
+    loss: a tensor the loss reads besides the model's output and the loader's batch is otherwise read as one row
+    per sample where it has the batch's number of rows. Returns ``tensor``."""
+    setattr(tensor, SHARED_ATTR, True)
+    return tensor
 
 
 def batch_probe_of(model) -> Optional[Callable[[Any], Any]]:
@@ -147,19 +157,23 @@ class LossRecording:
         self.graph = torch.fx.Graph()
         self.values: List[Any] = []  # one per placeholder
         self.outputs: List[Tuple[int, tuple]] = []  # (placeholder position, path in the output)
+        # per placeholder: "output" (the model's), "batch" (the loader's), "shared" (a parameter, or a tensor marked
+        # with fxdp.shared), "guessed" (another tensor: batched where it has N rows)
+        self.kinds: List[str] = []
         self._inputs: Dict[int, torch.fx.Node] = {}  # id of a tensor the loss reads -> its placeholder
         self._first_op: Optional[torch.fx.Node] = None
         self.done = False
 
     # -- building the graph -------------------------------------------------------------------------------
 
-    def _placeholder(self, value: torch.Tensor) -> torch.fx.Node:
+    def _placeholder(self, value: torch.Tensor, kind: str) -> torch.fx.Node:
         if self._first_op is None:
             node = self.graph.placeholder(f"input_{len(self.values)}")
         else:
             with self.graph.inserting_before(self._first_op):
                 node = self.graph.placeholder(f"input_{len(self.values)}")
         self.values.append(plain(value))
+        self.kinds.append(kind)
         return node
 
     def leaves(self, value, path: tuple, output: bool = True):
@@ -168,7 +182,7 @@ class LossRecording:
         if isinstance(value, torch.Tensor) and type(value) in (torch.Tensor, torch.nn.Parameter):
             if output:
                 self.outputs.append((len(self.values), path))
-            return LossProbe.of(value, self._placeholder(value), self)
+            return LossProbe.of(value, self._placeholder(value, "output" if output else "batch"), self)
         if isinstance(value, dict):
             for key in list(value.keys()):
                 value[key] = self.leaves(value[key], (*path, key), output)
@@ -183,7 +197,8 @@ class LossRecording:
         if isinstance(value, torch.Tensor):
             key = id(value)
             if key not in self._inputs:
-                self._inputs[key] = self._placeholder(value)
+                shared = getattr(value, SHARED_ATTR, False) or isinstance(value, torch.nn.Parameter)
+                self._inputs[key] = self._placeholder(value, "shared" if shared else "guessed")
             return self._inputs[key]
         if isinstance(value, (tuple, list)):
             return type(value)(self._arg(v) for v in value)
@@ -224,14 +239,11 @@ class LossRecording:
         if not mine or self.model is None:  # a loss of the batch alone (no output of the model): not judged here
             return
         self.graph.output(mine[0] if len(mine) == 1 else tuple(mine))
-        self.graph.eliminate_dead_code()
-        kept = {p.name for p in self.graph.nodes if p.op == "placeholder"}
-        placeholders_all = [f"input_{i}" for i in range(len(self.values))]
-        values = [v for name, v in zip(placeholders_all, self.values) if name in kept]
-        position = {name: i for i, name in enumerate(n for n in placeholders_all if n in kept)}
-        outputs = [(position[f"input_{i}"], path) for i, path in self.outputs if f"input_{i}" in kept]
+        self.graph.eliminate_dead_code()  # (placeholders stay: one per value)
         gm = torch.fx.GraphModule(torch.nn.Module(), self.graph)
-        report = self.analysis.judge_loss(gm, values, outputs, self.batch_size)
+        report = self.analysis.judge_loss(gm, self.values, self.outputs, self.batch_size,
+                                          shared=[i for i, k in enumerate(self.kinds) if k == "shared"],
+                                          guessed=[i for i, k in enumerate(self.kinds) if k == "guessed"])
         warn_of(report)
         self.watch.judged(self.model, report)
 

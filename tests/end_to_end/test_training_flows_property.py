@@ -28,7 +28,8 @@ from fxdp.sinks.bookkeeping import BookkeepingSink
 from fxdp.sinks.contract import sink_of
 
 X = torch.randn(6, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-R = torch.randn(2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+# the same for every sample: marked, since with a batch of two it has the batch's number of rows (fxdp.shared)
+R = fxdp.shared(torch.randn(2, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
 VIEWS = (lambda x: x, lambda x: 2 * x.flip(1) + 1)  # two views of a batch
 LOSSES = (lambda out: (out * R).sum(), lambda out: 0.5 * out.pow(2).sum())
 SETTINGS = {  # name -> (valid values, refused values)

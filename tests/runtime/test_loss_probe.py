@@ -211,3 +211,33 @@ def test_the_finding_is_an_error_severity_with_the_user_line():
         F.cross_entropy(logits, torch.arange(N)).backward()
     (finding,) = caught.value.findings
     assert finding.severity is Severity.ERROR and finding.location.code == "logits = out @ out.T  # marked"
+
+
+def test_a_tensor_with_the_batchs_rows_is_read_per_sample_unless_marked_shared():
+    """A vector the loss reads besides the output and the loader's batch, of the batch's length by chance: read as
+    one row per sample (then ``out * weights`` pairs sample i with feature i), refused with how to say otherwise."""
+    net = nn.Linear(3, 2).double()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    weights = torch.tensor([0.5, 2.0], dtype=torch.float64)
+    dp = fxdp.compile_for_dp(net, x)
+    with pytest.raises(fxdp.errors.SampleMixingError) as caught:
+        (dp(x) * weights).sum().backward()
+    assert "a tensor of shape (2,) the loss reads was taken as one row per sample" in caught.value.findings[0].message
+    assert "fxdp.shared(tensor)" in caught.value.findings[0].fix
+    dp = fxdp.compile_for_dp(net, x, loss_reduction="sum")
+    (dp(x) * fxdp.shared(weights)).sum().backward()
+    for i in range(2):
+        net.zero_grad()
+        (net(x[i:i + 1]) * weights).sum().backward()
+        torch.testing.assert_close(net.weight.grad_sample[i], net.weight.grad)
+
+
+def test_a_parameter_the_loss_reads_is_shared_by_all_samples():
+    net = nn.Linear(3, 2).double()
+    temperature = nn.Parameter(torch.ones(2, dtype=torch.float64))  # a learnable scale, of the batch's length
+    x = torch.randn(2, 3, dtype=torch.float64)
+    dp = fxdp.compile_for_dp(net, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (dp(x) / temperature).pow(2).sum().backward()
+    assert fxdp.report(dp).pass_report("loss").findings == ()
