@@ -12,15 +12,19 @@ more, before that batch's forward:
   :func:`compare_gradients`).
 
 What the tests find is raised as an fxdp error (:class:`~fxdp.errors.SampleMixingError`,
-:class:`~fxdp.errors.SelfCheckError`); when a test cannot run (no input to perturb, outputs without the
-batch, a random model), the model is *unverified*: ``strict`` refuses it
-(:class:`~fxdp.errors.UnverifiedModelError`), otherwise a warning says so.
+:class:`~fxdp.errors.SelfCheckError`). When the cross-sample test cannot run (no input to perturb, outputs
+without the batch, a model that is random under a fixed seed), the model is *unverified*
+(:class:`Untested` says why and what to do) and the engine refuses it, strict or not
+(:class:`~fxdp.errors.UnverifiedModelError`): per-sample gradients that were not checked are never handed
+out. A model that is random only across seeds (functional dropout) passes the cross-sample test under a
+fixed seed and is verified without the comparison with batches of one, which a random model cannot pass.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -29,12 +33,28 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
 from fxdp.diagnostics import Finding, Kind, Severity
+from fxdp.diagnostics.source import SourceLocation, is_library_file
 
 PASS_NAME = "self-check"
 
 
-def finding(node: str, op: str, kind: Kind, message: str, fix: str) -> Finding:
-    return Finding(PASS_NAME, node, op, kind, Severity.ERROR, message, fix)
+def finding(node: str, op: str, kind: Kind, message: str, fix: str,
+            location: Optional[SourceLocation] = None) -> Finding:
+    return Finding(PASS_NAME, node, op, kind, Severity.ERROR, message, fix, location)
+
+
+def forward_location(model: nn.Module) -> Optional[SourceLocation]:
+    """Where the user's model defines ``forward`` (the code a finding about the whole model points at), or None
+    for a model of torch's (or fxdp's) own."""
+    forward = getattr(type(model), "forward", None)
+    try:
+        file = inspect.getsourcefile(forward)
+        lines, line = inspect.getsourcelines(forward)
+    except (OSError, TypeError):
+        return None
+    if file is None or is_library_file(file):
+        return None
+    return SourceLocation(file, line, f"{type(model).__name__}.forward", lines[0].strip() if lines else "")
 
 
 def batch_size_of(args: Sequence[Any], kwargs: Dict[str, Any], batch_dim: int) -> Optional[int]:
@@ -187,37 +207,64 @@ def _perturbed_bag(args, kwargs, bags: Bags, j: int):
     return bags.with_entries(args, entries), kwargs, True
 
 
+@dataclasses.dataclass(frozen=True)
+class Untested:
+    """Why the cross-sample test could not run on a batch (``why``), and what the user can do (``fix``)."""
+
+    why: str
+    fix: str
+
+    def __str__(self) -> str:
+        return self.why
+
+
+_TRACEABLE = "or make the model traceable by torch.fx (grad_sample_mode='fx' follows the batch through the graph)"
+
+
 def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: int, bags: Optional[Bags] = None
-                            ) -> Tuple[Optional[str], Optional[str]]:
+                            ) -> Tuple[Optional[str], Optional[Untested]]:
     """Does sample i's output depend on sample j's input (i != j)? ``run(*args, **kwargs)`` runs the
     model (hooks muted, state preserved by the caller); ``bags``: the batch is one of bags. Returns (what
     was found, or None; why the test could not run, or None)."""
     n = bags.count(args) if bags is not None else batch_size_of(args, kwargs, batch_dim)
     if n is None or n < 2:
-        return None, "the batch has fewer than two samples"
+        return None, Untested("the batch has fewer than two samples", "test the model on a batch of two samples or more")
     if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
-        return None, "a PackedSequence input cannot be perturbed sample by sample"
+        return None, Untested("a PackedSequence input cannot be perturbed sample by sample",
+                              "pass the sequences padded, (N, T, features) with their lengths, " + _TRACEABLE)
     with torch.no_grad():
         base = output_tensors(seeded(lambda: run(*args, **kwargs)))
         again = output_tensors(seeded(lambda: run(*args, **kwargs)))
         if not base:
-            return None, "the model returned no floating-point tensor"
+            return None, Untested("the model returned no floating-point tensor",
+                                  "return the model's per-sample outputs (one row per sample) and compute the loss "
+                                  "outside the model")
         if any(not torch.equal(a, b) for a, b in zip(base, again)):
-            return None, "the model's output differs between two runs on the same batch with the same seed"
+            return None, Untested("the model's output differs between two runs on the same batch with the same seed",
+                                  "make the model's randomness follow torch's seed (torch.manual_seed), "
+                                  "or switch it off while training privately")
         for k, t in enumerate(base):
             if not _is_batched(t, n, batch_dim):
-                return None, (f"output #{k} has shape {tuple(t.shape)}, without the batch ({n} samples) in "
-                              f"dimension {batch_dim}")
+                return None, Untested(
+                    f"output #{k} has shape {tuple(t.shape)}, without the batch ({n} samples) in dimension {batch_dim}",
+                    f"return one row per sample in dimension {batch_dim} of every output (compute the loss outside "
+                    "the model). The hooks engine counts one sample per row of the first input: a batch of graphs "
+                    "(the nodes of several graphs in one tensor, with a vector saying which graph each node is in) is "
+                    "not one it can split; pad each graph to a fixed number of nodes, (N, nodes, features) with a "
+                    "mask, so that every layer sees one row per graph, " + _TRACEABLE)
         j = 0
         new_args, new_kwargs, changed = (_perturbed_bag(args, kwargs, bags, j) if bags is not None
                                          else _perturbed(args, kwargs, n, batch_dim, j))
         if not changed:
-            return None, (f"no input with the batch ({n} samples) in dimension {batch_dim} differs between "
-                          "samples, so none could be changed")
+            return None, Untested(f"no input with the batch ({n} samples) in dimension {batch_dim} differs between "
+                                  "samples, so none could be changed",
+                                  "draw the first batch from your data (samples that differ), not copies of one sample")
         try:
             after = output_tensors(seeded(lambda: run(*new_args, **new_kwargs)))
         except Exception as exc:  # noqa: BLE001 - the model refuses the changed batch: nothing learned
-            return None, f"the model failed on the batch with sample {j}'s input changed ({type(exc).__name__}: {exc})"
+            return None, Untested(
+                f"the model failed on the batch with sample {j}'s input changed ({type(exc).__name__}: {exc})",
+                "let the model accept a batch whose first sample is replaced by another of the batch, " + _TRACEABLE)
     for k, (a, b) in enumerate(zip(base, after)):
         if a.shape != b.shape:
             return (f"output #{k} changed shape from {tuple(a.shape)} to {tuple(b.shape)} when sample {j}'s "
