@@ -125,6 +125,7 @@ class GradSampleModule(GradSampleModuleBase):
         self._batch_size: Optional[int] = None  # N of the forward in progress (None outside forward)
         self._bags: Optional[tuple] = None  # with a batch of bags: (the flat indices, the offsets) in forward
         self._refusal: Optional[SelfCheckError] = None  # what the self-check found: raised again at every forward
+        self._forward_stack: List[tuple] = []  # (batch size, bags) of the forwards this one runs inside
         self._hook_handles: List[Any] = []
         # removes the hooks when this wrapper is garbage collected, without keeping it alive
         self._finalizer = weakref.finalize(self, remove_handles, self._hook_handles)
@@ -136,13 +137,13 @@ class GradSampleModule(GradSampleModuleBase):
     # of this wrapper's hooks are dead).
     def __getstate__(self):
         state = self.__dict__.copy()
-        for key in ("_hook_handles", "_finalizer", "_batch_size", "_bags", "_refusal"):
+        for key in ("_hook_handles", "_finalizer", "_batch_size", "_bags", "_refusal", "_forward_stack"):
             state.pop(key, None)
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._batch_size, self._bags, self._refusal = None, None, None
+        self._batch_size, self._bags, self._refusal, self._forward_stack = None, None, None, []
         if self.verification == "failed":  # the copy is tested again on its first batch
             self.verification = "not yet run"
         self._hook_handles = []
@@ -200,6 +201,7 @@ class GradSampleModule(GradSampleModuleBase):
         # every call of the model, through this wrapper or not, is a forward call of its own (LayerCapture.call)
         self._hook_handles.append(self._module.register_forward_pre_hook(
             mark_engine_hook(_count_forward_call(weakref.ref(self)), self)))
+        self._add_root_hooks()
         if self.strict and without_rule:
             self.remove_hooks()
             raise ValueError(
@@ -364,6 +366,19 @@ class GradSampleModule(GradSampleModuleBase):
     # -- forward: the batch size the layers are checked against, and the one-time self-check -------
 
     def forward(self, *args, **kwargs):
+        try:
+            self._enter_forward(args, kwargs)
+            return self._module(*args, **kwargs)
+        finally:
+            self._leave_forward()
+
+    def _add_root_hooks(self) -> None:
+        """What the model's own call needs besides :meth:`forward` (nothing: the wrapper's forward does it)."""
+
+    def _enter_forward(self, args, kwargs) -> None:
+        """Before the model's forward: hook it again if it changed, read the batch size the layers are checked
+        against, and test the model (:meth:`_verify_before_forward`). :meth:`_leave_forward` undoes it."""
+        self._forward_stack.append((self._batch_size, self._bags))
         why = self._watch.changed() if self._hook_handles else None
         if why is not None:
             self._hook_again(why)
@@ -371,13 +386,12 @@ class GradSampleModule(GradSampleModuleBase):
         n = bags.count(args) if bags is not None else selfcheck.batch_size_of(args, kwargs, self.batch_dim)
         if self.verify and self._hook_handles and torch.is_grad_enabled():
             self._verify_before_forward(args, kwargs, n, bags)
-        previous = self._batch_size, self._bags
         self._batch_size = n
         self._bags = None if bags is None else (args[bags.ids], args[bags.offsets])
-        try:
-            return self._module(*args, **kwargs)
-        finally:
-            self._batch_size, self._bags = previous
+
+    def _leave_forward(self) -> None:
+        if self._forward_stack:
+            self._batch_size, self._bags = self._forward_stack.pop()
 
     def _hook_again(self, why: str) -> None:
         """The model changed since its layers were hooked (a layer or parameter replaced, a frozen parameter
@@ -488,6 +502,16 @@ class GradSampleModule(GradSampleModuleBase):
         one row must equal (a model whose layers see several rows per sample fails here). The test with two
         samples or more is still to come."""
         model, name = self._module, type(self._module).__name__
+        self.verification = "running"
+        try:
+            mismatch = self._one_against_its_gradient(model, name, args, kwargs, bags)
+        finally:
+            if self.verification == "running":  # a batch of one says nothing about samples mixing
+                self.verification = "not yet run"
+        if mismatch is not None:
+            raise self._refused(self._wrong_gradients(name, mismatch, "a batch of one sample"))
+
+    def _one_against_its_gradient(self, model, name, args, kwargs, bags) -> Optional[str]:
         with selfcheck.preserved_state(model) as reset:
             def run(*a, **k):
                 reset()
@@ -500,14 +524,11 @@ class GradSampleModule(GradSampleModuleBase):
                     "the model returned no floating-point tensor",
                     "return the model's per-sample outputs and compute the loss outside the model"), "a batch of one")
             try:
-                mismatch = self._compare_with_batches_of_one(run, args, kwargs, 1, bags)
+                return self._compare_with_batches_of_one(run, args, kwargs, 1, bags)
             except UnsupportedOutputError:
-                return  # raised again by the user's backward, before any per-sample gradient
+                return None  # raised again by the user's backward, before any per-sample gradient
             except SelfCheckError as exc:  # a layer that does not see the batch: refused at every later forward
                 raise self._refused(exc)
-        if mismatch is not None:
-            raise self._refused(self._wrong_gradients(name, mismatch, "a batch of one sample"))
-        self.verification = "not yet run"  # a batch of one says nothing about samples mixing
 
     @staticmethod
     def _wrong_gradients(name: str, mismatch: str, batch: str) -> SelfCheckError:
@@ -555,8 +576,7 @@ class GradSampleModule(GradSampleModuleBase):
                     one = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*sub_args, **sub_kwargs)))[:1]
                     return sum((t * r).sum() for t, r in zip(one, projections))
                 one_args, one_kwargs = (bags.sample(sub_args, sub_kwargs, i, dim) if bags is not None else
-                                        selfcheck.map_batched(sub_args, sub_kwargs, n, dim,
-                                                              lambda t: t.narrow(dim, i, 1)))
+                                        selfcheck.sample_alone(sub_args, sub_kwargs, n, dim, i))
                 one = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*one_args, **one_kwargs)))[:1]
                 return sum((t * r.narrow(dim, i, 1)).sum() for t, r in zip(one, projections))
 
@@ -643,7 +663,31 @@ def fallback_self_check(model: nn.Module, example_inputs, batch_dim: int, strict
 class GradSampleHooks(GradSampleModule):
     """The hooks engine used without its wrapper: construct it on a model and call the model itself (its
     layers carry the hooks; ``state_dict`` keeps the model's own keys). Keep this object alive while you
-    train: the hooks live and die with it. :meth:`cleanup` removes them and every ``p.grad_sample``."""
+    train: the hooks live and die with it. :meth:`cleanup` removes them and every ``p.grad_sample``.
+    Hooks on the model itself do what the wrapper's forward does: the layers are checked against the
+    batch size of each call, and the model is tested (and refused when it cannot be verified) as by
+    :class:`GradSampleModule`."""
+
+    def _add_root_hooks(self) -> None:
+        owner = weakref.ref(self)
+
+        def before(module, args, kwargs):
+            wrapper = owner()
+            if wrapper is None:
+                return
+            if wrapper._recomputing or wrapper.verification == "running":  # the engine's own runs of the model
+                wrapper._forward_stack.append((wrapper._batch_size, wrapper._bags))
+                return
+            wrapper._enter_forward(args, kwargs)
+
+        def after(module, args, output):
+            wrapper = owner()
+            if wrapper is not None:
+                wrapper._leave_forward()
+
+        self._hook_handles.append(self._module.register_forward_pre_hook(
+            mark_engine_hook(before, self), with_kwargs=True))
+        self._hook_handles.append(self._module.register_forward_hook(mark_engine_hook(after, self), always_call=True))
 
     def cleanup(self) -> None:
         self.remove_hooks()

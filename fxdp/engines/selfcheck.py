@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils.rnn import PackedSequence, pack_sequence, pad_packed_sequence
 from torch.utils import _pytree as pytree
 
 from fxdp.diagnostics import Finding, Kind, Severity
@@ -99,7 +99,7 @@ class Bags:
     def sample(self, args, kwargs, i: int, batch_dim: int):
         """(args, kwargs) of bag ``i`` alone, with its rows of the other batched inputs."""
         n = self.count(args)
-        alone, alone_kwargs = map_batched(args, kwargs, n, batch_dim, lambda t: t.narrow(batch_dim, i, 1))
+        alone, alone_kwargs = sample_alone(args, kwargs, n, batch_dim, i)
         alone = list(alone)
         alone[self.ids], alone[self.offsets] = args[self.ids], args[self.offsets]
         return self.with_entries(tuple(alone), [self.entries(args)[i]]), alone_kwargs
@@ -126,9 +126,33 @@ def _is_batched(t: Any, n: int, batch_dim: int) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() > batch_dim and t.shape[batch_dim] == n
 
 
-def map_batched(args, kwargs, n: int, batch_dim: int, fn: Callable[[torch.Tensor], torch.Tensor]):
-    """(args, kwargs) with ``fn`` applied to every tensor that has ``n`` rows at ``batch_dim``."""
-    return pytree.tree_map(lambda t: fn(t) if _is_batched(t, n, batch_dim) else t, (tuple(args), dict(kwargs)))
+def _is_packed(t: Any) -> bool:
+    return isinstance(t, PackedSequence)
+
+
+def sequences_of(packed: PackedSequence) -> List[torch.Tensor]:
+    """The sequences of a PackedSequence, one per sample, in the order the samples were given."""
+    padded, lengths = pad_packed_sequence(packed, batch_first=True)
+    return [padded[i, :length] for i, length in enumerate(lengths.tolist())]
+
+
+def map_batched(args, kwargs, n: int, batch_dim: int, fn: Callable[[torch.Tensor], torch.Tensor],
+                packed_fn: Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]] = None):
+    """(args, kwargs) with ``fn`` applied to every tensor that has ``n`` rows at ``batch_dim``, and ``packed_fn``
+    to the sequences of every PackedSequence of ``n`` samples (packed again afterwards, in any order of lengths)."""
+    def apply(t):
+        if _is_packed(t):
+            if packed_fn is None or int(t.batch_sizes[0]) != n:
+                return t
+            return pack_sequence(packed_fn(sequences_of(t)), enforce_sorted=False)
+        return fn(t) if _is_batched(t, n, batch_dim) else t
+
+    return pytree.tree_map(apply, (tuple(args), dict(kwargs)), is_leaf=_is_packed)
+
+
+def sample_alone(args, kwargs, n: int, batch_dim: int, i: int):
+    """(args, kwargs) of sample ``i`` alone (a batch of one): its rows, or its sequence of a PackedSequence."""
+    return map_batched(args, kwargs, n, batch_dim, lambda t: t.narrow(batch_dim, i, 1), lambda seqs: [seqs[i]])
 
 
 @contextlib.contextmanager
@@ -180,10 +204,11 @@ def _perturbed(args, kwargs, n: int, batch_dim: int, j: int):
     """The inputs with sample ``j``'s rows replaced by another sample's (so they stay valid inputs:
     token ids, masks, lengths), and whether anything changed."""
     changed = [False]
-    leaves = [t for t in pytree.tree_leaves((tuple(args), dict(kwargs))) if _is_batched(t, n, batch_dim)]
+    samples = [sequences_of(t) if _is_packed(t) else t.unbind(batch_dim)  # each input, split into its samples
+               for t in pytree.tree_leaves((tuple(args), dict(kwargs)), is_leaf=_is_packed)
+               if _is_batched(t, n, batch_dim) or (_is_packed(t) and int(t.batch_sizes[0]) == n)]
     # the first other sample whose inputs differ from sample j's
-    donor = next((k for k in range(n) if k != j
-                  and any(not torch.equal(t.select(batch_dim, k), t.select(batch_dim, j)) for t in leaves)), None)
+    donor = next((k for k in range(n) if k != j and any(not torch.equal(s[k], s[j]) for s in samples)), None)
 
     def perturb(t: torch.Tensor) -> torch.Tensor:
         if donor is None or torch.equal(t.select(batch_dim, donor), t.select(batch_dim, j)):
@@ -193,7 +218,13 @@ def _perturbed(args, kwargs, n: int, batch_dim: int, j: int):
         t.select(batch_dim, j).copy_(t.select(batch_dim, donor))
         return t
 
-    new_args, new_kwargs = map_batched(args, kwargs, n, batch_dim, perturb)
+    def perturb_sequences(seqs: List[torch.Tensor]) -> List[torch.Tensor]:
+        if donor is None or torch.equal(seqs[donor], seqs[j]):
+            return seqs
+        changed[0] = True
+        return seqs[:j] + [seqs[donor]] + seqs[j + 1:]
+
+    new_args, new_kwargs = map_batched(args, kwargs, n, batch_dim, perturb, perturb_sequences)
     return new_args, new_kwargs, changed[0]
 
 
@@ -229,9 +260,6 @@ def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: in
     n = bags.count(args) if bags is not None else batch_size_of(args, kwargs, batch_dim)
     if n is None or n < 2:
         return None, Untested("the batch has fewer than two samples", "test the model on a batch of two samples or more")
-    if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
-        return None, Untested("a PackedSequence input cannot be perturbed sample by sample",
-                              "pass the sequences padded, (N, T, features) with their lengths, " + _TRACEABLE)
     with torch.no_grad():
         base = output_tensors(seeded(lambda: run(*args, **kwargs)))
         again = output_tensors(seeded(lambda: run(*args, **kwargs)))
@@ -248,7 +276,7 @@ def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: in
                 return None, Untested(
                     f"output #{k} has shape {tuple(t.shape)}, without the batch ({n} samples) in dimension {batch_dim}",
                     f"return one row per sample in dimension {batch_dim} of every output (compute the loss outside "
-                    "the model). The hooks engine counts one sample per row of the first input: a batch of graphs "
+                    "the model; grad_sample_mode='functorch' takes a PackedSequence out). The hooks engine counts one sample per row of the first input: a batch of graphs "
                     "(the nodes of several graphs in one tensor, with a vector saying which graph each node is in) is "
                     "not one it can split; pad each graph to a fixed number of nodes, (N, nodes, features) with a "
                     "mask, so that every layer sees one row per graph, " + _TRACEABLE)

@@ -348,3 +348,109 @@ def test_inspect_on_one_example_sample_says_the_test_is_still_to_come():
     report = fxdp.inspect(Untraceable().double(), (x_of(1, 4),))
     finding = report.pass_report("self-check").findings[0]
     assert finding.severity is fxdp.diagnostics.Severity.WARNING and "fewer than two samples" in finding.message
+
+
+# -- packed sequences: the test splits and perturbs them (they used to leave the model unverified) --------
+
+
+class LastStateOfPacked(nn.Module):
+    def __init__(self, mixes=False):
+        super().__init__()
+        self.rnn, self.out, self.mixes = nn.GRU(3, 5), nn.Linear(5, 2), mixes
+
+    def forward(self, packed):
+        _, h = self.rnn(packed)
+        h = h[-1] - h[-1].mean(0) if self.mixes else h[-1]
+        return self.out(h)
+
+
+class PackedOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(3, 5)
+
+    def forward(self, packed):
+        return self.rnn(packed)[0]
+
+
+def packed_batch(lengths=(4, 6, 2)):
+    x = torch.randn(max(lengths), len(lengths), 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    return nn.utils.rnn.pack_padded_sequence(x, torch.tensor(lengths), enforce_sorted=False)
+
+
+def test_a_packed_sequence_input_is_verified_and_trains():
+    torch.manual_seed(0)
+    model = LastStateOfPacked().double()
+    reference = copy.deepcopy(model)
+    compiled = GradSampleModule(model, loss_reduction="sum")
+    packed = packed_batch()
+    compiled(packed).pow(2).sum().backward()
+    assert compiled.verification.startswith("verified on a batch of 3")
+    padded, lengths = nn.utils.rnn.pad_packed_sequence(packed)
+    for i, length in enumerate(lengths.tolist()):
+        alone = copy.deepcopy(reference)
+        alone(nn.utils.rnn.pack_padded_sequence(padded[:length, i:i + 1], [length])).pow(2).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), alone.parameters()):
+            torch.testing.assert_close(p.grad_sample[i], q.grad, atol=1e-10, rtol=1e-8, msg=name)
+
+
+def test_a_model_that_mixes_packed_sequences_is_refused():
+    compiled = GradSampleModule(LastStateOfPacked(mixes=True).double())
+    with pytest.raises(SampleMixingError, match="LastStateOfPacked mixes samples"):
+        compiled(packed_batch())
+
+
+def test_a_packed_sequence_output_is_refused_with_the_engine_that_takes_it():
+    model = PackedOut().double()
+    with pytest.raises(UnverifiedModelError) as info:
+        GradSampleModule(model)(packed_batch())
+    assert info.value.findings[0].message.startswith("output #0 has shape (12, 5), without the batch (3 samples)")
+    assert "grad_sample_mode='functorch' takes a PackedSequence out" in info.value.findings[0].fix
+    assert model.rnn.weight_ih_l0.grad is None
+
+
+# -- the hooks engine on the model itself (make_private(wrap_model=False)) checks the same ------------------
+
+
+def test_the_hooks_on_the_model_itself_refuse_a_batch_of_graphs():
+    """The model is called, not a wrapper: its own hooks read the batch size and test it (they used not to)."""
+    torch.manual_seed(0)
+    model = GraphSum()
+    before = params_of(model)
+    loader = DataLoader(Graphs(), batch_size=4, collate_fn=collate_graphs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    hooks, optimizer, loader = fxdp.PrivacyEngine().make_private(
+        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=0.0, max_grad_norm=1.0,
+        poisson_sampling=False, wrap_model=False)
+    assert isinstance(hooks, fxdp.engines.GradSampleHooks)
+    for nodes, batch, labels in loader:
+        with pytest.raises(UnverifiedModelError, match="could not verify GraphSum on its first batch"):
+            model(nodes, batch)
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q) and p.grad is None
+
+
+def test_the_hooks_on_the_model_itself_check_each_layer_and_verify_a_model_that_is_right():
+    class TimeMajor(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):  # the batch moves to dimension 1 before the layer
+            return self.fc(x.transpose(0, 1)).transpose(0, 1)
+
+    moved = TimeMajor().double()
+    hooks = fxdp.engines.GradSampleHooks(moved)
+    with pytest.raises(LayerBatchError, match="layer 'fc' \\(Linear\\) does not see the batch"):
+        moved(x_of(5, 2, 4))
+    assert moved.fc.weight.grad is None
+
+    torch.manual_seed(0)
+    model = Untraceable().double()
+    expected, R = expected_grad_samples(copy.deepcopy(model), x_of(5, 4))
+    hooks = fxdp.engines.GradSampleHooks(model)
+    batch_loss(model(x_of(5, 4)), R, "mean").backward()
+    assert hooks.verification.startswith("verified on a batch of 5")
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_sample, expected[name], atol=1e-10, rtol=1e-8)
+    hooks.cleanup()
