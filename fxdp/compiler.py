@@ -145,7 +145,9 @@ def compile_for_dp(
     Returns a ``torch.fx.GraphModule`` sharing the model's parameters, or — when the model cannot be
     traced — the hooks engine around it; ``fxdp.report(result)`` says which and why. Raises
     :class:`fxdp.errors.NotPrivateError` for a model DP-SGD cannot train (BatchNorm in training,
-    ops that mix samples), with a table of the findings.
+    ops that mix samples), with a table of the findings. The hooks engine tests the model on its first
+    batch and raises :class:`fxdp.errors.UnverifiedModelError` there when it cannot verify it (an output
+    without one row per sample), strict or not.
 
     ``batch_inputs``: names (or positions) of the forward() inputs that hold one row per sample at
     ``batch_dim``; the others are shared by all samples (masks, position ids). Without it fxdp finds

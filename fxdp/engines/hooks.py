@@ -467,8 +467,8 @@ class GradSampleModule(GradSampleModuleBase):
                 if found is not None:
                     raise self._refused(SampleMixingError(
                         [selfcheck.finding("<model>", name, Kind.MIXES_SAMPLES, found,
-                                           "make each sample's computation read only its own data "
-                                           "(no statistics over the batch, no batch norm in training)")],
+                                           "make each sample's computation read only its own data (no statistics "
+                                           "over the batch, no batch norm in training)", selfcheck.forward_location(model))],
                         f"fxdp (hooks engine): {name} mixes samples, so it cannot be trained with DP-SGD; "
                         f"found on its first batch of {n} samples:"))
                 with self._recompute():
@@ -499,8 +499,8 @@ class GradSampleModule(GradSampleModuleBase):
     def _check_batch_of_one(self, args, kwargs, bags: Optional[selfcheck.Bags] = None) -> None:
         """A batch of one sample before the model was tested (Poisson sampling draws them): no sample to mix
         with, and the per-sample gradient of its only sample is the batch's own gradient, which the engine's
-        one row must equal (a model whose layers see several rows per sample fails here). The test with two
-        samples or more is still to come."""
+        one row must equal (a parameter used where no hook sees it fails here; a layer that sees more rows than
+        samples fails the layer check). The test with two samples or more is still to come."""
         model, name = self._module, type(self._module).__name__
         self.verification = "running"
         try:
@@ -530,12 +530,10 @@ class GradSampleModule(GradSampleModuleBase):
             except SelfCheckError as exc:  # a layer that does not see the batch: refused at every later forward
                 raise self._refused(exc)
 
-    @staticmethod
-    def _wrong_gradients(name: str, mismatch: str, batch: str) -> SelfCheckError:
+    def _wrong_gradients(self, name: str, mismatch: str, batch: str) -> SelfCheckError:
         return SelfCheckError(
-            [selfcheck.finding("<model>", name, Kind.MOVES_BATCH, mismatch,
-                               "use grad_sample_mode='fx' on a model torch.fx can trace, or "
-                               "grad_sample_mode='functorch'")],
+            [selfcheck.finding("<model>", name, Kind.MOVES_BATCH, mismatch, "use grad_sample_mode='fx' on a model "
+                               "torch.fx can trace, or 'functorch'", selfcheck.forward_location(self._module))],
             f"fxdp (hooks engine): the per-sample gradients of {name} are wrong on {batch}:")
 
     def _compare_with_batches_of_one(self, run, args, kwargs, n: int, bags: Optional[selfcheck.Bags] = None,

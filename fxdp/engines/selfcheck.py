@@ -48,6 +48,7 @@ def forward_location(model: nn.Module) -> Optional[SourceLocation]:
     for a model of torch's (or fxdp's) own."""
     forward = getattr(type(model), "forward", None)
     try:
+        forward = inspect.unwrap(forward)  # through decorators (transformers' can_return_tuple, ...)
         file = inspect.getsourcefile(forward)
         lines, line = inspect.getsourcelines(forward)
     except (OSError, TypeError):
@@ -272,6 +273,11 @@ def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: in
                                   "make the model's randomness follow torch's seed (torch.manual_seed), "
                                   "or switch it off while training privately")
         for k, t in enumerate(base):
+            if not _is_batched(t, n, batch_dim) and t.dim() == 0:
+                return None, Untested(
+                    f"output #{k} has shape (), without the batch ({n} samples) in dimension {batch_dim}",
+                    "return per-sample outputs (one row per sample) and compute the loss outside the model (call a "
+                    "Hugging Face model without labels), " + _TRACEABLE)
             if not _is_batched(t, n, batch_dim):
                 return None, Untested(
                     f"output #{k} has shape {tuple(t.shape)}, without the batch ({n} samples) in dimension {batch_dim}",

@@ -454,3 +454,13 @@ def test_the_hooks_on_the_model_itself_check_each_layer_and_verify_a_model_that_
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad_sample, expected[name], atol=1e-10, rtol=1e-8)
     hooks.cleanup()
+
+
+def test_the_ew_engine_refuses_a_batch_of_graphs_before_backward():
+    """ExpandedWeights takes each row of the first input as a sample: it used to train one row per node."""
+    model = TraceableGraphSum().double()
+    compiled = fxdp.compile_for_dp(model, grad_sample_mode="ew")
+    with pytest.raises(UnverifiedModelError, match="fxdp \\(ew engine\\): TraceableGraphSum cannot be trained: output "
+                                                   "#0 has shape \\(4, 3\\), without the batch \\(22 samples\\)"):
+        compiled(*graph_batch())
+    assert model.l1.weight.grad is None and getattr(model.l1.weight, "grad_sample", None) is None
