@@ -287,16 +287,19 @@ def private_parameters_note(model: nn.Module) -> List[str]:
 
 
 def attach_hooks(model: nn.Module, *, batch_dim: int = 0, loss_reduction: str = "mean", strict: bool = False,
-                 sink: Optional[GradientSink] = None) -> GradSampleHooks:
+                 sink: Optional[GradientSink] = None, verify: bool = True) -> GradSampleHooks:
     """The hooks engine on ``model`` itself, for code that keeps calling the model it has (Opacus's
     ``make_private(wrap_model=False)``): the same analysis and refusals as :func:`compile_for_dp`, then
-    :class:`~fxdp.engines.hooks.GradSampleHooks` (keep it alive while training; ``cleanup()`` detaches it)."""
+    :class:`~fxdp.engines.hooks.GradSampleHooks` (keep it alive while training; ``cleanup()`` detaches it).
+    ``verify=False``: no self-check on the first batch (FSDP2, where its extra runs would be collectives on
+    some ranks only); the layers are still checked against the batch at every forward."""
     expect_module(model, "fxdp.compiler.attach_hooks(model, ...)")
     check_loss_reduction(loss_reduction)
     model = unwrap_or_refuse(model)
     _, traced, reports = _analyse(model, None, batch_dim, strict)
     refuse_if_not_private(reports)
-    hooks = GradSampleHooks(model, batch_first=(batch_dim == 0), loss_reduction=loss_reduction, sink=sink)
+    hooks = GradSampleHooks(model, batch_first=(batch_dim == 0), loss_reduction=loss_reduction, sink=sink,
+                            verify=verify)
     setattr(hooks, REPORT_ATTR, _make_report(model, traced, reports, "hooks", "the hooks engine was asked for on the "
                                              "model itself (wrap_model=False)", notes=_bookkeeping_notes(sink, "hooks")))
     return hooks

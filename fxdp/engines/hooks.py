@@ -375,11 +375,11 @@ class GradSampleModule(GradSampleModuleBase):
     def _add_root_hooks(self) -> None:
         """What the model's own call needs besides :meth:`forward` (nothing: the wrapper's forward does it)."""
 
-    def _enter_forward(self, args, kwargs) -> None:
-        """Before the model's forward: hook it again if it changed, read the batch size the layers are checked
-        against, and test the model (:meth:`_verify_before_forward`). :meth:`_leave_forward` undoes it."""
+    def _enter_forward(self, args, kwargs, watch: bool = True) -> None:
+        """Before the model's forward: hook it again if it changed (``watch``), read the batch size the layers
+        are checked against, and test the model (:meth:`_verify_before_forward`). :meth:`_leave_forward` undoes it."""
         self._forward_stack.append((self._batch_size, self._bags))
-        why = self._watch.changed() if self._hook_handles else None
+        why = self._watch.changed() if self._hook_handles and watch else None
         if why is not None:
             self._hook_again(why)
         bags = selfcheck.find_bags(self._module, args) if self.batch_dim == 0 else None
@@ -676,7 +676,7 @@ class GradSampleHooks(GradSampleModule):
             if wrapper._recomputing or wrapper.verification == "running":  # the engine's own runs of the model
                 wrapper._forward_stack.append((wrapper._batch_size, wrapper._bags))
                 return
-            wrapper._enter_forward(args, kwargs)
+            wrapper._enter_forward(args, kwargs, watch=False)  # FSDP2 swaps the parameters it gathers
 
         def after(module, args, output):
             wrapper = owner()

@@ -254,7 +254,6 @@ def _step(model, opt, oracle, outputs) -> bool:
     return False
 
 
-@pytest.mark.filterwarnings("ignore:fxdp \\(hooks engine\\) could not verify")  # a batch of one sample twice
 @pytest.mark.parametrize("mode", ["fx-bookkeeping", "fx", "hooks", "ew", "functorch"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=operations)
