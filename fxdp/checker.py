@@ -205,8 +205,8 @@ def per_sample_gradient_diagnostics(
 
     records = PerSampleGradientDiagnostics()
     with preserved_state(reference):
-        records.cross_sample_dependence, records.cross_sample_untested = cross_sample_dependence(
-            reference, inputs, {}, batch_dim)
+        records.cross_sample_dependence, untested = cross_sample_dependence(reference, inputs, {}, batch_dim)
+        records.cross_sample_untested = None if untested is None else untested.why
     for reduction in ([_loss_reduction_of(module)] if compiled else LOSS_REDUCTIONS):
         if compiled:
             wrapped = _fresh_copy(module)

@@ -145,7 +145,9 @@ def compile_for_dp(
     Returns a ``torch.fx.GraphModule`` sharing the model's parameters, or — when the model cannot be
     traced — the hooks engine around it; ``fxdp.report(result)`` says which and why. Raises
     :class:`fxdp.errors.NotPrivateError` for a model DP-SGD cannot train (BatchNorm in training,
-    ops that mix samples), with a table of the findings.
+    ops that mix samples), with a table of the findings. The hooks engine tests the model on its first
+    batch and raises :class:`fxdp.errors.UnverifiedModelError` there when it cannot verify it (an output
+    without one row per sample), strict or not.
 
     ``batch_inputs``: names (or positions) of the forward() inputs that hold one row per sample at
     ``batch_dim``; the others are shared by all samples (masks, position ids). Without it fxdp finds
@@ -172,8 +174,7 @@ def compile_for_dp(
     if gm is None or grad_sample_mode != "fx":
         # an explicit engine is honoured (none of them needs a trace); "fx" falls back to hooks
         engine = grad_sample_mode if grad_sample_mode != "fx" else "hooks"
-        wrapped = _wrap(model, engine, batch_first=(batch_dim == 0), loss_reduction=loss_reduction,
-                        require_verified=strict, sink=sink)
+        wrapped = _wrap(model, engine, batch_first=(batch_dim == 0), loss_reduction=loss_reduction, sink=sink)
         reason = None if gm is None else f"grad_sample_mode={grad_sample_mode!r} was asked for"
         rep = _make_report(model, traced, reports, engine, reason, notes=_bookkeeping_notes(sink, engine))
         if gm is None and engine != "hooks":
@@ -186,8 +187,7 @@ def compile_for_dp(
     if hooked:  # the graph would drop the root's hooks and see the layers' hooks twice
         where = f"the model has hooks of yours on {', '.join(hooked)}"
         if any("backward" in h for h in hooked):  # torch.func cannot re-run backward hooks: hooks engine
-            wrapped = _wrap(model, "hooks", batch_first=(batch_dim == 0), loss_reduction=loss_reduction,
-                            require_verified=strict, sink=sink)
+            wrapped = _wrap(model, "hooks", batch_first=(batch_dim == 0), loss_reduction=loss_reduction, sink=sink)
             reason, engine = f"{where}; the hooks engine sees them as the model runs (and checks itself)", "hooks"
         else:  # the whole model, its hooks included, runs as one op and is re-run per sample
             wrapped = whole_model_op(model, gm, loss_reduction=loss_reduction, batch_dim=batch_dim,
@@ -288,17 +288,19 @@ def private_parameters_note(model: nn.Module) -> List[str]:
 
 
 def attach_hooks(model: nn.Module, *, batch_dim: int = 0, loss_reduction: str = "mean", strict: bool = False,
-                 sink: Optional[GradientSink] = None) -> GradSampleHooks:
+                 sink: Optional[GradientSink] = None, verify: bool = True) -> GradSampleHooks:
     """The hooks engine on ``model`` itself, for code that keeps calling the model it has (Opacus's
     ``make_private(wrap_model=False)``): the same analysis and refusals as :func:`compile_for_dp`, then
-    :class:`~fxdp.engines.hooks.GradSampleHooks` (keep it alive while training; ``cleanup()`` detaches it)."""
+    :class:`~fxdp.engines.hooks.GradSampleHooks` (keep it alive while training; ``cleanup()`` detaches it).
+    ``verify=False``: no self-check on the first batch (FSDP2, where its extra runs would be collectives on
+    some ranks only); the layers are still checked against the batch at every forward."""
     expect_module(model, "fxdp.compiler.attach_hooks(model, ...)")
     check_loss_reduction(loss_reduction)
     model = unwrap_or_refuse(model)
     _, traced, reports = _analyse(model, None, batch_dim, strict)
     refuse_if_not_private(reports)
     hooks = GradSampleHooks(model, batch_first=(batch_dim == 0), loss_reduction=loss_reduction, sink=sink,
-                            require_verified=strict)
+                            verify=verify)
     setattr(hooks, REPORT_ATTR, _make_report(model, traced, reports, "hooks", "the hooks engine was asked for on the "
                                              "model itself (wrap_model=False)", notes=_bookkeeping_notes(sink, "hooks")))
     return hooks
@@ -322,11 +324,11 @@ def wrap_model(
 
 
 def _wrap(model: nn.Module, engine: str, *, batch_first: bool, loss_reduction: str, strict: bool = False,
-          require_verified: bool = False, sink: Optional[GradientSink] = None) -> nn.Module:
+          sink: Optional[GradientSink] = None) -> nn.Module:
     model = unwrap_or_refuse(model)
     if engine == "hooks":
         return GradSampleModule(model, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict,
-                                require_verified=require_verified, sink=sink)
+                                sink=sink)
     return WRAPPERS[engine](model, batch_first=batch_first, loss_reduction=loss_reduction, sink=sink)
 
 

@@ -179,7 +179,7 @@ class PrivacyEngine:
             check_sharded_mode(grad_sample_mode, wrap_model)
             with fsdp_forward_hooks_off(module):  # the analysis traces the model: FSDP must not see it
                 compiled = attach_hooks(module, batch_dim=0 if batch_first else 1, loss_reduction=loss_reduction,
-                                        sink=BookkeepingSink() if bookkept else None)
+                                        sink=BookkeepingSink() if bookkept else None, verify=False)
             report_sharding(compiled, sharded, bookkept)
         elif not wrap_model:
             if ddp is not None:

@@ -6,8 +6,8 @@ them:
 
 - :class:`BatchMixingError` — an op lets samples influence each other;
 - :class:`SelfCheckError` — a per-sample engine that cannot read the model's code checked it on a real batch
-  and found per-sample gradients it cannot trust (:class:`SampleMixingError`, :class:`LayerBatchError`), or,
-  under ``strict``, could not check it (:class:`UnverifiedModelError`);
+  and found per-sample gradients it cannot trust (:class:`SampleMixingError`, :class:`LayerBatchError`), or
+  could not check it (:class:`UnverifiedModelError`, strict or not);
 - :class:`UnsupportedError` and its validators' taxonomy, each mapping to one :class:`Kind` so that
   validation errors and the validate pass's findings speak the same language:
   :class:`UnsupportedModuleError` (the module cannot be made private, e.g. BatchNorm in training; also
@@ -145,7 +145,8 @@ class SampleMixingError(SelfCheckError, BatchMixingError):
 
 
 class UnverifiedModelError(SelfCheckError):
-    """``strict=True`` and the per-sample engine could not verify the model (see the message for why)."""
+    """The per-sample engine could not verify the model on a batch (see the message for why, and what to do): it
+    is not trained on per-sample gradients nobody checked, whatever ``strict`` says."""
 
 
 class LayerBatchError(SelfCheckError):

@@ -85,7 +85,11 @@ def report_sharding(hooks: nn.Module, plan: "ShardingPlan", bookkept: bool) -> N
     how = ("book-kept (norms and clipped sums from the layer's input and output gradient, no per-sample "
            "gradient materialised)" if bookkept else "per-sample gradients materialised (p.grad_sample)")
     layers = [f"  {name}: {rule}, {how}" for name, rule in getattr(hooks, "grad_sample_layers", {}).items()]
-    notes = (*rep.notes, *plan.describe(), "layers (the hooks engine, inside FSDP's gathered windows):", *layers)
+    notes = (*rep.notes, *plan.describe(), "layers (the hooks engine, inside FSDP's gathered windows):", *layers,
+             "the hooks engine's self-check (a test of the model on its first batch) is off under FSDP2: its extra "
+             "forward and backward passes would gather parameters on some ranks and not others; each layer is still "
+             "checked against the batch at every forward. Check the model unsharded with "
+             "fxdp.check_per_sample_gradients_are_correct")
     reason = ("FSDP2 runs the model (it gathers each unit's parameters around the unit's forward and backward), so "
               "the hooks engine sits on its layers")
     setattr(hooks, REPORT_ATTR, dataclasses.replace(rep, notes=notes, fallback_reason=reason))

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fxdp.diagnostics import PerSampleError, location_from_traceback
+from fxdp.diagnostics import Kind, PerSampleError, UnverifiedModelError, location_from_traceback
+from fxdp.engines import selfcheck
 from fxdp.engines.base import GradSampleModuleBase, ParameterWatch, trainable_own_params
 from fxdp.sinks.contract import SINK_ATTR, GradientSink, batch_size_problem
 
@@ -111,8 +112,27 @@ class ExpandedWeightsGradSampleModule(GradSampleModuleBase):
             if "Expanded Weights" not in str(e) and "ExpandedWeights" not in str(e):
                 raise
             raise PerSampleError(self._explain(e)) from e
+        self._refuse_outputs_without_the_batch(out, batch_size)
         self._watch_backward(out, batch_size)
         return out
+
+    def _refuse_outputs_without_the_batch(self, out, batch_size: int) -> None:
+        """ExpandedWeights takes each row of the first input as a sample: an output without one row per sample (a
+        loss computed inside the model, a batch of graphs whose layers see one row per node) says the rows were
+        not the samples, or were combined, so the per-row gradients could not be per-sample ones. Refused before
+        any backward, as the hooks engine refuses what its self-check cannot verify."""
+        for k, t in enumerate(selfcheck.output_tensors(out)):
+            if t.dim() == 0 or t.shape[0] != batch_size:
+                name = type(self._module).__name__
+                why = f"output #{k} has shape {tuple(t.shape)}, without the batch ({batch_size} samples) in dimension 0"
+                raise UnverifiedModelError(
+                    [selfcheck.finding("<model>", name, Kind.UNVERIFIED, why,
+                                       "return one row per sample in dimension 0 of every output (compute the loss "
+                                       "outside the model); a batch of graphs is not one ExpandedWeights can split: "
+                                       "pad each graph to a fixed number of nodes, (N, nodes, features) with a mask",
+                                       selfcheck.forward_location(self._module))],
+                    f"fxdp (ew engine): {name} cannot be trained: {why}, so the gradients ExpandedWeights computes "
+                    "per row of the first input are not known to be per-sample gradients:")
 
     def _watch_backward(self, out, batch_size: int, first_only: bool = False) -> None:
         """Hooks on this forward call's outputs: a backward pass that reaches one of them reaches the call."""

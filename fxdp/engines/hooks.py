@@ -96,9 +96,13 @@ class GradSampleModule(GradSampleModuleBase):
     The engine checks itself (see :mod:`fxdp.engines.selfcheck`): every hooked layer's inputs and
     output must carry the batch (N rows at the batch dimension; inputs with one row are broadcast, as
     the compiled graph does), and with ``verify`` (the default) the model is tested once, on its first
-    batch of two samples or more, for cross-sample dependence and against batches of one.
-    ``require_verified=True`` refuses a model that test could not verify. :attr:`verification` says
-    what was checked.
+    batch of two samples or more, for cross-sample dependence and against batches of one; a batch of one
+    before that is checked against its own gradient. A model that test could not verify (its output
+    without one row per sample, as a batch of graphs whose layers see one row per node gives) is refused
+    with :class:`~fxdp.errors.UnverifiedModelError`, strict or not, before any per-sample gradient exists;
+    so is a batch whose size the inputs do not tell. :attr:`verification` says what was checked.
+    ``verify=False`` switches the test off (:func:`fxdp.check_per_sample_gradients_are_correct`, which
+    compares every sample itself, does).
 
     The hooks live and die with this wrapper: deleting it (or :meth:`remove_hooks`) removes them from
     the model, and a hook whose wrapper is gone does nothing.
@@ -113,15 +117,15 @@ class GradSampleModule(GradSampleModuleBase):
         *,
         sink: Optional[GradientSink] = None,
         verify: bool = True,
-        require_verified: bool = False,
     ):
         super().__init__(model, batch_first=batch_first, loss_reduction=loss_reduction, sink=sink)
         self.strict = strict
         self.verify = verify
-        self.require_verified = require_verified
         self.verification = "not yet run" if verify else "off (verify=False)"
         self._batch_size: Optional[int] = None  # N of the forward in progress (None outside forward)
         self._bags: Optional[tuple] = None  # with a batch of bags: (the flat indices, the offsets) in forward
+        self._refusal: Optional[SelfCheckError] = None  # what the self-check found: raised again at every forward
+        self._forward_stack: List[tuple] = []  # (batch size, bags) of the forwards this one runs inside
         self._hook_handles: List[Any] = []
         # removes the hooks when this wrapper is garbage collected, without keeping it alive
         self._finalizer = weakref.finalize(self, remove_handles, self._hook_handles)
@@ -133,13 +137,15 @@ class GradSampleModule(GradSampleModuleBase):
     # of this wrapper's hooks are dead).
     def __getstate__(self):
         state = self.__dict__.copy()
-        for key in ("_hook_handles", "_finalizer", "_batch_size", "_bags"):
+        for key in ("_hook_handles", "_finalizer", "_batch_size", "_bags", "_refusal", "_forward_stack"):
             state.pop(key, None)
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._batch_size, self._bags = None, None
+        self._batch_size, self._bags, self._refusal, self._forward_stack = None, None, None, []
+        if self.verification == "failed":  # the copy is tested again on its first batch
+            self.verification = "not yet run"
         self._hook_handles = []
         self._finalizer = weakref.finalize(self, remove_handles, self._hook_handles)
         self.grad_sample_layers, self.generic_fallbacks = {}, []
@@ -195,6 +201,7 @@ class GradSampleModule(GradSampleModuleBase):
         # every call of the model, through this wrapper or not, is a forward call of its own (LayerCapture.call)
         self._hook_handles.append(self._module.register_forward_pre_hook(
             mark_engine_hook(_count_forward_call(weakref.ref(self)), self)))
+        self._add_root_hooks()
         if self.strict and without_rule:
             self.remove_hooks()
             raise ValueError(
@@ -359,21 +366,32 @@ class GradSampleModule(GradSampleModuleBase):
     # -- forward: the batch size the layers are checked against, and the one-time self-check -------
 
     def forward(self, *args, **kwargs):
-        why = self._watch.changed() if self._hook_handles else None
+        try:
+            self._enter_forward(args, kwargs)
+            return self._module(*args, **kwargs)
+        finally:
+            self._leave_forward()
+
+    def _add_root_hooks(self) -> None:
+        """What the model's own call needs besides :meth:`forward` (nothing: the wrapper's forward does it)."""
+
+    def _enter_forward(self, args, kwargs, watch: bool = True) -> None:
+        """Before the model's forward: hook it again if it changed (``watch``), read the batch size the layers
+        are checked against, and test the model (:meth:`_verify_before_forward`). :meth:`_leave_forward` undoes it."""
+        self._forward_stack.append((self._batch_size, self._bags))
+        why = self._watch.changed() if self._hook_handles and watch else None
         if why is not None:
             self._hook_again(why)
         bags = selfcheck.find_bags(self._module, args) if self.batch_dim == 0 else None
         n = bags.count(args) if bags is not None else selfcheck.batch_size_of(args, kwargs, self.batch_dim)
-        if (self.verify and self.verification == "not yet run" and self._hook_handles and torch.is_grad_enabled()
-                and n is not None and n >= 2):
-            self._self_check(args, kwargs, n, bags)
-        previous = self._batch_size, self._bags
+        if self.verify and self._hook_handles and torch.is_grad_enabled():
+            self._verify_before_forward(args, kwargs, n, bags)
         self._batch_size = n
         self._bags = None if bags is None else (args[bags.ids], args[bags.offsets])
-        try:
-            return self._module(*args, **kwargs)
-        finally:
-            self._batch_size, self._bags = previous
+
+    def _leave_forward(self) -> None:
+        if self._forward_stack:
+            self._batch_size, self._bags = self._forward_stack.pop()
 
     def _hook_again(self, why: str) -> None:
         """The model changed since its layers were hooked (a layer or parameter replaced, a frozen parameter
@@ -385,7 +403,7 @@ class GradSampleModule(GradSampleModuleBase):
         self._add_hooks()
         getattr(self, SINK_ATTR).retire(before, self._module.parameters(), why)
         if self.verify and self.verification != "running":
-            self.verification = "not yet run"
+            self.verification, self._refusal = "not yet run", None
         report = self.__dict__.get("fxdp_report")  # set by compile_for_dp / make_private
         if report is not None:
             self.fxdp_report = dataclasses.replace(report,
@@ -395,8 +413,46 @@ class GradSampleModule(GradSampleModuleBase):
                       + ". A DP optimizer trains a new parameter only if it holds it, and refuses to step while it "
                       "holds one the model no longer uses", stacklevel=5)
 
+    def _verify_before_forward(self, args, kwargs, n: Optional[int], bags: Optional[selfcheck.Bags]) -> None:
+        """Nothing trains on per-sample gradients that were not checked: the model is tested on its first batch
+        of two samples or more (:meth:`_self_check`); until then every batch of one is checked against its own
+        gradient (:meth:`_check_batch_of_one`); a model the test refused is refused at every later forward, and
+        one it could not verify is tested again on the next batch. An empty batch computes nothing."""
+        name = type(self._module).__name__
+        if self._refusal is not None:
+            raise type(self._refusal)(self._refusal.findings, f"fxdp (hooks engine): {name} was refused on an earlier "
+                                      "batch, so it is refused again (wrap the model again once it is fixed):")
+        if self.verification.startswith("unverified"):
+            self.verification = "not yet run"  # the test is taken again on this batch
+        if self.verification != "not yet run":
+            return  # verified, or the test is running
+        if n is None:
+            self._refuse_unverified(
+                name, selfcheck.Untested(
+                    f"no input is a tensor with the batch in dimension {self.batch_dim}, so the hooks engine cannot "
+                    "tell how many samples the batch holds, nor check any layer",
+                    f"pass the batch as tensors with one row per sample in dimension {self.batch_dim}, "
+                    "or make the model traceable by torch.fx (grad_sample_mode='fx')"), "this batch")
+        elif n == 1:
+            self._check_batch_of_one(args, kwargs, bags)
+        elif n >= 2:
+            self._self_check(args, kwargs, n, bags)
+
+    def _refuse_unverified(self, name: str, untested: selfcheck.Untested, batch: str) -> None:
+        self.verification = f"unverified: {untested.why}"
+        raise UnverifiedModelError(
+            [selfcheck.finding("<model>", name, Kind.UNVERIFIED, untested.why, untested.fix,
+                               selfcheck.forward_location(self._module))],
+            f"fxdp (hooks engine): could not verify {name} on {batch} ({untested.why}), so its per-sample gradients "
+            "are not known to be right and it is not trained (strict or not):")
+
+    def _refused(self, exc: SelfCheckError) -> SelfCheckError:
+        self.verification, self._refusal = "failed", exc
+        return exc
+
     def _self_check(self, args, kwargs, n: int, bags: Optional[selfcheck.Bags] = None) -> None:
-        """Test the model once on this batch (see :mod:`fxdp.engines.selfcheck`); raise what it finds."""
+        """Test the model once on this batch (see :mod:`fxdp.engines.selfcheck`); raise what it finds, or
+        :class:`~fxdp.errors.UnverifiedModelError` when it cannot test it."""
         self.verification = "running"
         model = self._module
         name = type(model).__name__
@@ -407,45 +463,78 @@ class GradSampleModule(GradSampleModuleBase):
                     return model(*a, **k)
 
                 with self._recompute():
-                    found, unverified = selfcheck.cross_sample_dependence(run, args, kwargs, self.batch_dim, bags)
+                    found, untested = selfcheck.cross_sample_dependence(run, args, kwargs, self.batch_dim, bags)
                 if found is not None:
-                    raise SampleMixingError(
+                    raise self._refused(SampleMixingError(
                         [selfcheck.finding("<model>", name, Kind.MIXES_SAMPLES, found,
-                                           "make each sample's computation read only its own data "
-                                           "(no statistics over the batch, no batch norm in training)")],
+                                           "make each sample's computation read only its own data (no statistics "
+                                           "over the batch, no batch norm in training)", selfcheck.forward_location(model))],
                         f"fxdp (hooks engine): {name} mixes samples, so it cannot be trained with DP-SGD; "
-                        f"found on its first batch of {n} samples:")
+                        f"found on its first batch of {n} samples:"))
                 with self._recompute():
-                    random = unverified is None and selfcheck.is_random(run, args, kwargs)
-                if unverified is None and not random:  # a random model draws other numbers for a batch of one
+                    random = untested is None and selfcheck.is_random(run, args, kwargs)
+                if untested is None and not random:  # a random model draws other numbers for a batch of one
                     try:
                         mismatch = self._compare_with_batches_of_one(run, args, kwargs, n, bags)
                     except UnsupportedOutputError as exc:  # raised again by the user's backward
-                        mismatch, unverified = None, str(exc).split(", so")[0].replace("fxdp: ", "")
+                        mismatch, untested = None, selfcheck.Untested(
+                            str(exc).split(", so")[0].replace("fxdp: ", ""),
+                            "make the loss depend on each hooked layer's first output only, or use "
+                            "grad_sample_mode='fx' or 'functorch'")
                     if mismatch is not None:
-                        raise SelfCheckError(
-                            [selfcheck.finding("<model>", name, Kind.MOVES_BATCH, mismatch,
-                                               "use grad_sample_mode='fx' on a model torch.fx can trace, or "
-                                               "grad_sample_mode='functorch'")],
-                            f"fxdp (hooks engine): the per-sample gradients of {name} are wrong on its first batch:")
-        except BaseException:
-            self.verification = "failed"
+                        raise self._refused(self._wrong_gradients(name, mismatch, f"its first batch of {n} samples"))
+        except SelfCheckError as exc:  # what the test found (a layer's batch too): refused at every later forward
+            if self._refusal is None:
+                self._refused(exc)
             raise
-        if unverified is None:
-            self.verification = (f"verified on a batch of {n}: outputs independent across samples, " + (
-                "per-sample gradients not compared (the model is random even with dropout layers off)" if random
-                else "per-sample gradients equal to batches of one"))
-            return
-        self.verification = f"unverified: {unverified}"
-        message = (f"fxdp (hooks engine) could not verify {name} on its first batch ({unverified}), so its "
-                   "per-sample gradients are not known to be right")
-        if self.require_verified:
-            raise UnverifiedModelError(
-                [selfcheck.finding("<model>", name, Kind.UNVERIFIED, unverified,
-                                   "pass strict=False to accept it, or make it traceable by torch.fx")],
-                f"strict=True: {message}:")
-        warnings.warn(message + "; fxdp.check_per_sample_gradients_are_correct can check it on a batch of "
-                      "your choice", stacklevel=5)  # the user's call of the wrapper
+        except BaseException:  # the model's own error (or an interrupt): the test is taken again on the next batch
+            self.verification = "not yet run"
+            raise
+        if untested is not None:
+            self._refuse_unverified(name, untested, f"its first batch of {n} samples")
+        self.verification = (f"verified on a batch of {n}: outputs independent across samples, " + (
+            "per-sample gradients not compared (the model is random even with dropout layers off)" if random
+            else "per-sample gradients equal to batches of one"))
+
+    def _check_batch_of_one(self, args, kwargs, bags: Optional[selfcheck.Bags] = None) -> None:
+        """A batch of one sample before the model was tested (Poisson sampling draws them): no sample to mix
+        with, and the per-sample gradient of its only sample is the batch's own gradient, which the engine's
+        one row must equal (a parameter used where no hook sees it fails here; a layer that sees more rows than
+        samples fails the layer check). The test with two samples or more is still to come."""
+        model, name = self._module, type(self._module).__name__
+        self.verification = "running"
+        try:
+            mismatch = self._one_against_its_gradient(model, name, args, kwargs, bags)
+        finally:
+            if self.verification == "running":  # a batch of one says nothing about samples mixing
+                self.verification = "not yet run"
+        if mismatch is not None:
+            raise self._refused(self._wrong_gradients(name, mismatch, "a batch of one sample"))
+
+    def _one_against_its_gradient(self, model, name, args, kwargs, bags) -> Optional[str]:
+        with selfcheck.preserved_state(model) as reset:
+            def run(*a, **k):
+                reset()
+                return model(*a, **k)
+
+            with self._recompute(), torch.no_grad():
+                outputs = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*args, **kwargs)))
+            if not outputs:
+                self._refuse_unverified(name, selfcheck.Untested(
+                    "the model returned no floating-point tensor",
+                    "return the model's per-sample outputs and compute the loss outside the model"), "a batch of one")
+            try:
+                return self._compare_with_batches_of_one(run, args, kwargs, 1, bags)
+            except UnsupportedOutputError:
+                return None  # raised again by the user's backward, before any per-sample gradient
+            except SelfCheckError as exc:  # a layer that does not see the batch: refused at every later forward
+                raise self._refused(exc)
+
+    def _wrong_gradients(self, name: str, mismatch: str, batch: str) -> SelfCheckError:
+        return SelfCheckError(
+            [selfcheck.finding("<model>", name, Kind.MOVES_BATCH, mismatch, "use grad_sample_mode='fx' on a model "
+                               "torch.fx can trace, or 'functorch'", selfcheck.forward_location(self._module))],
+            f"fxdp (hooks engine): the per-sample gradients of {name} are wrong on {batch}:")
 
     def _compare_with_batches_of_one(self, run, args, kwargs, n: int, bags: Optional[selfcheck.Bags] = None,
                                      samples: int = 3):
@@ -473,12 +562,19 @@ class GradSampleModule(GradSampleModuleBase):
             if self.loss_reduction == "mean":  # the engine undoes the mean's 1/n
                 loss = loss / n
             loss.backward()
+            counts = {nm: p.grad_sample.shape[0] for nm, p in named if getattr(p, "grad_sample", None) is not None}
+            if any(c != n for c in counts.values()):
+                nm, c = next((nm, c) for nm, c in counts.items() if c != n)
+                return (f"parameter '{nm}' got {c} per-sample gradient rows for a batch of {n} sample(s): a layer sees "
+                        "more (or fewer) rows than the batch has samples")
             rows = {nm: p.grad_sample[:k] for nm, p in named if getattr(p, "grad_sample", None) is not None}
 
             def loss_alone(i: int) -> torch.Tensor:
+                if n == 1:  # the batch is the sample alone: its ordinary gradient is the definition
+                    one = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*sub_args, **sub_kwargs)))[:1]
+                    return sum((t * r).sum() for t, r in zip(one, projections))
                 one_args, one_kwargs = (bags.sample(sub_args, sub_kwargs, i, dim) if bags is not None else
-                                        selfcheck.map_batched(sub_args, sub_kwargs, n, dim,
-                                                              lambda t: t.narrow(dim, i, 1)))
+                                        selfcheck.sample_alone(sub_args, sub_kwargs, n, dim, i))
                 one = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*one_args, **one_kwargs)))[:1]
                 return sum((t * r.narrow(dim, i, 1)).sum() for t, r in zip(one, projections))
 
@@ -523,11 +619,13 @@ def _count_forward_call(owner):
 
 def fallback_self_check(model: nn.Module, example_inputs, batch_dim: int, strict: bool) -> PassReport:
     """What the hooks fallback's self-check (its test on the first batch) finds on ``example_inputs``,
-    run on a copy of the model. Under ``strict`` what it finds, or could not verify, is raised."""
+    run on a copy of the model: an error finding for what it refuses (the engine refuses it on the first batch
+    too), a warning when the example inputs could not run the test. Under ``strict`` both are raised."""
     name, check = type(model).__name__, selfcheck.PASS_NAME
     if example_inputs is None:
         finding = Finding(check, "<model>", name, Kind.UNVERIFIED, Severity.ERROR if strict else Severity.WARNING,
-                          "the hooks fallback could not be verified: no example inputs to test the model on",
+                          "the hooks fallback could not be verified: no example inputs to test the model on (the "
+                          "engine tests it on its first batch, and refuses it if it cannot verify it)",
                           "give example inputs (fxdp inspect --input SHAPE)")
         if strict:
             raise UnverifiedModelError([finding], "strict=True: the hooks fallback cannot be verified:")
@@ -535,34 +633,59 @@ def fallback_self_check(model: nn.Module, example_inputs, batch_dim: int, strict
     args, kwargs = ((), dict(example_inputs)) if isinstance(example_inputs, dict) else (
         ((example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)), {})
     try:  # a module that mixes samples in its mode (BatchNorm in training) is refused here, before any batch
-        engine = GradSampleModule(copy.deepcopy(model), batch_first=batch_dim == 0, require_verified=strict)
+        engine = GradSampleModule(copy.deepcopy(model), batch_first=batch_dim == 0)
     except SampleMixingModuleError as exc:
         if strict:
             raise
         return PassReport(selfcheck.PASS_NAME, findings=tuple(
             dataclasses.replace(f, pass_name=selfcheck.PASS_NAME) for f in exc.findings))
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # an unverified model is reported below
-            engine(*args, **kwargs)
+        engine(*args, **kwargs)
     except SelfCheckError as exc:
         if strict:
             raise
         return PassReport(selfcheck.PASS_NAME, findings=exc.findings)
     finally:
         engine.remove_hooks()
-    if engine.verification.startswith("unverified"):
-        return PassReport(selfcheck.PASS_NAME, findings=(Finding(
-            selfcheck.PASS_NAME, "<model>", name, Kind.UNVERIFIED, Severity.WARNING,
-            f"the hooks fallback could not be verified on the example inputs ({engine.verification[12:]})",
-            "check it with fxdp.check_per_sample_gradients_are_correct"),))
+    if engine.verification == "not yet run":  # a batch of one (checked against its own gradient), or empty
+        finding = Finding(check, "<model>", name, Kind.UNVERIFIED, Severity.ERROR if strict else Severity.WARNING,
+                          "the hooks fallback could not be verified on the example inputs: they hold fewer than two "
+                          "samples (the engine tests the model on its first batch of two or more)",
+                          "give example inputs with two samples or more")
+        if strict:
+            raise UnverifiedModelError([finding], "strict=True: the hooks fallback cannot be verified:")
+        return PassReport(check, findings=(finding,))
     return PassReport(check, changes=(Finding(check, "<model>", name, Kind.NOTE, Severity.INFO, engine.verification),))
 
 
 class GradSampleHooks(GradSampleModule):
     """The hooks engine used without its wrapper: construct it on a model and call the model itself (its
     layers carry the hooks; ``state_dict`` keeps the model's own keys). Keep this object alive while you
-    train: the hooks live and die with it. :meth:`cleanup` removes them and every ``p.grad_sample``."""
+    train: the hooks live and die with it. :meth:`cleanup` removes them and every ``p.grad_sample``.
+    Hooks on the model itself do what the wrapper's forward does: the layers are checked against the
+    batch size of each call, and the model is tested (and refused when it cannot be verified) as by
+    :class:`GradSampleModule`."""
+
+    def _add_root_hooks(self) -> None:
+        owner = weakref.ref(self)
+
+        def before(module, args, kwargs):
+            wrapper = owner()
+            if wrapper is None:
+                return
+            if wrapper._recomputing or wrapper.verification == "running":  # the engine's own runs of the model
+                wrapper._forward_stack.append((wrapper._batch_size, wrapper._bags))
+                return
+            wrapper._enter_forward(args, kwargs, watch=False)  # FSDP2 swaps the parameters it gathers
+
+        def after(module, args, output):
+            wrapper = owner()
+            if wrapper is not None:
+                wrapper._leave_forward()
+
+        self._hook_handles.append(self._module.register_forward_pre_hook(
+            mark_engine_hook(before, self), with_kwargs=True))
+        self._hook_handles.append(self._module.register_forward_hook(mark_engine_hook(after, self), always_call=True))
 
     def cleanup(self) -> None:
         self.remove_hooks()

@@ -12,29 +12,50 @@ more, before that batch's forward:
   :func:`compare_gradients`).
 
 What the tests find is raised as an fxdp error (:class:`~fxdp.errors.SampleMixingError`,
-:class:`~fxdp.errors.SelfCheckError`); when a test cannot run (no input to perturb, outputs without the
-batch, a random model), the model is *unverified*: ``strict`` refuses it
-(:class:`~fxdp.errors.UnverifiedModelError`), otherwise a warning says so.
+:class:`~fxdp.errors.SelfCheckError`). When the cross-sample test cannot run (no input to perturb, outputs
+without the batch, a model that is random under a fixed seed), the model is *unverified*
+(:class:`Untested` says why and what to do) and the engine refuses it, strict or not
+(:class:`~fxdp.errors.UnverifiedModelError`): per-sample gradients that were not checked are never handed
+out. A model that is random only across seeds (functional dropout) passes the cross-sample test under a
+fixed seed and is verified without the comparison with batches of one, which a random model cannot pass.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils.rnn import PackedSequence, pack_sequence, pad_packed_sequence
 from torch.utils import _pytree as pytree
 
 from fxdp.diagnostics import Finding, Kind, Severity
+from fxdp.diagnostics.source import SourceLocation, is_library_file
 
 PASS_NAME = "self-check"
 
 
-def finding(node: str, op: str, kind: Kind, message: str, fix: str) -> Finding:
-    return Finding(PASS_NAME, node, op, kind, Severity.ERROR, message, fix)
+def finding(node: str, op: str, kind: Kind, message: str, fix: str,
+            location: Optional[SourceLocation] = None) -> Finding:
+    return Finding(PASS_NAME, node, op, kind, Severity.ERROR, message, fix, location)
+
+
+def forward_location(model: nn.Module) -> Optional[SourceLocation]:
+    """Where the user's model defines ``forward`` (the code a finding about the whole model points at), or None
+    for a model of torch's (or fxdp's) own."""
+    forward = getattr(type(model), "forward", None)
+    try:
+        forward = inspect.unwrap(forward)  # through decorators (transformers' can_return_tuple, ...)
+        file = inspect.getsourcefile(forward)
+        lines, line = inspect.getsourcelines(forward)
+    except (OSError, TypeError):
+        return None
+    if file is None or is_library_file(file):
+        return None
+    return SourceLocation(file, line, f"{type(model).__name__}.forward", lines[0].strip() if lines else "")
 
 
 def batch_size_of(args: Sequence[Any], kwargs: Dict[str, Any], batch_dim: int) -> Optional[int]:
@@ -79,7 +100,7 @@ class Bags:
     def sample(self, args, kwargs, i: int, batch_dim: int):
         """(args, kwargs) of bag ``i`` alone, with its rows of the other batched inputs."""
         n = self.count(args)
-        alone, alone_kwargs = map_batched(args, kwargs, n, batch_dim, lambda t: t.narrow(batch_dim, i, 1))
+        alone, alone_kwargs = sample_alone(args, kwargs, n, batch_dim, i)
         alone = list(alone)
         alone[self.ids], alone[self.offsets] = args[self.ids], args[self.offsets]
         return self.with_entries(tuple(alone), [self.entries(args)[i]]), alone_kwargs
@@ -106,9 +127,33 @@ def _is_batched(t: Any, n: int, batch_dim: int) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() > batch_dim and t.shape[batch_dim] == n
 
 
-def map_batched(args, kwargs, n: int, batch_dim: int, fn: Callable[[torch.Tensor], torch.Tensor]):
-    """(args, kwargs) with ``fn`` applied to every tensor that has ``n`` rows at ``batch_dim``."""
-    return pytree.tree_map(lambda t: fn(t) if _is_batched(t, n, batch_dim) else t, (tuple(args), dict(kwargs)))
+def _is_packed(t: Any) -> bool:
+    return isinstance(t, PackedSequence)
+
+
+def sequences_of(packed: PackedSequence) -> List[torch.Tensor]:
+    """The sequences of a PackedSequence, one per sample, in the order the samples were given."""
+    padded, lengths = pad_packed_sequence(packed, batch_first=True)
+    return [padded[i, :length] for i, length in enumerate(lengths.tolist())]
+
+
+def map_batched(args, kwargs, n: int, batch_dim: int, fn: Callable[[torch.Tensor], torch.Tensor],
+                packed_fn: Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]] = None):
+    """(args, kwargs) with ``fn`` applied to every tensor that has ``n`` rows at ``batch_dim``, and ``packed_fn``
+    to the sequences of every PackedSequence of ``n`` samples (packed again afterwards, in any order of lengths)."""
+    def apply(t):
+        if _is_packed(t):
+            if packed_fn is None or int(t.batch_sizes[0]) != n:
+                return t
+            return pack_sequence(packed_fn(sequences_of(t)), enforce_sorted=False)
+        return fn(t) if _is_batched(t, n, batch_dim) else t
+
+    return pytree.tree_map(apply, (tuple(args), dict(kwargs)), is_leaf=_is_packed)
+
+
+def sample_alone(args, kwargs, n: int, batch_dim: int, i: int):
+    """(args, kwargs) of sample ``i`` alone (a batch of one): its rows, or its sequence of a PackedSequence."""
+    return map_batched(args, kwargs, n, batch_dim, lambda t: t.narrow(batch_dim, i, 1), lambda seqs: [seqs[i]])
 
 
 @contextlib.contextmanager
@@ -160,10 +205,11 @@ def _perturbed(args, kwargs, n: int, batch_dim: int, j: int):
     """The inputs with sample ``j``'s rows replaced by another sample's (so they stay valid inputs:
     token ids, masks, lengths), and whether anything changed."""
     changed = [False]
-    leaves = [t for t in pytree.tree_leaves((tuple(args), dict(kwargs))) if _is_batched(t, n, batch_dim)]
+    samples = [sequences_of(t) if _is_packed(t) else t.unbind(batch_dim)  # each input, split into its samples
+               for t in pytree.tree_leaves((tuple(args), dict(kwargs)), is_leaf=_is_packed)
+               if _is_batched(t, n, batch_dim) or (_is_packed(t) and int(t.batch_sizes[0]) == n)]
     # the first other sample whose inputs differ from sample j's
-    donor = next((k for k in range(n) if k != j
-                  and any(not torch.equal(t.select(batch_dim, k), t.select(batch_dim, j)) for t in leaves)), None)
+    donor = next((k for k in range(n) if k != j and any(not torch.equal(s[k], s[j]) for s in samples)), None)
 
     def perturb(t: torch.Tensor) -> torch.Tensor:
         if donor is None or torch.equal(t.select(batch_dim, donor), t.select(batch_dim, j)):
@@ -173,7 +219,13 @@ def _perturbed(args, kwargs, n: int, batch_dim: int, j: int):
         t.select(batch_dim, j).copy_(t.select(batch_dim, donor))
         return t
 
-    new_args, new_kwargs = map_batched(args, kwargs, n, batch_dim, perturb)
+    def perturb_sequences(seqs: List[torch.Tensor]) -> List[torch.Tensor]:
+        if donor is None or torch.equal(seqs[donor], seqs[j]):
+            return seqs
+        changed[0] = True
+        return seqs[:j] + [seqs[donor]] + seqs[j + 1:]
+
+    new_args, new_kwargs = map_batched(args, kwargs, n, batch_dim, perturb, perturb_sequences)
     return new_args, new_kwargs, changed[0]
 
 
@@ -187,37 +239,66 @@ def _perturbed_bag(args, kwargs, bags: Bags, j: int):
     return bags.with_entries(args, entries), kwargs, True
 
 
+@dataclasses.dataclass(frozen=True)
+class Untested:
+    """Why the cross-sample test could not run on a batch (``why``), and what the user can do (``fix``)."""
+
+    why: str
+    fix: str
+
+    def __str__(self) -> str:
+        return self.why
+
+
+_TRACEABLE = "or make the model traceable by torch.fx (grad_sample_mode='fx' follows the batch through the graph)"
+
+
 def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: int, bags: Optional[Bags] = None
-                            ) -> Tuple[Optional[str], Optional[str]]:
+                            ) -> Tuple[Optional[str], Optional[Untested]]:
     """Does sample i's output depend on sample j's input (i != j)? ``run(*args, **kwargs)`` runs the
     model (hooks muted, state preserved by the caller); ``bags``: the batch is one of bags. Returns (what
     was found, or None; why the test could not run, or None)."""
     n = bags.count(args) if bags is not None else batch_size_of(args, kwargs, batch_dim)
     if n is None or n < 2:
-        return None, "the batch has fewer than two samples"
-    if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
-        return None, "a PackedSequence input cannot be perturbed sample by sample"
+        return None, Untested("the batch has fewer than two samples", "test the model on a batch of two samples or more")
     with torch.no_grad():
         base = output_tensors(seeded(lambda: run(*args, **kwargs)))
         again = output_tensors(seeded(lambda: run(*args, **kwargs)))
         if not base:
-            return None, "the model returned no floating-point tensor"
+            return None, Untested("the model returned no floating-point tensor",
+                                  "return the model's per-sample outputs (one row per sample) and compute the loss "
+                                  "outside the model")
         if any(not torch.equal(a, b) for a, b in zip(base, again)):
-            return None, "the model's output differs between two runs on the same batch with the same seed"
+            return None, Untested("the model's output differs between two runs on the same batch with the same seed",
+                                  "make the model's randomness follow torch's seed (torch.manual_seed), "
+                                  "or switch it off while training privately")
         for k, t in enumerate(base):
+            if not _is_batched(t, n, batch_dim) and t.dim() == 0:
+                return None, Untested(
+                    f"output #{k} has shape (), without the batch ({n} samples) in dimension {batch_dim}",
+                    "return per-sample outputs (one row per sample) and compute the loss outside the model (call a "
+                    "Hugging Face model without labels), " + _TRACEABLE)
             if not _is_batched(t, n, batch_dim):
-                return None, (f"output #{k} has shape {tuple(t.shape)}, without the batch ({n} samples) in "
-                              f"dimension {batch_dim}")
+                return None, Untested(
+                    f"output #{k} has shape {tuple(t.shape)}, without the batch ({n} samples) in dimension {batch_dim}",
+                    f"return one row per sample in dimension {batch_dim} of every output (compute the loss outside "
+                    "the model; grad_sample_mode='functorch' takes a PackedSequence out). The hooks engine counts one sample per row of the first input: a batch of graphs "
+                    "(the nodes of several graphs in one tensor, with a vector saying which graph each node is in) is "
+                    "not one it can split; pad each graph to a fixed number of nodes, (N, nodes, features) with a "
+                    "mask, so that every layer sees one row per graph, " + _TRACEABLE)
         j = 0
         new_args, new_kwargs, changed = (_perturbed_bag(args, kwargs, bags, j) if bags is not None
                                          else _perturbed(args, kwargs, n, batch_dim, j))
         if not changed:
-            return None, (f"no input with the batch ({n} samples) in dimension {batch_dim} differs between "
-                          "samples, so none could be changed")
+            return None, Untested(f"no input with the batch ({n} samples) in dimension {batch_dim} differs between "
+                                  "samples, so none could be changed",
+                                  "draw the first batch from your data (samples that differ), not copies of one sample")
         try:
             after = output_tensors(seeded(lambda: run(*new_args, **new_kwargs)))
         except Exception as exc:  # noqa: BLE001 - the model refuses the changed batch: nothing learned
-            return None, f"the model failed on the batch with sample {j}'s input changed ({type(exc).__name__}: {exc})"
+            return None, Untested(
+                f"the model failed on the batch with sample {j}'s input changed ({type(exc).__name__}: {exc})",
+                "let the model accept a batch whose first sample is replaced by another of the batch, " + _TRACEABLE)
     for k, (a, b) in enumerate(zip(base, after)):
         if a.shape != b.shape:
             return (f"output #{k} changed shape from {tuple(a.shape)} to {tuple(b.shape)} when sample {j}'s "

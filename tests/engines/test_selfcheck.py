@@ -242,15 +242,19 @@ def test_a_random_untraceable_model_is_checked_for_mixing_without_a_false_alarm(
     assert compiled.module.fc.weight.grad_sample.shape == (5, 3, 4)
 
 
-def test_strict_refuses_a_fallback_it_cannot_verify():
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_fallback_it_cannot_verify_is_refused_strict_or_not(strict):
+    """It used to warn and train when not strict (issue 33): now refused either way, before any gradient."""
     class SumsTheBatch(ScalesUntraceably):
         def forward(self, x):  # no per-sample output to compare
             return super().forward(x).sum(0, keepdim=True)
 
-    with pytest.raises(UnverifiedModelError, match="strict=True: fxdp \\(hooks engine\\) could not verify SumsTheBatch"):
-        fxdp.compile_for_dp(SumsTheBatch().double(), strict=True)(x_of(5, 4))
-    with pytest.warns(UserWarning, match="could not verify SumsTheBatch on its first batch"):
-        fxdp.compile_for_dp(SumsTheBatch().double())(x_of(5, 4))
+    model = SumsTheBatch().double()
+    compiled = fxdp.compile_for_dp(model, strict=strict)
+    with pytest.raises(UnverifiedModelError, match="fxdp \\(hooks engine\\): could not verify SumsTheBatch on its "
+                                                   "first batch of 5 samples \\(output #0 has shape \\(1, 3\\)"):
+        compiled(x_of(5, 4))
+    assert model.fc.weight.grad is None and getattr(model.fc.weight, "grad_sample", None) is None
 
 
 def test_a_broadcast_input_to_a_hooked_layer_is_expanded():
