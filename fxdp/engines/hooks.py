@@ -518,7 +518,7 @@ class GradSampleModule(GradSampleModuleBase):
                 return model(*a, **k)
 
             with self._recompute(), torch.no_grad():
-                outputs = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*args, **kwargs)))
+                outputs = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*args, **kwargs)), self.batch_dim)
             if not outputs:
                 self._refuse_unverified(name, selfcheck.Untested(
                     "the model returned no floating-point tensor",
@@ -553,7 +553,7 @@ class GradSampleModule(GradSampleModuleBase):
             self._batch_size = n
             self._bags = None if bags is None else (args[bags.ids], args[bags.offsets])
             # the first output only: a loss over a layer's second output is refused by its own hook
-            outs = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*sub_args, **sub_kwargs)))[:1]
+            outs = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*sub_args, **sub_kwargs)), dim)[:1]
             self._batch_size, self._bags = None, None
             projections = [torch.randn(t.shape, generator=generator).to(t) for t in outs]
             loss = sum((t * r).sum() for t, r in zip(outs, projections))
@@ -571,12 +571,14 @@ class GradSampleModule(GradSampleModuleBase):
 
             def loss_alone(i: int) -> torch.Tensor:
                 if n == 1:  # the batch is the sample alone: its ordinary gradient is the definition
-                    one = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*sub_args, **sub_kwargs)))[:1]
+                    one = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*sub_args, **sub_kwargs)), dim)[:1]
                     return sum((t * r).sum() for t, r in zip(one, projections))
                 one_args, one_kwargs = (bags.sample(sub_args, sub_kwargs, i, dim) if bags is not None else
                                         selfcheck.sample_alone(sub_args, sub_kwargs, n, dim, i))
-                one = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*one_args, **one_kwargs)))[:1]
-                return sum((t * r.narrow(dim, i, 1)).sum() for t, r in zip(one, projections))
+                one = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*one_args, **one_kwargs)), dim)[:1]
+                # (a padded sequence alone is as long as its own: the batch's padding past it has no gradient)
+                return sum((t * r.narrow(dim, i, 1)[tuple(slice(0, s) for s in t.shape)]).sum()
+                           for t, r in zip(one, projections))
 
             with self._recompute():
                 alone = selfcheck.batch_of_one_gradients(loss_alone, named, k)

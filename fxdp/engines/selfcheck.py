@@ -185,11 +185,13 @@ def seeded(fn: Callable[[], Any], seed: int = 1234) -> Any:
         return fn()
 
 
-def output_tensors(out: Any) -> List[torch.Tensor]:
+def output_tensors(out: Any, batch_dim: int = 0) -> List[torch.Tensor]:
     """The floating-point tensors in a model's output: nested tuples, lists, dicts (ModelOutput-like
-    subclasses too) and dataclasses."""
+    subclasses too) and dataclasses; a PackedSequence padded, its samples in the order given, at ``batch_dim``."""
     if isinstance(out, torch.Tensor):
         return [out] if out.is_floating_point() else []
+    if isinstance(out, PackedSequence):
+        return [pad_packed_sequence(out, batch_first=batch_dim == 0)[0]] if out.data.is_floating_point() else []
     if dataclasses.is_dataclass(out) and not isinstance(out, type):
         items = [getattr(out, f.name) for f in dataclasses.fields(out)]
     elif isinstance(out, Mapping):
@@ -198,7 +200,7 @@ def output_tensors(out: Any) -> List[torch.Tensor]:
         items = list(out)
     else:
         return []
-    return [t for item in items for t in output_tensors(item)]
+    return [t for item in items for t in output_tensors(item, batch_dim)]
 
 
 def _perturbed(args, kwargs, n: int, batch_dim: int, j: int):
@@ -262,8 +264,8 @@ def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: in
     if n is None or n < 2:
         return None, Untested("the batch has fewer than two samples", "test the model on a batch of two samples or more")
     with torch.no_grad():
-        base = output_tensors(seeded(lambda: run(*args, **kwargs)))
-        again = output_tensors(seeded(lambda: run(*args, **kwargs)))
+        base = output_tensors(seeded(lambda: run(*args, **kwargs)), batch_dim)
+        again = output_tensors(seeded(lambda: run(*args, **kwargs)), batch_dim)
         if not base:
             return None, Untested("the model returned no floating-point tensor",
                                   "return the model's per-sample outputs (one row per sample) and compute the loss "
@@ -282,7 +284,7 @@ def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: in
                 return None, Untested(
                     f"output #{k} has shape {tuple(t.shape)}, without the batch ({n} samples) in dimension {batch_dim}",
                     f"return one row per sample in dimension {batch_dim} of every output (compute the loss outside "
-                    "the model; grad_sample_mode='functorch' takes a PackedSequence out). The hooks engine counts one sample per row of the first input: a batch of graphs "
+                    "the model). The hooks engine counts one sample per row of the first input: a batch of graphs "
                     "(the nodes of several graphs in one tensor, with a vector saying which graph each node is in) is "
                     "not one it can split; pad each graph to a fixed number of nodes, (N, nodes, features) with a "
                     "mask, so that every layer sees one row per graph, " + _TRACEABLE)
@@ -294,12 +296,16 @@ def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: in
                                   "samples, so none could be changed",
                                   "draw the first batch from your data (samples that differ), not copies of one sample")
         try:
-            after = output_tensors(seeded(lambda: run(*new_args, **new_kwargs)))
+            after = output_tensors(seeded(lambda: run(*new_args, **new_kwargs)), batch_dim)
         except Exception as exc:  # noqa: BLE001 - the model refuses the changed batch: nothing learned
             return None, Untested(
                 f"the model failed on the batch with sample {j}'s input changed ({type(exc).__name__}: {exc})",
                 "let the model accept a batch whose first sample is replaced by another of the batch, " + _TRACEABLE)
+    packed = any(_is_packed(a) for a in (*args, *kwargs.values()))
     for k, (a, b) in enumerate(zip(base, after)):
+        if packed and a.dim() == b.dim() and a.shape[batch_dim] == b.shape[batch_dim]:
+            # a padded sequence output is as long as the longest sample: the others' steps fit in the shorter
+            a, b = (t[tuple(slice(0, min(x, y)) for x, y in zip(a.shape, b.shape))] for t in (a, b))
         if a.shape != b.shape:
             return (f"output #{k} changed shape from {tuple(a.shape)} to {tuple(b.shape)} when sample {j}'s "
                     "input changed"), None
