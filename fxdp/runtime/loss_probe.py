@@ -28,6 +28,7 @@ from fxdp import meta
 from fxdp.diagnostics import PassReport, SampleMixingError, Severity
 from fxdp.diagnostics.report import REPORT_ATTR
 from fxdp.diagnostics.source import location_of_caller
+from fxdp.runtime.guards import run_eagerly
 
 LOSS_WATCH_ATTR = "fxdp_loss_watch"  # where a compiled model holds its LossWatch
 SHARED_ATTR = "_fxdp_shared"  # on a tensor marked with fxdp.shared
@@ -263,6 +264,10 @@ class LossProbe(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # a loss torch.compile traces: not judged, and the probe steps aside
+            run_eagerly(_compiled_loss, args, kwargs)
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         recording = _recording_of(args, kwargs)
         if recording is not None and func in _BACKWARDS:
             recording.judge(_losses(func, args, kwargs))
@@ -279,6 +284,21 @@ def _recording_of(args, kwargs) -> Optional[LossRecording]:
             if isinstance(t, LossProbe) and not t._fxdp_recording.done:
                 return t._fxdp_recording
     return None
+
+
+def _compiled_loss(args, kwargs) -> None:
+    recording = _recording_of(args, kwargs)
+    if recording is None or recording.model is None:
+        return
+    recording.done = True
+    model, watch = recording.model, recording.watch
+    note = ("loss: not judged: the first step's loss ran under torch.compile (run the first step's loss eagerly, "
+            "or give make_private the criterion)")
+    previous = getattr(model, REPORT_ATTR, None)
+    if previous is not None and note not in previous.notes:
+        setattr(model, REPORT_ATTR, dataclasses.replace(previous, notes=(*previous.notes, note)))
+        warnings.warn(f"fxdp: {note}; see docs/losses.md", stacklevel=2)
+    watch.armed, watch.report = False, getattr(model, REPORT_ATTR, None)
 
 
 def _losses(func, args, kwargs) -> List[Any]:

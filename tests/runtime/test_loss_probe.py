@@ -241,3 +241,14 @@ def test_a_parameter_the_loss_reads_is_shared_by_all_samples():
         warnings.simplefilter("error")
         (dp(x) / temperature).pow(2).sum().backward()
     assert fxdp.report(dp).pass_report("loss").findings == ()
+
+
+def test_a_loss_torch_compile_traces_is_not_judged_and_says_so():
+    net = model()
+    dp = fxdp.compile_for_dp(net, inputs("flat"))
+    loss = torch.compile(lambda o, y: F.cross_entropy(o, y), backend="eager")
+    with pytest.warns(UserWarning, match="the first step's loss ran under torch.compile"):
+        loss(dp(inputs("flat")), torch.arange(N) % 6).backward()
+    assert net[0].weight.grad_sample.shape[0] == N
+    assert any("not judged" in note for note in fxdp.report(dp).notes)
+    assert type(dp(inputs("flat"))) is torch.Tensor  # the probe stepped aside
