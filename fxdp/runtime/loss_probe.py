@@ -54,9 +54,10 @@ class LossAnalysis(Protocol):
 
 @dataclass
 class LossWatch:
-    """On a compiled model: whether its next training forward is probed (``armed``), and the recording a batch of
-    the loader started for it (``pending``: the labels are probes too, so what the loss computes from them alone,
-    ``mask.sum()``, is recorded as well)."""
+    """On a compiled model: whether its next training forward is probed (``armed``), and the recording of the step
+    in progress (``pending``, until its loss is judged): started by a batch of the loader (its labels are probes too,
+    so what the loss computes from them alone, ``mask.sum()``, is recorded as well) or by the first forward, and
+    joined by the step's other forwards (two views of one batch)."""
 
     armed: bool = True
     report: Any = None  # the report the loss was judged with: a model compiled again has another
@@ -80,14 +81,16 @@ class LossWatch:
         return self.pending.leaves(batch, ("batch",), output=False)
 
     def probe(self, model, output, analysis: LossAnalysis, batch_size: Optional[int]):
-        """``output`` with its tensors as probes of the recording (the batch's, or a new one); as it is where the
-        batch size is unknown."""
-        recording, self.pending = self.pending, None
+        """``output`` with its tensors as probes of the step's recording (a new one for another batch size); as it
+        is where the batch size is unknown."""
         if batch_size is None:
             return output
-        if recording is None or recording.done or recording.model is not None:
+        recording = self.pending
+        if recording is None or recording.done or recording.model not in (None, model) or \
+                recording.batch_size not in (0, batch_size):
             recording = LossRecording(self)
         recording.model, recording.analysis, recording.batch_size = model, analysis, batch_size
+        self.pending = recording
         return recording.leaves(output, ())
 
     def judged(self, model, report: PassReport) -> None:
@@ -236,6 +239,8 @@ class LossRecording:
     def judge(self, losses: Sequence["LossProbe"]) -> None:
         """Run the loss analysis on the graph up to ``losses``; raise what mixes samples, warn of the rest."""
         self.done = True  # nothing after this is the loss
+        if self.watch.pending is self:
+            self.watch.pending = None
         mine = [t._fxdp_node for t in losses if isinstance(t, LossProbe) and t._fxdp_recording is self]
         if not mine or self.model is None:  # a loss of the batch alone (no output of the model): not judged here
             return
@@ -292,6 +297,8 @@ def _compiled_loss(args, kwargs) -> None:
         return
     recording.done = True
     model, watch = recording.model, recording.watch
+    if watch.pending is recording:
+        watch.pending = None
     note = ("loss: not judged: the first step's loss ran under torch.compile (run the first step's loss eagerly, "
             "or give make_private the criterion)")
     previous = getattr(model, REPORT_ATTR, None)

@@ -87,7 +87,7 @@ class CompiledGraphModule(OpacusModelMethods, torch.fx.GraphModule):
         # before its forward runs (fxdp.runtime.structure): the graph's code calls what it was compiled with
         guard = self.__dict__.get(GUARD_ATTR)
         watch = self.__dict__.get(LOSS_WATCH_ATTR)
-        if watch is not None and watch.pending is not None:  # the loader's batch as probes: the graph gets tensors
+        if watch is not None and watch.pending is not None:  # a step in progress is probed: the graph gets tensors
             args, kwargs = plain(args, detach=False), plain(kwargs, detach=False)
         if guard is not None:
             run_eagerly(guard.before_forward, self, args, kwargs)  # (also under torch.compile)

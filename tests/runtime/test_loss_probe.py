@@ -252,3 +252,12 @@ def test_a_loss_torch_compile_traces_is_not_judged_and_says_so():
     assert net[0].weight.grad_sample.shape[0] == N
     assert any("not judged" in note for note in fxdp.report(dp).notes)
     assert type(dp(inputs("flat"))) is torch.Tensor  # the probe stepped aside
+
+
+def test_two_forwards_of_one_step_are_recorded_together():
+    dp = fxdp.compile_for_dp(model(), inputs("flat"))
+    x = inputs("flat")
+    first, second = dp(x), dp(x + 0.1)
+    assert first._fxdp_recording is second._fxdp_recording
+    with pytest.raises(fxdp.errors.SampleMixingError):  # the first view against every sample's second view
+        F.cross_entropy(first @ second.T, torch.arange(N)).backward()
