@@ -72,12 +72,11 @@ _FIX_NORMALISER = ("Give each sample's loss its own normaliser, then take the me
                    "reduction='sum' divided by a constant (the expected batch size).")
 
 
-def loss_name(node: torch.fx.Node, owner: Optional[nn.Module] = None) -> str:
-    """The op a node of a loss graph runs, as one word: ``"sum"``, ``"truediv"``, ``"cross_entropy"``."""
+def loss_name(node: torch.fx.Node) -> str:
+    """The op a node of a loss graph runs, as one word: ``"sum"``, ``"truediv"``, ``"cross_entropy"`` (a loss graph
+    calls no module: the recording sees functions, and the criterion's tracer traces into every module)."""
     if node.op == "call_method":
         return str(node.target)
-    if node.op == "call_module" and owner is not None:
-        return type(owner.get_submodule(node.target)).__name__
     target = node.target
     name = getattr(target, "__name__", None) or str(target)
     if hasattr(target, "_opname"):  # an ATen op
