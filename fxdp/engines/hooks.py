@@ -468,7 +468,8 @@ class GradSampleModule(GradSampleModuleBase):
                     raise self._refused(SampleMixingError(
                         [selfcheck.finding("<model>", name, Kind.MIXES_SAMPLES, found,
                                            "make each sample's computation read only its own data (no statistics "
-                                           "over the batch, no batch norm in training)", selfcheck.forward_location(model))],
+                                           "over the batch, no batch norm in training)",
+                                           selfcheck.forward_location(model))],
                         f"fxdp (hooks engine): {name} mixes samples, so it cannot be trained with DP-SGD; "
                         f"found on its first batch of {n} samples:"))
                 with self._recompute():

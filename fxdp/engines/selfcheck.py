@@ -262,7 +262,8 @@ def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: in
     was found, or None; why the test could not run, or None)."""
     n = bags.count(args) if bags is not None else batch_size_of(args, kwargs, batch_dim)
     if n is None or n < 2:
-        return None, Untested("the batch has fewer than two samples", "test the model on a batch of two samples or more")
+        return None, Untested("the batch has fewer than two samples",
+                              "test the model on a batch of two samples or more")
     with torch.no_grad():
         base = output_tensors(seeded(lambda: run(*args, **kwargs)), batch_dim)
         again = output_tensors(seeded(lambda: run(*args, **kwargs)), batch_dim)

@@ -134,8 +134,8 @@ class _Raw:
 class BatchDimInterpreter(torch.fx.Interpreter):
     """Runs the graph on fake tensors; records each node's batch layout and the findings."""
 
-    def __init__(self, gm: torch.fx.GraphModule, mode: Optional[FakeTensorMode], input_layouts: Dict[torch.fx.Node, Any],
-                 batch_size: int, home: BatchLayout, strict: bool):
+    def __init__(self, gm: torch.fx.GraphModule, mode: Optional[FakeTensorMode],
+                 input_layouts: Dict[torch.fx.Node, Any], batch_size: int, home: BatchLayout, strict: bool):
         super().__init__(gm)
         # our errors name the node and the user's line; torch's extra traceback would paste its own
         # frames into their message

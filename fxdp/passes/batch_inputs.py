@@ -256,8 +256,8 @@ def _refuse_shared_rows(placeholders, values, batch_dim: int, whole: Hypothesis,
     listed = ", ".join(repr(names[i]) for i in shared)
     raise BatchDimAnalysisError(
         f"fxdp batch_dim: cannot tell which inputs carry the batch. The inputs "
-        f"{_shapes(placeholders, values, sorted(group))} {'both' if len(group) == 2 else 'all'} have {n} row{'s' if n != 1 else ''} at "
-        f"dimension {batch_dim} (batch_dim). "
+        f"{_shapes(placeholders, values, sorted(group))} {'both' if len(group) == 2 else 'all'} have {n} "
+        f"row{'s' if n != 1 else ''} at dimension {batch_dim} (batch_dim). "
         f"Read as the batch, {why or 'they do not hold together'}; the model holds together only with {listed} "
         f"read as shared by all samples (the same for every sample), which fxdp never assumes of an input with "
         f"the batch's number of rows: if {listed} held one row per sample, that reading would give wrong "
