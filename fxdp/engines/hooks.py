@@ -577,9 +577,10 @@ class GradSampleModule(GradSampleModuleBase):
                 one_args, one_kwargs = (bags.sample(sub_args, sub_kwargs, i, dim) if bags is not None else
                                         selfcheck.sample_alone(sub_args, sub_kwargs, n, dim, i))
                 one = selfcheck.output_tensors(selfcheck.seeded(lambda: run(*one_args, **one_kwargs)), dim)[:1]
-                # (a padded sequence alone is as long as its own: the batch's padding past it has no gradient)
-                return sum((t * r.narrow(dim, i, 1)[tuple(slice(0, s) for s in t.shape)]).sum()
-                           for t, r in zip(one, projections))
+                # sample i's rows of the projection where the output holds them; a padded sequence alone is as long
+                # as its own (the batch's padding past it has no gradient)
+                rows = [r.narrow(selfcheck.output_batch_dim(r, n, dim), i, 1) for r in projections]
+                return sum((t * r[tuple(slice(0, s) for s in t.shape)]).sum() for t, r in zip(one, rows))
 
             with self._recompute():
                 alone = selfcheck.batch_of_one_gradients(loss_alone, named, k)

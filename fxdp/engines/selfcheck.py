@@ -127,6 +127,14 @@ def _is_batched(t: Any, n: int, batch_dim: int) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() > batch_dim and t.shape[batch_dim] == n
 
 
+def output_batch_dim(t: torch.Tensor, n: int, batch_dim: int) -> Optional[int]:
+    """Where an output holds one row per sample: ``batch_dim``, or dimension 0 (a time-major model's ``(N, C)``
+    classifier output); None where neither has the batch's ``n`` rows."""
+    if _is_batched(t, n, batch_dim):
+        return batch_dim
+    return 0 if _is_batched(t, n, 0) else None
+
+
 def _is_packed(t: Any) -> bool:
     return isinstance(t, PackedSequence)
 
@@ -281,7 +289,7 @@ def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: in
                     f"output #{k} has shape (), without the batch ({n} samples) in dimension {batch_dim}",
                     "return per-sample outputs (one row per sample) and compute the loss outside the model (call a "
                     "Hugging Face model without labels), " + _TRACEABLE)
-            if not _is_batched(t, n, batch_dim):
+            if output_batch_dim(t, n, batch_dim) is None:
                 return None, Untested(
                     f"output #{k} has shape {tuple(t.shape)}, without the batch ({n} samples) in dimension {batch_dim}",
                     f"return one row per sample in dimension {batch_dim} of every output (compute the loss outside "
@@ -312,7 +320,8 @@ def cross_sample_dependence(run: Callable[..., Any], args, kwargs, batch_dim: in
                     "input changed"), None
         others = torch.ones(n, dtype=torch.bool)
         others[j] = False
-        a_rest, b_rest = a.movedim(batch_dim, 0)[others], b.movedim(batch_dim, 0)[others]
+        d = output_batch_dim(a, n, batch_dim)
+        a_rest, b_rest = a.movedim(d, 0)[others], b.movedim(d, 0)[others]
         tol = 1e-6 * (1 + a_rest.abs().max().item()) if a_rest.numel() else 0.0
         # one row per other sample, whatever the output's rank (a (N,) output has no dimension 1)
         moved = (a_rest - b_rest).abs().reshape(n - 1, -1).amax(1) if a_rest.numel() else torch.zeros(0)

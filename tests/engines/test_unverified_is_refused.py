@@ -464,3 +464,27 @@ def test_the_ew_engine_refuses_a_batch_of_graphs_before_backward():
                                                    "#0 has shape \\(4, 3\\), without the batch \\(22 samples\\)"):
         compiled(*graph_batch())
     assert model.l1.weight.grad is None and getattr(model.l1.weight, "grad_sample", None) is None
+
+
+def test_a_time_major_model_with_a_batch_first_output_is_verified():
+    """Tokens (T, N) in, one row per sample out ((N, C), as a classifier pools over time): the output holds the
+    batch at dimension 0, not at the engine's batch_first=False dimension 1, and is verified there."""
+    class PooledOverTime(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.fc = nn.Embedding(20, 6), nn.Linear(6, 3)
+
+        def forward(self, tokens):
+            return self.fc(self.emb(tokens)).mean(0)
+
+    torch.manual_seed(0)
+    model = PooledOverTime().double()
+    tokens = torch.randint(0, 20, (7, 4))
+    engine = GradSampleModule(model, batch_first=False, loss_reduction="sum")
+    engine(tokens).sum().backward()
+    assert engine.verification.startswith("verified on a batch of 4")
+    rows = model.fc.weight.grad_sample.clone()
+    for i in range(4):
+        model.zero_grad()
+        model(tokens[:, i:i + 1]).sum().backward()
+        torch.testing.assert_close(rows[i], model.fc.weight.grad)
