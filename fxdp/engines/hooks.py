@@ -626,14 +626,18 @@ def fallback_self_check(model: nn.Module, example_inputs, batch_dim: int, strict
     run on a copy of the model: an error finding for what it refuses (the engine refuses it on the first batch
     too), a warning when the example inputs could not run the test. Under ``strict`` both are raised."""
     name, check = type(model).__name__, selfcheck.PASS_NAME
-    if example_inputs is None:
+
+    def unverified(message: str, fix: str) -> PassReport:  # raised under strict, else reported
         finding = Finding(check, "<model>", name, Kind.UNVERIFIED, Severity.ERROR if strict else Severity.WARNING,
-                          "the hooks fallback could not be verified: no example inputs to test the model on (the "
-                          "engine tests it on its first batch, and refuses it if it cannot verify it)",
-                          "give example inputs (fxdp inspect --input SHAPE)")
+                          message, fix)
         if strict:
             raise UnverifiedModelError([finding], "strict=True: the hooks fallback cannot be verified:")
-        return PassReport(selfcheck.PASS_NAME, findings=(finding,))
+        return PassReport(check, findings=(finding,))
+
+    if example_inputs is None:
+        return unverified("the hooks fallback could not be verified: no example inputs to test the model on (the "
+                          "engine tests it on its first batch, and refuses it if it cannot verify it)",
+                          "give example inputs (fxdp inspect --input SHAPE)")
     args, kwargs = ((), dict(example_inputs)) if isinstance(example_inputs, dict) else (
         ((example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)), {})
     try:  # a module that mixes samples in its mode (BatchNorm in training) is refused here, before any batch
@@ -652,13 +656,9 @@ def fallback_self_check(model: nn.Module, example_inputs, batch_dim: int, strict
     finally:
         engine.remove_hooks()
     if engine.verification == "not yet run":  # a batch of one (checked against its own gradient), or empty
-        finding = Finding(check, "<model>", name, Kind.UNVERIFIED, Severity.ERROR if strict else Severity.WARNING,
-                          "the hooks fallback could not be verified on the example inputs: they hold fewer than two "
+        return unverified("the hooks fallback could not be verified on the example inputs: they hold fewer than two "
                           "samples (the engine tests the model on its first batch of two or more)",
                           "give example inputs with two samples or more")
-        if strict:
-            raise UnverifiedModelError([finding], "strict=True: the hooks fallback cannot be verified:")
-        return PassReport(check, findings=(finding,))
     return PassReport(check, changes=(Finding(check, "<model>", name, Kind.NOTE, Severity.INFO, engine.verification),))
 
 
