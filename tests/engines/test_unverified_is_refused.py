@@ -156,16 +156,23 @@ def collate_graphs(samples):
     return nodes, batch, labels
 
 
-@pytest.mark.parametrize("poisson_sampling", [True, False])
-def test_make_private_refuses_a_batch_of_graphs_before_the_optimizer_changes_a_parameter(poisson_sampling):
+def private_graph_sum(**make_private_kwargs):
+    """GraphSum made private as a user does, with its parameters as they were: (model, before, what make_private
+    returned)."""
     torch.manual_seed(0)
     model = GraphSum()
     before = params_of(model)
     loader = DataLoader(Graphs(), batch_size=4, collate_fn=collate_graphs)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    private, optimizer, loader = fxdp.PrivacyEngine().make_private(
+    return model, before, fxdp.PrivacyEngine().make_private(
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=0.0, max_grad_norm=1.0,
-        poisson_sampling=poisson_sampling, loss_reduction="sum")
+        **make_private_kwargs)
+
+
+@pytest.mark.parametrize("poisson_sampling", [True, False])
+def test_make_private_refuses_a_batch_of_graphs_before_the_optimizer_changes_a_parameter(poisson_sampling):
+    model, before, (private, optimizer, loader) = private_graph_sum(poisson_sampling=poisson_sampling,
+                                                                    loss_reduction="sum")
     refused = graphs = 0
     for _ in range(3):
         for nodes, batch, labels in loader:
@@ -414,14 +421,7 @@ def test_a_packed_sequence_output_is_verified_as_its_padded_sequences():
 
 def test_the_hooks_on_the_model_itself_refuse_a_batch_of_graphs():
     """The model is called, not a wrapper: its own hooks read the batch size and test it (they used not to)."""
-    torch.manual_seed(0)
-    model = GraphSum()
-    before = params_of(model)
-    loader = DataLoader(Graphs(), batch_size=4, collate_fn=collate_graphs)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    hooks, optimizer, loader = fxdp.PrivacyEngine().make_private(
-        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=0.0, max_grad_norm=1.0,
-        poisson_sampling=False, wrap_model=False)
+    model, before, (hooks, optimizer, loader) = private_graph_sum(poisson_sampling=False, wrap_model=False)
     assert isinstance(hooks, fxdp.engines.GradSampleHooks)
     for nodes, batch, labels in loader:
         with pytest.raises(UnverifiedModelError, match="could not verify GraphSum on its first batch"):
