@@ -53,7 +53,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fxdp.optim.extension_points import OpacusExtensionPoints
-from fxdp.optim.step_checks import StepChecks
+from fxdp.optim.step_checks import StepChecks, stacked_norms
 from fxdp.optim.noise import add_gaussian_noise_all_
 from fxdp.sinks.contract import (LOSS_REDUCTIONS, GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError,
                                  wide)
@@ -389,10 +389,11 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         if not norms:
             self._check_a_batch_was_seen(params)
         rows = self._check_rows(norms)
-        self._check_not_negative(norms)
-        dropped = self._drop_non_finite(norms, rows)
+        stacked = stacked_norms(norms)
+        self._check_not_negative(norms, stacked)
+        dropped = self._drop_non_finite(norms, rows, stacked)
         self._check_every_gradient_is_per_sample(params, norms, rows)
-        factors = self._clip_factors(norms) if norms else {}
+        factors = self._clip_factors(norms, stacked) if norms else {}
         if dropped is not None:  # (their factor C / (inf + eps) would be 0, or NaN: 0 either way)
             factors = {p: c.masked_fill(dropped.to(c.device), 0.0) for p, c in factors.items()}
         self._dropped_samples = dropped is not None
@@ -412,11 +413,13 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         for p in params:
             p.grad = None
 
-    def _clip_factors(self, norms: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
+    def _clip_factors(self, norms: Dict[nn.Parameter, torch.Tensor],
+                      stacked: Optional[torch.Tensor] = None) -> Dict[nn.Parameter, torch.Tensor]:
+        """One factor per sample and parameter; ``stacked``: the norms as :func:`stacked_norms` gives them."""
         if self.clipping == "per_layer":
             return {p: (self._bound(p) / (wide(sq).sqrt() + _EPS)).clamp(max=1.0) for p, sq in norms.items()}
         device = next(iter(norms.values())).device
-        total = sum(wide(sq).to(device) for sq in norms.values())
+        total = stacked.sum(0) if stacked is not None else sum(wide(sq).to(device) for sq in norms.values())
         factor = (self._max_grad_norm / (total.sqrt() + _EPS)).clamp(max=1.0)
         return {p: factor.to(sq.device) for p, sq in norms.items()}
 

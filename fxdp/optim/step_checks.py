@@ -16,6 +16,21 @@ from torch import nn
 from fxdp.sinks.contract import NonFiniteSampleWarning, StepRefusedError, wide
 
 
+def stacked_norms(norms: Dict[nn.Parameter, torch.Tensor]) -> Optional[torch.Tensor]:
+    """Every parameter's per-sample squared norms as one ``(P, N)`` tensor in at least float32, so that the checks
+    and the clip factors are a few kernels for all parameters, not a few per parameter; ``None`` where there are
+    none or they differ in rows or device (then each is read alone)."""
+    if not norms:
+        return None
+    first = next(iter(norms.values()))
+    if any(sq.shape != first.shape or sq.device != first.device for sq in norms.values()):
+        return None
+    dtype = torch.float32
+    for sq in norms.values():
+        dtype = torch.promote_types(dtype, sq.dtype)
+    return torch.stack([sq.to(dtype) for sq in norms.values()])
+
+
 class StepChecks:
     """Mixed into :class:`~fxdp.optim.dp_optimizer.DPOptimizer` (which supplies the sink, the settings, the
     logical-batch bookkeeping and ``_name``)."""
@@ -99,22 +114,29 @@ class StepChecks:
                 "tells the optimizer when a batch is empty"
             )
 
-    def _check_not_negative(self, norms: Dict[nn.Parameter, torch.Tensor]) -> None:
-        if any(sq.numel() for sq in norms.values()) and bool(
-                torch.stack([sq.amin() for sq in norms.values() if sq.numel()]).lt(0).any()):
+    def _check_not_negative(self, norms: Dict[nn.Parameter, torch.Tensor],
+                            stacked: Optional[torch.Tensor] = None) -> None:
+        if stacked is not None:  # (P, N): one check for all
+            negative = stacked.numel() > 0 and bool(stacked.amin() < 0)
+        else:
+            negative = any(sq.numel() for sq in norms.values()) and bool(
+                torch.stack([sq.amin() for sq in norms.values() if sq.numel()]).lt(0).any())
+        if negative:
             p = next(p for p, sq in norms.items() if bool(sq.lt(0).any()))
             raise StepRefusedError(f"fxdp: the gradient sink gave parameter '{self._name(p)}' a negative squared "
                                  "per-sample norm; its clip factor would be NaN. This is a bug in the sink: please "
                                  "report it")
 
-    def _drop_non_finite(self, norms: Dict[nn.Parameter, torch.Tensor], rows: int) -> Optional[torch.Tensor]:
+    def _drop_non_finite(self, norms: Dict[nn.Parameter, torch.Tensor], rows: int,
+                         stacked: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """The samples whose per-sample gradient is not finite (inf or NaN, or too large to square), as a bool
         ``(N,)``, or None when there are none. They are dropped: the sink zeroes their records, so each
         contributes nothing, as if clipped to 0. That keeps the step private (every sample still adds at most C;
         an inf or NaN in the sum would show, through the noise, which coordinates that sample reached), and the
         step goes on, with a warning naming the parameter and the sample. A sink that cannot drop samples makes
         it a refused step."""
-        if not norms or bool(torch.isfinite(torch.stack([wide(sq).sum() for sq in norms.values()])).all()):
+        if not norms or (bool(torch.isfinite(stacked).all()) if stacked is not None else
+                         bool(torch.isfinite(torch.stack([wide(sq).sum() for sq in norms.values()])).all())):
             return None  # one check for the common case
         device = next(iter(norms.values())).device
         dropped = torch.zeros(rows, dtype=torch.bool, device=device)

@@ -103,6 +103,12 @@ def _tensor_layouts(site: PerSampleSite, leaves: List[Any]) -> List[BatchLayout]
     return layouts
 
 
+def _trainable_parameter(leaf) -> bool:
+    """``isinstance(leaf, nn.Parameter) and leaf.requires_grad``, answered without Parameter's own
+    ``__instancecheck__`` (Python, a microsecond per call) for the usual leaf, a plain tensor."""
+    return type(leaf) is not torch.Tensor and isinstance(leaf, nn.Parameter) and leaf.requires_grad
+
+
 def _output_tensors(out) -> List[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]
@@ -225,7 +231,7 @@ def dp_aware_layer(module: nn.Module, site: PerSampleSite, n: int, *args, **kwar
     layouts = _tensor_layouts(site, leaves)
     leaves, layouts = _expand_broadcast(leaves, layouts, n)
     args, kwargs = rebuild(leaves)
-    arg_params = [i for i, leaf in enumerate(leaves) if isinstance(leaf, nn.Parameter) and leaf.requires_grad]
+    arg_params = [i for i, leaf in enumerate(leaves) if _trainable_parameter(leaf)]
     trainable = trainable_parameters(module)
     if not arg_params and n > 0 and trainable and recurrent_rule_applies(module):
         out = _recurrent_call(module, site, n, leaves, layouts, args, kwargs)
@@ -246,7 +252,8 @@ def dp_aware_layer(module: nn.Module, site: PerSampleSite, n: int, *args, **kwar
         return out
     out_layouts = _out_layouts(site, len(outputs))
 
-    if find_grad_sampler(module) is not None and len(outputs) == 1 and not arg_params:
+    rule = find_grad_sampler(module)
+    if rule is not None and len(outputs) == 1 and not arg_params:
         # hand-written rule: it sees batch-first activations and backprops
         activations = [
             lay.to_batch_first(t.detach(), n) for t, lay in zip(leaves, layouts) if isinstance(t, torch.Tensor)
@@ -262,7 +269,8 @@ def dp_aware_layer(module: nn.Module, site: PerSampleSite, n: int, *args, **kwar
             # into its norms and clip factors saves a copy of G (see LayerCapture)
             backprops = out_layouts[0].to_batch_first(grads[0], n)
             _deliver(site, layer_capture(module, activations, backprops, batch_size=n,
-                                         backprops_scale=summed_loss_scale(site.loss_reduction, n)), forward)
+                                         backprops_scale=summed_loss_scale(site.loss_reduction, n),
+                                         params=tuple(trainable.values()), rule=rule), forward)
 
     else:
         # generic rule: the layer as a function of its parameters, each sample alone

@@ -15,6 +15,8 @@ from fxdp.grad_sample.generic import AutocastState, generic_grad_sampler, under_
 from fxdp.grad_sample.registry import find_grad_sampler
 from fxdp.sinks.contract import LayerCapture
 
+_LOOK_UP = object()  # layer_capture's rule argument when not given: look the layer's rule up
+
 
 def layer_capture(
     module: nn.Module,
@@ -28,6 +30,8 @@ def layer_capture(
     backprops_scale: float = 1.0,
     autocast: Optional[AutocastState] = None,
     out_batch_dim: Optional[int] = None,
+    params: Optional[tuple] = None,
+    rule: Any = _LOOK_UP,
 ) -> LayerCapture:
     """What a layer hands its model's sink: ``activations`` and ``backprops`` are batch first, the
     backprops those of a summed loss once multiplied by ``backprops_scale`` (left to the capture: see
@@ -36,8 +40,10 @@ def layer_capture(
     the generic rule's thunk, which re-runs each sample with the batch at ``batch_dim`` (the layer's own
     layout; its output's at ``out_batch_dim`` when that differs), under ``autocast`` (the autocast settings of the
     layer's forward, see :func:`~fxdp.grad_sample.generic.autocast_state`). A hand-written rule sees
-    half-precision A and G in float32 (:func:`float32_if_half`)."""
-    params = tuple(trainable_parameters(module).values())
+    half-precision A and G in float32 (:func:`float32_if_half`). ``params`` (the layer's trainable parameters) and
+    ``rule`` (its per-sample rule, or ``None``), where the caller has looked them up already for this call."""
+    if params is None:
+        params = tuple(trainable_parameters(module).values())
     if batch_size == 0:  # an empty batch (Poisson sampling): no rows; rules' reshape(n, -1) cannot take it
         return LayerCapture(0, lambda: {p: p.new_zeros((0, *p.shape)) for p in params}, params=params)
 
@@ -50,7 +56,7 @@ def layer_capture(
             return {p: g * backprops_scale for p, g in compute(backprops).items()}
         return compute(backprops * backprops_scale)
 
-    rule = None if generic else find_grad_sampler(module)
+    rule = None if generic else find_grad_sampler(module) if rule is _LOOK_UP else rule
     if rule is not None:
         activations = [float32_if_half(a) for a in activations]
         backprops = float32_if_half(backprops)

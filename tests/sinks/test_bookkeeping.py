@@ -481,7 +481,7 @@ def test_the_gram_of_g_is_formed_as_g_is_delivered_except_where_two_projections_
 
 def test_layers_without_a_fast_call_are_called_as_usual():
     sink = BookkeepingSink()
-    assert call_without_param_grads(sink, nn.LayerNorm(3), (torch.randn(2, 3),), {}) is None
+    assert call_without_param_grads(sink, nn.GroupNorm(1, 3), (torch.randn(2, 3),), {}) is None
     assert call_without_param_grads(sink, nn.Embedding(4, 2, max_norm=1.0), (torch.tensor([[1]]),), {}) is None
 
     class Shifted(nn.Linear):
@@ -493,6 +493,21 @@ def test_layers_without_a_fast_call_are_called_as_usual():
         assert call_without_param_grads(sink, nn.Linear(3, 2), (torch.randn(2, 3),), {}) is None
     # a sink that forms no parameter gradient itself runs every layer as usual
     assert call_without_param_grads(GradSampleSink(), nn.Linear(3, 2), (torch.randn(2, 3),), {}) is None
+
+
+def test_a_layer_norm_runs_with_input_gradients_only():
+    sink, norm = BookkeepingSink(), nn.LayerNorm(3, eps=1e-3).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-1, 1)
+    x = torch.randn(2, 4, 3, dtype=torch.float64, requires_grad=True)
+    out = call_without_param_grads(sink, norm, (x,), {})
+    torch.testing.assert_close(out, norm(x))
+    g = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, x, g, retain_graph=True)
+    torch.testing.assert_close(grad, torch.autograd.grad(norm(x), x, g)[0])
+    out.backward(g)
+    assert norm.weight.grad is None and norm.bias.grad is None
 
 
 def test_the_sink_survives_deepcopy_with_its_method_and_nothing_recorded():

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fxdp.grad_sample.linear import linear_grad_sample
+from fxdp.sinks.bookkeeping.lanes import GradSampleLane, LaneGradSamples, LaneMember, OuterLane, small
 from fxdp.sinks.bookkeeping.registry import LayerBookkeeping, LayerPlan, pick, register_bookkeeping
 from fxdp.sinks.bookkeeping.uses import Summed, Use
 
@@ -25,8 +26,9 @@ class LinearWeight(Use):
 
     def __init__(self, a: torch.Tensor, g: torch.Tensor, method: str, scale: float = 1.0):
         n = g.shape[0]
-        self.a = a.reshape(n, -1, a.shape[-1]).to(g.dtype)
-        self.g = g.reshape(n, -1, g.shape[-1])
+        a = a if a.dim() == 3 else a.reshape(n, -1, a.shape[-1])  # (the checks spare a small layer two kernels)
+        self.a = a if a.dtype == g.dtype else a.to(g.dtype)
+        self.g = g if g.dim() == 3 else g.reshape(n, -1, g.shape[-1])
         self.method, self.scale = method, scale
         self.batch_size = n
         self.g_blocks: Optional[List[torch.Tensor]] = None  # G's Gram blocks, if formed already (see gram_of_g)
@@ -70,6 +72,15 @@ class LinearWeight(Use):
         c = (c * self.scale).to(g.dtype).view(where)
         a, g = (a * c, g) if a.shape[-1] <= g.shape[-1] else (a, g * c)
         return g.flatten(0, 1).t().mm(a.flatten(0, 1))
+
+
+class LaneLinearWeight(LaneMember, LinearWeight):
+    """A small Linear weight on ``(N, d)`` inputs (outer), its norm and clipped sum formed with the others of its
+    lane (:class:`~fxdp.sinks.bookkeeping.lanes.OuterLane`)."""
+
+    def __init__(self, lane: OuterLane, a: torch.Tensor, g: torch.Tensor, scale: float):
+        super().__init__(a, g, "outer", scale)
+        lane.join(self)
 
 
 def gram_dot(a_k, a_l, g_k, g_l) -> torch.Tensor:
@@ -123,11 +134,23 @@ class LinearBookkeeping(LayerBookkeeping):
 
     def uses(self, captured, sink):
         out = {}
+        a, g, scale = captured.a, captured.g, captured.scale
+        # small layers on (N, d): formed with the others alike in one batched kernel (see lanes.py)
+        laned = captured.method == "outer" and small(a, g)
         for p in captured.params:
             if p is captured.module.bias:  # summed over the middle positions (G itself on (N, p))
-                out[p] = Summed(sink.bias_sum(captured.g), captured.scale)
+                if laned:
+                    lane = sink.lane(("bias", g.shape[0], p.shape, g.dtype, g.device, scale),
+                                     lambda: GradSampleLane(scale))
+                    out[p] = LaneGradSamples(lane, g.shape[0], p.shape, own=sink.bias_sum(g))
+                else:
+                    out[p] = Summed(sink.bias_sum(g), scale)
                 continue
-            out[p] = LinearWeight(captured.a, captured.g, captured.method, captured.scale)
+            if laned:
+                lane = sink.lane(("outer", a.shape, g.shape, g.dtype, g.device, scale), lambda: OuterLane(scale))
+                out[p] = LaneLinearWeight(lane, a, g, scale)
+                continue
+            out[p] = LinearWeight(a, g, captured.method, scale)
             if self.gram_on_delivery:
                 out[p].gram_of_g()
         return out

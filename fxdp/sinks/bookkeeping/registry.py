@@ -86,6 +86,10 @@ class LayerBookkeeping:
     #: ``None``: :meth:`applies` decides alone.
     rule: Optional[Callable] = None
 
+    #: a registration whose plan is ``materialise`` still has :meth:`uses` called, which may form the per-sample
+    #: gradients of small layers together with others alike (:mod:`~fxdp.sinks.bookkeeping.lanes`)
+    forms_small_together: bool = False
+
     def applies(self, module: nn.Module) -> bool:
         """Whether this registration describes ``module`` (its class is served already)."""
         rule = type(self).rule  # (read from the class: the plain function, not a method bound to self)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fxdp.diagnostics.errors import PerSampleError
+from fxdp.sinks.bookkeeping.lanes import clipped_sums_in_lanes
 from fxdp.sinks.bookkeeping.plans import plan_with
 from fxdp.sinks.bookkeeping.registry import Captured, LayerPlan, find_bookkeeping
 from fxdp.sinks.bookkeeping.shared import (clipped_sums_of_shared_g, ghost_groups, shared_ghost_norms,
@@ -52,6 +53,7 @@ class BookkeepingSink(GradientSink):
         self._pending: Dict[int, Dict[nn.Parameter, List[Use]]] = {}  # graph task -> uses in that pass
         self._pending_calls: Dict[int, Dict[int, int]] = {}  # graph task -> forward call -> its batch size
         self._segments: Dict[nn.Parameter, Segment] = {}  # each parameter's record of this step
+        self._lanes: Dict[int, dict] = {}  # graph task -> lanes of that pass (small uses formed together, lanes.py)
         self._step = StepCalls()
 
     # Layers it can book-keep run without their weight gradient in backward (only input gradients
@@ -96,7 +98,9 @@ class BookkeepingSink(GradientSink):
         if module is not None:
             self.plans[module] = plan
         params = tuple(p for p in capture.params if p.requires_grad)
-        if plan.method == "materialise" or _uncovered(registration, module, params):
+        # a materialising registration may still form the per-sample gradients of small layers together (lanes.py)
+        together = plan.method == "materialise" and registration is not None and registration.forms_small_together
+        if (plan.method == "materialise" and not together) or _uncovered(registration, module, params):
             return _materialised(capture, module)
         # norms and clipped sums in at least float32 (see wide); A and G of hand-written rules come widened already
         a, g_raw = wide(acts[0].detach()), wide(unscaled.detach())
@@ -114,6 +118,16 @@ class BookkeepingSink(GradientSink):
                 # now (A and G are freed as backward goes on) and clip by a weighted sum, not a product
                 out[p] = Materialised(use.grad_samples())
         return out
+
+    def lane(self, key: tuple, make):
+        """The lane of the running backward pass for uses alike by ``key`` (:mod:`~fxdp.sinks.bookkeeping.lanes`),
+        made by ``make()`` where there is none open."""
+        with self._lock:
+            lanes = self._lanes.setdefault(torch._C._current_graph_task_id(), {})
+            lane = lanes.get(key)
+            if lane is None or lane.closed:
+                lane = lanes[key] = make()
+            return lane
 
     def bias_sum(self, g: torch.Tensor) -> torch.Tensor:
         """A Linear bias's per-sample gradient, G summed over the middle positions; the same tensor for a G
@@ -146,6 +160,7 @@ class BookkeepingSink(GradientSink):
         with self._lock:
             pending = self._pending.pop(task, {})
             calls = self._pending_calls.pop(task, {})
+            self._lanes.pop(task, None)  # its members hold them: no more joins
         self._last_bias_sum = None
         within = batch_size_problem(calls.values())
         if within is not None:  # one pass over batches of several sizes: no row is one sample's
@@ -191,6 +206,7 @@ class BookkeepingSink(GradientSink):
         with torch.no_grad():
             uses = self._uses_with_factors(params, factors)
             shared = clipped_sums_of_shared_g(uses)
+            clipped_sums_in_lanes(uses, skip=shared)
             sums = {p: _clipped_sum(uses[p], shared) for p in params if uses.get(p)}
         return {p: s.reshape(p.shape) for p, s in sums.items()}
 
@@ -207,6 +223,7 @@ class BookkeepingSink(GradientSink):
         with torch.no_grad():
             uses = self._uses_with_factors(params, factors)
             shared = clipped_sums_of_shared_g(uses)
+            clipped_sums_in_lanes(uses, skip=shared)
             for p in reversed(params):
                 if uses.get(p):
                     out[p] = _clipped_sum(uses.pop(p), shared).reshape(p.shape)

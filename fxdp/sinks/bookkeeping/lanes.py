@@ -1,0 +1,231 @@
+"""Lanes: the small uses of one backward pass that are alike (same kind, shapes, dtype and loss scale), whose
+per-sample norms and clipped sums are formed for all of them at once.
+
+A small layer's arithmetic takes a few microseconds; the step's time is then the fixed cost of one small kernel
+after another, per layer. A lane stacks its members' tensors and forms what each needs in one batched kernel:
+sixteen ``Linear(32, 32)`` layers on ``(N, 32)`` inputs have their norms from two reductions over ``(16, N, 32)``
+stacks, their clipped sums from one ``bmm``, where each layer alone took its own. The results are the same
+numbers (each member's row of the batched result is computed as that member alone would compute it).
+
+Members join a lane as the sink forms their uses (:meth:`Lane.join`); the lane computes on the first request,
+for every member still in it. A member whose rows are dropped (:meth:`~fxdp.sinks.bookkeeping.uses.Use.drop_samples`)
+leaves its lane and is computed alone, from its own tensors. Clipped sums are formed together only for members
+given the very same factors tensor (flat clipping gives every parameter one): :func:`clipped_sums_in_lanes`
+forms them before the sink asks each use, and a use answers from that result when asked with those factors.
+
+Only small uses join (:data:`SMALL`): for large layers one kernel per layer is the cost of the arithmetic, and a
+stack would copy large tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from fxdp.sinks.bookkeeping.uses import Materialised, Use
+
+#: a use joins a lane when each of its tensors holds at most this many elements
+SMALL = 1 << 16
+
+
+def small(*tensors: torch.Tensor) -> bool:
+    return all(t.numel() <= SMALL for t in tensors)
+
+
+class Lane:
+    """Alike uses of one backward pass. A subclass says how to stack its members (:meth:`stacks`) and how to
+    form norms and clipped sums from the stacks (:meth:`batched_norms`, :meth:`batched_clipped_sums`)."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+        self.members: List["LaneMember"] = []
+        self._norms: Optional[torch.Tensor] = None
+        self._stacks: Optional[Tuple[Tuple[int, ...], tuple]] = None  # (member indices, stacks), kept for the sums
+
+    @property
+    def closed(self) -> bool:
+        """Norms formed: no member may join any more (the sink opens a new lane)."""
+        return self._norms is not None
+
+    def join(self, use: "LaneMember") -> "LaneMember":
+        use.lane, use.lane_index = self, len(self.members)
+        self.members.append(use)
+        return use
+
+    def present(self) -> List["LaneMember"]:
+        return [m for m in self.members if m.lane is self]
+
+    def _stacked(self, members: List["LaneMember"]) -> tuple:
+        key = tuple(m.lane_index for m in members)
+        if self._stacks is None or self._stacks[0] != key:
+            self._stacks = (key, self.stacks(members))
+        return self._stacks[1]
+
+    def norms_of(self, use: "LaneMember") -> torch.Tensor:
+        if self._norms is None:
+            everyone = self.members  # all joined by now: norms are read once the backward pass has ended
+            self._norms = self.batched_norms(self._stacked(everyone))
+        return self._norms[use.lane_index]
+
+    def clipped_sums(self, members: List["LaneMember"], c: torch.Tensor) -> torch.Tensor:
+        """``(len(members), ...)``: each member's clipped sum under the factors ``c`` (one per sample)."""
+        out = self.batched_clipped_sums(self._stacked(members), c)
+        self._stacks = None  # the sums are the last use of the stacks
+        return out
+
+    # -- a lane kind's own arithmetic ------------------------------------------------------------------------
+
+    def stacks(self, members: List["LaneMember"]) -> tuple:
+        raise NotImplementedError
+
+    def batched_norms(self, stacks: tuple) -> torch.Tensor:  # (L, N)
+        raise NotImplementedError
+
+    def batched_clipped_sums(self, stacks: tuple, c: torch.Tensor) -> torch.Tensor:  # (L, *shape)
+        raise NotImplementedError
+
+
+class LaneMember(Use):
+    """What a use in a lane adds to its own class: norms from the lane, a clipped sum formed with the lane's
+    when asked with the factors it was formed for, and leaving the lane when its rows change."""
+
+    lane: Optional[Lane] = None
+    lane_index: int = 0
+    _clipped: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (factors, this use's clipped sum under them)
+
+    def squared_norms(self) -> torch.Tensor:
+        if self.lane is None:
+            return super().squared_norms()
+        return self.lane.norms_of(self)
+
+    def clipped_sum(self, c: torch.Tensor) -> torch.Tensor:
+        formed, self._clipped = self._clipped, None
+        if formed is not None and formed[0] is c:
+            return formed[1]
+        return super().clipped_sum(c)
+
+    def drop_samples(self, dropped: torch.Tensor) -> None:
+        self.lane, self._clipped = None, None  # computed alone from now on, from its own (masked) tensors
+        super().drop_samples(dropped)
+
+
+def clipped_sums_in_lanes(uses: Dict[object, List[tuple]], skip=()) -> None:
+    """Form together the clipped sums of the lane members among ``uses`` (``{p: [(use, factors), ...]}``, as the
+    sink passes them to each use's ``clipped_sum``) that share a lane and the same factors tensor; each keeps its
+    result until asked. ``skip``: ids of uses whose sums are formed another way."""
+    groups: Dict[Tuple[int, int], Tuple[Lane, torch.Tensor, List[LaneMember]]] = {}
+    for pairs in uses.values():
+        for use, c in pairs:
+            lane = getattr(use, "lane", None)
+            if lane is not None and id(use) not in skip:
+                groups.setdefault((id(lane), id(c)), (lane, c, []))[2].append(use)
+    for lane, c, members in groups.values():
+        if len(members) < 2:
+            continue
+        members.sort(key=lambda m: m.lane_index)
+        for member, total in zip(members, lane.clipped_sums(members, c)):
+            member._clipped = (c, total)
+
+
+# -- the lane kinds ---------------------------------------------------------------------------------------------
+
+
+class OuterLane(Lane):
+    """Linear weights on ``(N, d)`` inputs: per-sample gradient ``g_i a_i^T``, norm ``|a_i|^2 |g_i|^2``."""
+
+    def stacks(self, members):
+        return torch.stack([m.a for m in members]), torch.stack([m.g for m in members])  # (L, N, 1, d), (L, N, 1, p)
+
+    def batched_norms(self, stacks):
+        a, g = stacks
+        return a.square().sum((2, 3)) * g.square().sum((2, 3)) * self.scale ** 2
+
+    def batched_clipped_sums(self, stacks, c):
+        a, g = (s.flatten(1, 2) for s in stacks)  # (L, N, d), (L, N, p)
+        c = (c * self.scale).to(g.dtype).view(1, -1, 1)
+        a, g = (a * c, g) if a.shape[-1] <= g.shape[-1] else (a, g * c)
+        return torch.bmm(g.transpose(1, 2), a)
+
+
+class GradSampleLane(Lane):
+    """Per-sample gradients small enough to be formed (a bias, a norm layer's weight and bias): a stack
+    ``(L, N, k)`` of them, made by ``stack`` (from the members', or by a batched rule)."""
+
+    def __init__(self, scale: float, stack: Optional[Callable[[], torch.Tensor]] = None):
+        super().__init__(scale)
+        self._make = stack
+
+    def stacks(self, members):
+        if self._make is not None and len(members) == len(self.members):
+            return (self._make().flatten(2),)
+        return (torch.stack([m.unscaled().flatten(1) for m in members]),)
+
+    def batched_norms(self, stacks):
+        return stacks[0].square().sum(2) * self.scale ** 2
+
+    def batched_clipped_sums(self, stacks, c):
+        return torch.matmul((c * self.scale).to(stacks[0].dtype), stacks[0])  # (N,) @ (L, N, k) -> (L, k)
+
+
+class LaneGradSamples(LaneMember, Materialised):
+    """A per-sample gradient in a :class:`GradSampleLane`: ``scale *`` its row of the lane's stack, or of
+    ``own`` (a bias's G summed, or the row handed over when it leaves its lane)."""
+
+    def __init__(self, lane: GradSampleLane, batch_size: int, shape: torch.Size, own: Optional[torch.Tensor] = None,
+                 row: Optional[Callable[[], torch.Tensor]] = None):
+        self.batch_size, self.shape, self.scale = batch_size, shape, lane.scale
+        self._own, self._row = own, row
+        lane.join(self)
+
+    def unscaled(self) -> torch.Tensor:
+        if self._own is None:
+            self._own = self._row()
+        return self._own
+
+    @property
+    def gs(self) -> torch.Tensor:
+        gs = self.unscaled().reshape(self.batch_size, *self.shape)
+        return gs * self.scale if self.scale != 1.0 else gs
+
+    def drop_samples(self, dropped: torch.Tensor) -> None:
+        own = self.unscaled()
+        self.lane, self._clipped = None, None
+        self._own = own.masked_fill(dropped.to(own.device).view(-1, *[1] * (own.dim() - 1)), 0)
+
+
+class LayerNormLane:
+    """LayerNorms of one shape and ``eps``: their inputs and output gradients stacked, ``x_hat`` recomputed by one
+    ``layer_norm`` over the stack, weight and bias per-sample gradients summed for all (the layer's rule, batched),
+    each a :class:`GradSampleLane` of its own."""
+
+    def __init__(self, normalized_shape, eps: float, scale: float):
+        self.normalized_shape, self.eps = tuple(normalized_shape), eps
+        self.xs: List[torch.Tensor] = []
+        self.gs: List[torch.Tensor] = []
+        self._result: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self.weights = GradSampleLane(scale, lambda: self.result()[0])
+        self.biases = GradSampleLane(scale, lambda: self.result()[1])
+
+    @property
+    def closed(self) -> bool:
+        return self._result is not None or self.weights.closed or self.biases.closed
+
+    def add(self, x: torch.Tensor, g: torch.Tensor) -> int:
+        self.xs.append(x)
+        self.gs.append(g)
+        return len(self.xs) - 1
+
+    def result(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self._result is None:
+            x, g = torch.stack(self.xs), torch.stack(self.gs)
+            x_hat = F.layer_norm(x.to(g.dtype), self.normalized_shape, eps=self.eps)
+            l, n, k = g.shape[0], g.shape[1], len(self.normalized_shape)
+            trailing = g.shape[g.dim() - k:]
+            self._result = ((g * x_hat).reshape(l, n, -1, *trailing).sum(2), g.reshape(l, n, -1, *trailing).sum(2))
+            self.xs, self.gs = [], []
+        return self._result
+
+    def row(self, which: int, index: int) -> Callable[[], torch.Tensor]:
+        return lambda: self.result()[which][index]
