@@ -269,6 +269,9 @@ class DPDataLoader(DataLoader):
         num_samples = len(dataset)
         if num_samples == 0:
             raise ValueError("DPDataLoader needs a non-empty dataset")
+        if distributed and padded_batches:
+            raise ValueError("fxdp: padded_batches is not supported with distributed=True yet (each rank would pad "
+                             "its own share); pass padded_batches=False")
         if steps is None:
             steps = round(1.0 / sample_rate)
         rank, world_size = 0, 1
@@ -281,9 +284,6 @@ class DPDataLoader(DataLoader):
         batch_sampler = PoissonBatchSampler(
             num_samples, sample_rate, steps, generator=generator, rank=rank, world_size=world_size
         )
-        if distributed and padded_batches:
-            raise ValueError("fxdp: padded_batches is not supported with distributed=True yet (each rank would pad "
-                             "its own share); pass padded_batches=False")
         # the base size of a padded batch (0: batches are not padded)
         self.padding_base = padding_base(padded_batches, num_samples, self.sample_rate)
         # (the empty batch of an unpadded loader is batch first, as it always was)
@@ -315,6 +315,11 @@ class DPDataLoader(DataLoader):
     def __iter__(self):
         batches = super().__iter__()
         if self.padding_base:
+            if self.batch_observer is None:
+                warnings.warn("fxdp: this DPDataLoader pads its batches (padded_batches) but no DP optimizer observes "
+                              "them, so nothing drops the padding rows: a model trained on these batches would take "
+                              "them for samples. Set loader.batch_observer = optimizer.observe_batch (make_private "
+                              "does), or build the loader without padded_batches", stacklevel=2)
             batches = self._unpadded_info(batches)
         batches = batches if self.batch_observer is None else self._observed(batches, self.batch_observer)
         return batches if self.batch_probe is None else map(self.batch_probe, batches)

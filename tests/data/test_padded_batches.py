@@ -116,6 +116,7 @@ def test_the_update_is_the_same_with_other_settings(case):
 
 def test_worker_processes_pad_too():
     loader = scripted(DPDataLoader(dataset(), sample_rate=0.2, padded_batches=16, num_workers=1), [[1, 4], []])
+    loader.batch_observer = lambda **told: None
     assert [(x.shape[0], loader.real_rows) for x, _ in loader] == [(16, 2), (16, 0)]
 
 
@@ -136,6 +137,7 @@ def test_padding_rows_are_zeros_whatever_the_data():
     batches = []
     for seed in (0, 1):
         loader = scripted(DPDataLoader(dataset(seed), sample_rate=0.2, padded_batches=16), [[1, 4], []])
+        loader.batch_observer = lambda **told: None
         batches.append([(x.clone(), y.clone(), loader.real_rows, loader.row_mask.clone()) for x, y in loader])
     for (x0, y0, real0, mask0), (x1, y1, real1, mask1) in zip(*batches):
         assert x0.shape == x1.shape == (16, FEATURES) and y0.shape == (16,)
@@ -172,6 +174,7 @@ def test_batch_second_layout_pads_dimension_one():
 
     loader = scripted(DPDataLoader(seqs, sample_rate=0.3, collate_fn=time_major, padded_batches=8, batch_first=False),
                       [[0, 2, 5], []])
+    loader.batch_observer = lambda **told: None
     (x, y), (e, f) = list(loader)
     assert x.shape == (4, 8, 3) and y.shape == (8,) and e.shape == (4, 8, 3)
     assert torch.equal(x[:, :3], torch.stack([seqs[i][0] for i in (0, 2, 5)], 1)) and not bool(x[:, 3:].any())
@@ -226,3 +229,37 @@ def test_what_padding_does_not_support_yet_is_refused():
     _, optimizer, loader = PrivacyEngine().make_private(**kwargs, padded_batches=True)
     with pytest.raises(ValueError, match="BatchMemoryManager cannot"):
         BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=optimizer)
+
+
+@pytest.mark.parametrize("mode", ["fx", "hooks", "ew", "functorch"])
+def test_real_rows_per_sample_gradients_are_those_of_the_unpadded_batch(mode):
+    grad_samples = []
+    for padded in (False, 16):
+        torch.manual_seed(0)
+        model = MLP().double()
+        module, optimizer, loader = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=DataLoader(dataset(), batch_size=8), noise_multiplier=0.7, max_grad_norm=1.4,
+            grad_sample_mode=mode, materialise_grad_sample=True, padded_batches=padded)
+        x, y = next(iter(scripted(loader, [[3, 7, 11]])))
+        F.cross_entropy(module(x), y).backward()  # the mean over the 16 rows of the padded batch
+        grad_samples.append([p.grad_sample.clone() for p in model.parameters()])
+        optimizer.step()
+        if padded:  # after the step: the padding rows' records are zeros
+            assert all(not bool(p.grad_sample[3:].any()) for p in model.parameters())
+    for plain, padded in zip(*grad_samples):
+        assert plain.shape[0] == 3 and padded.shape[0] == 16
+        torch.testing.assert_close(padded[:3], plain, rtol=1e-12, atol=1e-12)
+
+
+def test_a_padded_loader_no_optimizer_observes_warns():
+    loader = scripted(DPDataLoader(dataset(), sample_rate=0.2, padded_batches=16), [[1, 4]])
+    with pytest.warns(UserWarning, match="no DP optimizer observes them"):
+        list(loader)
+
+
+def test_a_distributed_loader_is_not_padded_yet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch.distributed is not initialised here)
+        with pytest.raises(ValueError, match="not supported with distributed=True"):
+            DPDataLoader(dataset(), sample_rate=0.2, padded_batches=True, distributed=True)
