@@ -263,3 +263,40 @@ def test_a_distributed_loader_is_not_padded_yet():
         warnings.simplefilter("ignore")  # (torch.distributed is not initialised here)
         with pytest.raises(ValueError, match="not supported with distributed=True"):
             DPDataLoader(dataset(), sample_rate=0.2, padded_batches=True, distributed=True)
+
+
+class TokenModel(nn.Module):
+    """Token ids (N, T) -> embedding -> a linear layer on the sequence -> mean over time -> classes: the embedding's
+    and the sequence layer's book-keeping (a padding row is token 0 at every position)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 4)
+        self.mix = nn.Linear(4, 4)
+        self.head = nn.Linear(4, CLASSES)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mix(self.embed(ids))).mean(1))
+
+
+@pytest.mark.parametrize("mode,materialise", ENGINES)
+def test_token_sequences_too(mode, materialise):
+    g = torch.Generator().manual_seed(2)
+    tokens = TensorDataset(torch.randint(1, 11, (N, 5), generator=g), torch.randint(0, CLASSES, (N,), generator=g))
+    updated = []
+    for padded in (False, 16):
+        torch.manual_seed(0)
+        model = TokenModel().double()
+        module, optimizer, loader = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=DataLoader(tokens, batch_size=8), noise_multiplier=0.7, max_grad_norm=1.1,
+            grad_sample_mode=mode, materialise_grad_sample=materialise,
+            noise_generator=torch.Generator().manual_seed(1), padded_batches=padded)
+        for ids, y in scripted(loader, SCRIPT):
+            optimizer.zero_grad()
+            F.cross_entropy(module(ids), y).backward()
+            optimizer.step()
+        updated.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*updated):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
