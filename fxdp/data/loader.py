@@ -306,8 +306,13 @@ class DPDataLoader(DataLoader):
 
     @property
     def row_mask(self) -> Optional[torch.Tensor]:
-        """Of the padded batch handed out last: a bool tensor, True at its real rows (the first :attr:`real_rows`)
-        and False at its padding rows. ``None`` when batches are not padded."""
+        """Of the padded batch handed out last: a bool tensor (on the CPU), True at its real rows (the first
+        :attr:`real_rows`) and False at its padding rows. ``None`` when batches are not padded.
+
+        The loss needs no mask (the optimizer drops the padding rows). To leave them out of its value, select
+        (``torch.where(mask, per_row, 0)``: a padding row's loss may be NaN) and keep dividing by the rows the model
+        ran on, as a ``"mean"`` loss is read: dividing by the real rows makes every per-sample gradient
+        ``padded size / real rows`` times too large (docs/training.md, "Padded batches")."""
         if self.real_rows is None:
             return None
         return torch.arange(self._padded_to) < self.real_rows
