@@ -43,6 +43,7 @@ from fxdp.diagnostics.report import REPORT_ATTR
 from fxdp.data import DPDataLoader
 from fxdp.data.example_inputs import LABEL_KEYS, inputs_from_the_loader
 from fxdp.data.loader import loader_options
+from fxdp.data.padding import check_padding_supported, padded_batches_for
 from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer, bucket_bytes_of, check_poisson_group,
                               global_batch_size, split_data_parallel, wrap_like)
 from fxdp.distributed.fsdp import (DPFullyShardedModule, check_sharded_mode, fsdp_forward_hooks_off, report_sharding,
@@ -120,6 +121,7 @@ class PrivacyEngine:
         fixed_batch_accounting: str = "poisson",
         criterion: Optional[nn.Module] = None,
         wrap_model: bool = True,
+        padded_batches: Optional[Union[bool, int]] = None,
         **optimizer_kwargs: Any,
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
         """Returns ``(compiled model, DPOptimizer, data loader)``, or with ``criterion`` (Opacus's ghost
@@ -160,6 +162,15 @@ class PrivacyEngine:
         one backward gives each layer's per-sample norms and clipped sum without materialising per-sample
         gradients, and ``fxdp.report(module)`` says per layer how. ``materialise_grad_sample=True`` keeps
         ``p.grad_sample`` instead (the other engines always materialise it).
+
+        ``padded_batches``: pad every Poisson batch with rows of zeros to one of a few fixed sizes, so that a
+        compiled step sees few shapes (:class:`~fxdp.data.DPDataLoader`, :mod:`fxdp.data.padding`): ``True`` (a
+        base size from the expected batch size), an int (that base size), ``False`` (no padding) or ``None``, the
+        default: fxdp chooses, which is no padding for now (:func:`fxdp.data.padding.padded_batches_for`). The
+        padding rows are dropped before clipping (no gradient, no norm, no count) and the accounting is unchanged;
+        the model and the loss run on them (their cost), and a loss summed or averaged over the batch's rows gives
+        the update it gives without padding (docs/training.md, "Padded batches"). Needs ``poisson_sampling``; not
+        with ``criterion``, nor across processes, yet.
         """
         sharded = sharding_plan_of(module)  # FSDP2 (fully_shard): its plan; FSDP1 is refused with the reason
         if grad_sample_mode == "ghost_fsdp":  # Opacus's name: book-keeping on a fully_shard model
@@ -169,6 +180,10 @@ class PrivacyEngine:
             grad_sample_mode = "fx"
         if grad_sample_mode == "ghost":
             grad_sample_mode = "fx"
+        padded_batches = padded_batches_for(padded_batches)
+        if padded_batches is not False:
+            check_padding_supported(poisson_sampling=poisson_sampling, criterion=criterion is not None,
+                                    across_processes=sharded is not None or isinstance(module, DistributedDataParallel))
         _check_types(module, optimizer, data_loader)
         _check_optimizer_params_in_module(module, optimizer)
         self._check_not_private_elsewhere(module)
@@ -205,8 +220,9 @@ class PrivacyEngine:
             if from_loader is not None:
                 from_loader.mark(compiled, task)
         self._originals[compiled] = module
-        data_loader, sample_rate, expected_batch_size = self._prepare_data(data_loader, poisson_sampling,
-                                                                           ddp if sharded is None else sharded)
+        data_loader, sample_rate, expected_batch_size = self._prepare_data(
+            data_loader, poisson_sampling, ddp if sharded is None else sharded, padded_batches=padded_batches,
+            batch_first=batch_first)
         optimizer_class, across_ranks = DPOptimizer, dict(optimizer_kwargs)
         if clipping == "adaptive":
             if ddp is not None or sharded is not None:
@@ -333,14 +349,16 @@ class PrivacyEngine:
                 stacklevel=2)
         return self.accountant.get_epsilon(delta)
 
-    def _prepare_data(self, data_loader: DataLoader, poisson_sampling: bool,
-                      ddp=None) -> Tuple[DataLoader, float, Optional[int]]:
+    def _prepare_data(self, data_loader: DataLoader, poisson_sampling: bool, ddp=None, *,
+                      padded_batches: Union[bool, int] = False,
+                      batch_first: bool = True) -> Tuple[DataLoader, float, Optional[int]]:
         if poisson_sampling:
             # secure mode: the sampler is a torch generator, seeded from the OS's cryptographic source
             generator = torch.Generator().manual_seed(secure_seed()) if self.secure_mode else None
             if ddp is not None:  # one shared mask over the global dataset, each rank its share
                 check_poisson_group(ddp.process_group)
-            dp_loader = DPDataLoader.from_data_loader(data_loader, generator=generator, distributed=ddp is not None)
+            dp_loader = DPDataLoader.from_data_loader(data_loader, generator=generator, distributed=ddp is not None,
+                                                      padded_batches=padded_batches, batch_first=batch_first)
             sample_rate = dp_loader.sample_rate
             # rounded, not truncated: 49 samples at rate 1/49 expect 1 (int(49 * (1 / 49)) is 0)
             return dp_loader, sample_rate, max(1, round(len(data_loader.dataset) * sample_rate))

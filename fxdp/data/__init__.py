@@ -4,6 +4,7 @@
 ``PoissonBatchSampler`` the sampler behind it, usable alone (Opacus's names: ``UniformWithReplacementSampler``,
                        ``DistributedUniformWithReplacementSampler``)
 ``BatchMemoryManager`` logical batches cut into physical batches that fit, accounting unchanged
+``padding``            Poisson batches padded to a few fixed sizes with masked rows (``DPDataLoader(padded_batches=)``)
 """
 
 from fxdp.data.loader import DPDataLoader, EmptyBatchCollate, switch_generator, wrap_collate_with_empty

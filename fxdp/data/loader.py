@@ -7,12 +7,13 @@ import contextlib
 import random
 import logging
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Counter, Optional, Sequence, Union
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler
 from torch.utils.data.dataloader import default_collate
 
+from fxdp.data.padding import PaddedBatch, PaddingCollate, padding_base
 from fxdp.data.sampler import PoissonBatchSampler
 
 _LOG = logging.getLogger(__name__)
@@ -226,6 +227,15 @@ class DPDataLoader(DataLoader):
     broadcasts it, every rank draws the same inclusion masks from it and keeps its share of each
     batch (indices ``i`` with ``i % world_size == rank``). The logical batch is the union over ranks;
     each rank's share has expected size ``sample_rate * len(dataset) / world_size``.
+
+    ``padded_batches`` (off by default): ``True`` pads every batch with rows of zeros to a fixed size chosen from the
+    expected batch size, an int ``B`` to ``B``; a batch larger than that gets the size doubled until it fits, an
+    empty batch is padded too (:mod:`fxdp.data.padding`). Then the first :attr:`real_rows` rows of the batch
+    handed out are its samples and the rest padding (:attr:`row_mask`), the batch observer is also told
+    ``real_rows`` and ``padded_to`` (the DP optimizer drops the padding rows before clipping: they contribute no
+    gradient, no norm and no count), and :attr:`padded_sizes` counts the sizes handed out. Every tensor the collate
+    function makes must hold one row per sample, at dimension 0 (dimension 1 of a tensor of two dimensions or
+    more with ``batch_first=False``). Not with ``distributed=True`` yet.
     """
 
     def __init__(
@@ -238,6 +248,8 @@ class DPDataLoader(DataLoader):
         generator: Optional[torch.Generator] = None,
         distributed: bool = False,
         drop_last: bool = False,
+        padded_batches: Union[bool, int] = False,
+        batch_first: bool = True,
         **loader_kwargs: Any,
     ):
         if drop_last:  # (Opacus's signature) a Poisson batch is never cut short
@@ -257,6 +269,9 @@ class DPDataLoader(DataLoader):
         num_samples = len(dataset)
         if num_samples == 0:
             raise ValueError("DPDataLoader needs a non-empty dataset")
+        if distributed and padded_batches:
+            raise ValueError("fxdp: padded_batches is not supported with distributed=True yet (each rank would pad "
+                             "its own share); pass padded_batches=False")
         if steps is None:
             steps = round(1.0 / sample_rate)
         rank, world_size = 0, 1
@@ -269,38 +284,82 @@ class DPDataLoader(DataLoader):
         batch_sampler = PoissonBatchSampler(
             num_samples, sample_rate, steps, generator=generator, rank=rank, world_size=world_size
         )
+        # the base size of a padded batch (0: batches are not padded)
+        self.padding_base = padding_base(padded_batches, num_samples, self.sample_rate)
+        # (the empty batch of an unpadded loader is batch first, as it always was)
+        collate = EmptyBatchCollate(collate_fn or default_collate, dataset,
+                                    batch_first=batch_first or not self.padding_base)
         super().__init__(
             dataset,
             batch_sampler=batch_sampler,
-            collate_fn=EmptyBatchCollate(collate_fn or default_collate, dataset),
+            collate_fn=PaddingCollate(collate, self.padding_base, batch_first) if self.padding_base else collate,
             **loader_kwargs,
         )
+        self.batch_first = batch_first
+        self.real_rows: Optional[int] = None  # of the padded batch handed out last: its first real_rows rows
+        self._padded_to = 0  # that batch's padded size
+        self.padded_sizes: Counter[int] = collections.Counter()  # padded size -> batches handed out with it
         self.batch_observer: Optional[Callable[..., None]] = None
         # a callable that hands out a batch in its place (the compiled model's loss probe, which follows what the
         # loss computes from the labels on the first step: fxdp.runtime.loss_probe)
         self.batch_probe: Optional[Callable[[Any], Any]] = None
 
+    @property
+    def row_mask(self) -> Optional[torch.Tensor]:
+        """Of the padded batch handed out last: a bool tensor (on the CPU), True at its real rows (the first
+        :attr:`real_rows`) and False at its padding rows. ``None`` when batches are not padded.
+
+        The loss needs no mask (the optimizer drops the padding rows). To leave them out of its value, select
+        (``torch.where(mask, per_row, 0)``: a padding row's loss may be NaN) and keep dividing by the rows the model
+        ran on, as a ``"mean"`` loss is read: dividing by the real rows makes every per-sample gradient
+        ``padded size / real rows`` times too large (docs/training.md, "Padded batches")."""
+        if self.real_rows is None:
+            return None
+        return torch.arange(self._padded_to) < self.real_rows
+
     def __iter__(self):
         batches = super().__iter__()
+        if self.padding_base:
+            if self.batch_observer is None:
+                warnings.warn("fxdp: this DPDataLoader pads its batches (padded_batches) but no DP optimizer observes "
+                              "them, so nothing drops the padding rows: a model trained on these batches would take "
+                              "them for samples. Set loader.batch_observer = optimizer.observe_batch (make_private "
+                              "does), or build the loader without padded_batches", stacklevel=2)
+            batches = self._unpadded_info(batches)
         batches = batches if self.batch_observer is None else self._observed(batches, self.batch_observer)
         return batches if self.batch_probe is None else map(self.batch_probe, batches)
 
-    @staticmethod
-    def _observed(batches, observer):
+    def _unpadded_info(self, batches):
+        """The padded batches, their real rows noted (:attr:`real_rows`) as each is handed out."""
+        for padded in batches:
+            if not isinstance(padded, PaddedBatch):  # (the collate function was replaced after the loader was built)
+                raise TypeError(f"fxdp: a DPDataLoader with padded_batches got a {type(padded).__name__} from its "
+                                "collate function instead of a padded batch: do not replace the loader's collate_fn")
+            self.real_rows, self._padded_to = padded.real_rows, padded.size
+            self.padded_sizes[padded.size] += 1
+            yield padded.batch
+
+    def _observed(self, batches, observer):
         first = True
         for batch in batches:  # told as the batch is handed out (workers may have loaded it long before)
-            observer(empty=is_empty_batch(batch), new_epoch=first)
+            if self.padding_base:
+                observer(empty=self.real_rows == 0, new_epoch=first, real_rows=self.real_rows,
+                         padded_to=self._padded_to)
+            else:
+                observer(empty=is_empty_batch(batch), new_epoch=first)
             first = False
             yield batch
 
     @classmethod
     def from_data_loader(
-        cls, data_loader: DataLoader, generator: Optional[torch.Generator] = None, distributed: bool = False
+        cls, data_loader: DataLoader, generator: Optional[torch.Generator] = None, distributed: bool = False, *,
+        padded_batches: Union[bool, int] = False, batch_first: bool = True,
     ) -> "DPDataLoader":
         """A Poisson loader over ``data_loader``'s dataset with ``sample_rate = 1 / len(data_loader)``
         and as many batches per epoch as ``data_loader`` has; its collate function, workers, pinning
         and timeouts are kept, and its ``generator`` when ``generator`` is None. (So the expected batch
-        size is ``len(dataset) / len(data_loader)``, about the original batch size.)"""
+        size is ``len(dataset) / len(data_loader)``, about the original batch size.) ``padded_batches`` and
+        ``batch_first``: as for the constructor."""
         if isinstance(data_loader.dataset, IterableDataset):
             raise TypeError(
                 "DPDataLoader.from_data_loader needs a loader over a map-style dataset; "
@@ -316,6 +375,8 @@ class DPDataLoader(DataLoader):
             collate_fn=_unwrapped_collate(data_loader.collate_fn),
             generator=generator if generator is not None else data_loader.generator,
             distributed=distributed,
+            padded_batches=padded_batches,
+            batch_first=batch_first,
             **loader_options(data_loader),
         )
 
@@ -340,6 +401,9 @@ def switch_generator(*, data_loader: DataLoader, generator: Optional[torch.Gener
 
 
 def _unwrapped_collate(collate_fn: Callable) -> Callable:
+    """The user's collate function inside a DPDataLoader's (padding, empty batches)."""
+    if isinstance(collate_fn, PaddingCollate):
+        collate_fn = collate_fn.collate_fn
     return collate_fn.collate_fn if isinstance(collate_fn, EmptyBatchCollate) else collate_fn
 
 

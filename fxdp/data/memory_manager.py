@@ -100,6 +100,10 @@ class BatchMemoryManager:
                 "BatchMemoryManager needs a loader that batches with a batch sampler (a DPDataLoader "
                 "or a DataLoader with batch_size set)"
             )
+        if getattr(data_loader, "padding_base", 0):
+            raise ValueError(
+                "fxdp: BatchMemoryManager cannot cut the padded batches of a DPDataLoader with padded_batches into "
+                "physical batches yet; build the loader (make_private) with padded_batches=False")
         self.data_loader = data_loader
         self.max_physical_batch_size = max_physical_batch_size
         self.optimizer = optimizer

@@ -150,6 +150,7 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         # loader reports), and whether the last one was empty
         self._logical_batches: Optional[int] = None
         self._batch_empty = False
+        self._padding: Optional[tuple] = None  # (real rows, padded size) of a padded batch the loader handed out
 
     # -- settings ------------------------------------------------------------------------------------
 
@@ -328,17 +329,23 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         if self._logical_batches is None:
             self._logical_batches = 0
 
-    def observe_batch(self, *, empty: bool, new_epoch: bool = False) -> None:
+    def observe_batch(self, *, empty: bool, new_epoch: bool = False, real_rows: Optional[int] = None,
+                      padded_to: Optional[int] = None) -> None:
         """Told by the data loader as it hands out each logical batch (``make_private`` wires its Poisson
         loader, and a :class:`~fxdp.data.BatchMemoryManager` over it, to this method): whether the batch is
         empty, and whether it is the first of a pass over the loader. A step then refuses to run on more
         than one logical batch, and lets a step with no per-sample gradient through only when the batch was
-        empty (noise only, as Poisson sampling requires)."""
+        empty (noise only, as Poisson sampling requires).
+
+        A padded batch (``DPDataLoader(padded_batches=...)``) also says that its first ``real_rows`` rows of
+        ``padded_to`` are samples and the rest padding: the step drops the padding rows before clipping
+        (:meth:`~fxdp.optim.step_checks.StepChecks._real_rows_of`)."""
         if self._logical_batches is None or (new_epoch and not self._accumulating()):
             # a pass left by break is forgotten, unless skip steps accumulated part of its batch for the next step
             self._logical_batches = 0
         self._logical_batches += 1
         self._batch_empty = bool(empty)
+        self._padding = None if padded_to is None else (int(real_rows), int(padded_to))
 
     def step(self, closure: Optional[Callable[[], Any]] = None):
         """Clip and accumulate this physical batch; unless a skip was signalled, add noise once, scale,
@@ -378,6 +385,7 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         self.steps += 1
         self._logical_batches = None if self._logical_batches is None else 0
         self._batch_empty = False
+        self._padding = None
         for hook in self._step_hooks:
             hook(self)
         return loss if closure is not None else result
@@ -389,13 +397,18 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         if not norms:
             self._check_a_batch_was_seen(params)
         rows = self._check_rows(norms)
+        real = self._real_rows_of(rows)
+        if real < rows:  # a padded batch: its padding rows are dropped, and the checks and clipping see the real ones
+            norms = self._drop_padding(norms, real, rows)
         stacked = stacked_norms(norms)
         self._check_not_negative(norms, stacked)
-        dropped = self._drop_non_finite(norms, rows, stacked)
+        dropped = self._drop_non_finite(norms, real, rows, stacked)
         self._check_every_gradient_is_per_sample(params, norms, rows)
         factors = self._clip_factors(norms, stacked) if norms else {}
         if dropped is not None:  # (their factor C / (inf + eps) would be 0, or NaN: 0 either way)
             factors = {p: c.masked_fill(dropped.to(c.device), 0.0) for p, c in factors.items()}
+        if real < rows:  # the padding rows' factors: 0 (their records are zeros already)
+            factors = {p: torch.cat([c, c.new_zeros(rows - real)]) for p, c in factors.items()}
         self._dropped_samples = dropped is not None
         return factors
 

@@ -127,14 +127,54 @@ class StepChecks:
                                  "per-sample norm; its clip factor would be NaN. This is a bug in the sink: please "
                                  "report it")
 
-    def _drop_non_finite(self, norms: Dict[nn.Parameter, torch.Tensor], rows: int,
+    def _real_rows_of(self, rows: int) -> int:
+        """How many of the ``rows`` per-sample rows are samples: all of them, unless the loader handed out a padded
+        batch (:meth:`observe_batch`'s ``real_rows`` of ``padded_to``, the padding rows last). The model must then
+        have run on the padded batch (``padded_to`` rows) or on its real rows alone; anything else is refused, as
+        rows that cannot be matched to samples."""
+        if self._padding is None:
+            return rows
+        real, padded_to = self._padding
+        if self._overrides:
+            raise StepRefusedError(
+                f"fxdp: {type(self).__name__} overrides {', '.join(self._overrides)}, which read the per-sample "
+                "gradients themselves and would count a padded batch's padding rows as samples. Build the data "
+                "loader without padded_batches, or use the DPOptimizer without overrides")
+        if rows == padded_to or rows == real:
+            return min(rows, real)
+        raise StepRefusedError(
+            f"fxdp: the data loader handed out a batch padded to {padded_to} rows, of which the first {real} are "
+            f"samples, but the per-sample gradients since the last step have {rows} rows: they cannot be matched to "
+            "the batch's samples, and its padding rows cannot be dropped. Run the model on the batch as the loader "
+            "hands it out (or on its first loader.real_rows rows), once per step")
+
+    def _drop_padding(self, norms: Dict[nn.Parameter, torch.Tensor], real: int,
+                      rows: int) -> Dict[nn.Parameter, torch.Tensor]:
+        """A padded batch's padding rows (its last ``rows - real``) dropped: the sink zeroes their records by
+        selection (a padding row's gradient may be inf or NaN: 0 times it would be NaN), so their clipped sums are
+        exactly 0. Returns the real rows' norms, which the checks and the clip factors (and AdaClip's count)
+        read. A sink that cannot drop samples cannot take padded batches: a refused step."""
+        device = next(iter(norms.values())).device
+        padding = torch.arange(rows, device=device) >= real
+        try:
+            self.sink.drop_samples(list(norms), padding)
+        except NotImplementedError:
+            raise StepRefusedError(
+                f"fxdp: the data loader pads its batches (padded_batches), but this model's gradient sink "
+                f"({type(self.sink).__name__}) cannot drop the padding rows. Build the loader without "
+                "padded_batches") from None
+        return {p: sq[:real] for p, sq in norms.items()}
+
+    def _drop_non_finite(self, norms: Dict[nn.Parameter, torch.Tensor], rows: int, recorded: Optional[int] = None,
                          stacked: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """The samples whose per-sample gradient is not finite (inf or NaN, or too large to square), as a bool
         ``(N,)``, or None when there are none. They are dropped: the sink zeroes their records, so each
         contributes nothing, as if clipped to 0. That keeps the step private (every sample still adds at most C;
         an inf or NaN in the sum would show, through the noise, which coordinates that sample reached), and the
         step goes on, with a warning naming the parameter and the sample. A sink that cannot drop samples makes
-        it a refused step."""
+        it a refused step. ``recorded``: the rows the sink holds, when more than the ``rows`` of ``norms`` (a
+        padded batch's padding rows follow them, dropped already); ``stacked``: the norms as :func:`stacked_norms`
+        gives them."""
         if not norms or (bool(torch.isfinite(stacked).all()) if stacked is not None else
                          bool(torch.isfinite(torch.stack([wide(sq).sum() for sq in norms.values()])).all())):
             return None  # one check for the common case
@@ -149,7 +189,8 @@ class StepChecks:
                  f"to square) for {int(dropped.sum())} of {rows} samples (first: sample "
                  f"{int((~torch.isfinite(sq)).nonzero()[0])})")
         try:
-            self.sink.drop_samples(list(norms), dropped)
+            extra = (recorded or rows) - rows
+            self.sink.drop_samples(list(norms), torch.cat([dropped, dropped.new_ones(extra)]) if extra else dropped)
         except NotImplementedError:
             raise StepRefusedError(
                 f"fxdp: {where}; clipping cannot bound it and this model's gradient sink cannot leave those "
