@@ -96,7 +96,7 @@ class LaneMember(Use):
     _clipped: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (factors, this use's clipped sum under them)
 
     def squared_norms(self) -> torch.Tensor:
-        if self.lane is None:
+        if self.lane is None or len(self.lane.members) == 1:  # (alone: a stack would only copy it)
             return super().squared_norms()
         return self.lane.norms_of(self)
 
