@@ -15,8 +15,8 @@ limit of its own and all share one budget (``--budget-s``): a model that runs ou
 go on. The device's name stands beside every figure; the markdown table, the raw rows (JSON) and each run's output
 go under ``--out``.
 
-``--smoke``: the whole pipeline on the CPU with tiny sizes and one timed step per engine (about two minutes on a
-quiet 2-core CPU, five on a loaded one), to check the script without a GPU; its figures mean nothing.
+``--smoke``: the whole pipeline on the CPU with tiny sizes, one thread, one timed step per engine and GPT-2 (one
+layer, width 32) at batch 2 only, to check the script without a GPU; its figures mean nothing.
 
 Usage: python benchmarks/gpu_suite.py --out DIR [--smoke] [--budget-s 560] [--repeats 10] [--compiled auto]
        [--only cnn,resnet,transformer,deep-narrow,gpt2]
@@ -91,6 +91,7 @@ class Suite:
         repeats = self.args.repeats
         cmd = [sys.executable, os.path.join(HERE, "dp_step_speed.py"), "--models", name, "--rows-only", "--device",
                self.device, "--repeats", str(repeats), "--batch", str(batch), "--engines", engines]
+        cmd += ["--threads", "1"] if self.args.smoke else []
         label = f"{name}-{'compiled' if engines else 'main'}"
         out = self.run(label, cmd, limit)
         key = (name, batch)
@@ -118,6 +119,7 @@ class Suite:
         cmd += (["--layers", "1", "--width", "32", "--heads", "2", "--seq", "16", "--vocab", "512"] if self.args.smoke
                 else ["--size", "small"])
         cmd += ["--engines", engines] if engines else []
+        cmd += ["--threads", "1"] if self.args.smoke else []
         if importlib.util.find_spec("peft") is None:
             cmd.append("--no-lora")
             self.fail(keys[True], ["plain"] + COLUMNS, "skipped: peft not installed")
@@ -217,8 +219,8 @@ def main() -> None:
     print(f"GPU suite on {suite.device_name}, torch {torch.__version__}, budget {args.budget_s:.0f} s, "
           f"make_private(compile=True) {'runs' if compiled else 'not available'}", flush=True)
     small = [(name, 4 if args.smoke else batch, limit) for name, batch, limit in SMALL if not only or name in only]
-    gpt2 = [(batch // 4 if args.smoke else batch, limit) for batch, limit in GPT2_BATCHES  # smoke: 2 and 8
-            if not only or "gpt2" in only]
+    gpt2 = [(2, limit) for _, limit in GPT2_BATCHES[:1]] if args.smoke else GPT2_BATCHES  # smoke: one batch of 2
+    gpt2 = [(batch, limit) for batch, limit in gpt2 if not only or "gpt2" in only]
     for name, batch, limit in small:
         suite.small_model(name, batch, limit)
     for batch, limit in gpt2:
