@@ -101,6 +101,10 @@ def add_gaussian_noise_(
     return out
 
 
+# Values of small CPU tensors' noise held at most before they are added (by one torch._foreach_add_)
+_PENDING_VALUES = 1 << 20
+
+
 def add_gaussian_noise_all_(
     outs: Sequence[torch.Tensor],
     std: float,
@@ -157,17 +161,13 @@ def add_gaussian_noise_all_(
         fused_add_gaussian_noise_(fused, std, generator=generator)
 
 
-# Values of small CPU tensors' noise held at most before they are added (by one torch._foreach_add_)
-_PENDING_VALUES = 1 << 20
-
-
 # --- Device draws: one flat draw, one fused addition ----------------------------------------------------------
 #
-# On a GPU, one torch.normal and one add_ per parameter are two kernel launches each, and the launches, not the
-# arithmetic, set the time of a model of many small parameters. There the noise of all the parameters is drawn by
-# one torch.normal of their total size and added by one torch._foreach_add_ of views of it (one launch per group
-# of tensors of the same device and dtype, a few for torch's fused kernels): values N(0, std^2), independent
-# between tensors and steps as the coordinates of one draw are, the draw repeating from a seeded generator. They
+# On a GPU, one torch.normal and one add_ per parameter are two kernel launches per parameter, and the launches,
+# not the arithmetic, set the time of a model of many small parameters. There the noise of all the parameters is
+# drawn by one torch.normal of their total size and added by one torch._foreach_add_ of views of it (one call per
+# group of tensors of the same device and dtype, a few launches of torch's fused kernels): values N(0, std^2),
+# independent between tensors and steps as the coordinates of one draw are, repeating from a seeded generator. They
 # are not the values of one draw per tensor (torch's GPU sampler hands each draw a fresh offset of its stream).
 # The flat draw is a second copy of the gradients for a moment, at the step, when the activations are freed;
 # more than DEVICE_DRAW_VALUES values are drawn in several flat draws, to bound it.
