@@ -5,6 +5,8 @@ run, engines taking turns, as a ratio to a non-private step (forward, backward, 
 - ``noise only``: just the noise draws of one step (see :func:`noise_only`): how much of a DP step's cost
   beyond a plain one no implementation drawing torch's Gaussian noise can avoid;
 - ``fxdp``: the compiled model with the book-keeping sink and fxdp's DP optimizer;
+- ``fxdp-compiled`` (only when named in ``--engines``): ``make_private(..., compile=True)``, where this fxdp has
+  that option; "not available" where it does not (``make_private`` refuses the keyword with a TypeError);
 - ``opacus-hooks`` / ``opacus-ghost`` / ``opacus-functorch`` / ``opacus-ew``: every Opacus mode that runs
   the model (``pip install opacus``; not a dependency of fxdp). A mode that fails on a model is listed
   with its error instead of a time. Opacus needs its own LSTM (``opacus.layers.DPLSTM``, with the same
@@ -24,13 +26,15 @@ and then serves large blocks without new pages, which helps an engine that alloc
 ExpandedWeights on the transformer measured 1.31-1.47x a plain step after the other four models and 1.66-1.83x
 alone (see docs/performance.md), fxdp 1.37-1.44 and 1.38-1.40.
 
-Usage: python benchmarks/dp_step_speed.py [--repeats 20] [--threads 2] [--models mlp,cnn,resnet,transformer,torch-transformer,lstm]
-       [--engines fxdp,opacus-ghost] [--cpu-time] [--same-process] [--device cuda] [--batch-scale 4]
+Usage: python benchmarks/dp_step_speed.py [--repeats 20] [--threads 2]
+       [--models mlp,cnn,resnet,transformer,torch-transformer,lstm,deep-narrow]
+       [--engines fxdp,opacus-ghost] [--cpu-time] [--same-process] [--device cuda] [--batch-scale 4] [--batch 8]
 (``--cpu-time``: one intra-op thread, each step timed by that thread's CPU time, which other jobs on a shared
 machine disturb far less than wall time; the targets are set for wall time at 2 threads on a quiet machine.
 ``--device cuda``: models and batches on the GPU, each step ended by ``torch.cuda.synchronize()`` so that its
 time includes its kernels, peak memory from ``torch.cuda.max_memory_allocated``; ``--batch-scale`` multiplies
-every batch size, since the sizes above leave a GPU mostly waiting on kernel launches.)
+every batch size, since the sizes above leave a GPU mostly waiting on kernel launches; ``--batch`` sets every
+model's batch size instead, as benchmarks/gpu_suite.py does.)
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ import fxdp  # noqa: E402
 from fxdp.sinks.bookkeeping import BookkeepingSink  # noqa: E402
 
 # name -> batch size; the sizes the issue names
-BATCH = {"mlp": 256, "cnn": 256, "resnet": 64, "transformer": 32, "torch-transformer": 32, "lstm": 32}
+BATCH = {"mlp": 256, "cnn": 256, "resnet": 64, "transformer": 32, "torch-transformer": 32, "lstm": 32,
+         "deep-narrow": 4}
 NOISE, CLIP, LR = 1.0, 1.0, 0.05
 DEVICE = "cpu"  # --device
 OPACUS_MODES = ("hooks", "ghost", "functorch", "ew")
@@ -103,6 +108,31 @@ def fxdp_step(model, x, y) -> Callable[[], None]:
         F.cross_entropy(dp_model(x), y).backward()
         opt.step()
 
+    return step
+
+
+class NotAvailable(Exception):
+    """An engine this installation does not have (reported as "not available", not as a failure)."""
+
+
+def fxdp_compiled_step(model, x, y) -> Callable[[], None]:
+    """``fxdp.PrivacyEngine().make_private(..., compile=True)``, where that option exists."""
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=len(x))
+    try:
+        dp_model, opt, _ = fxdp.PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=loader,
+            noise_multiplier=NOISE, max_grad_norm=CLIP, poisson_sampling=False, compile=True)
+    except TypeError as exc:
+        if "compile" in str(exc) and "unexpected keyword" in str(exc):
+            raise NotAvailable("make_private(..., compile=True) is not in this fxdp") from exc
+        raise
+
+    def step():
+        opt.zero_grad()
+        F.cross_entropy(dp_model(x), y).backward()
+        opt.step()
+
+    step(), step()  # compiled on the first calls, not in the timed ones
     return step
 
 
@@ -169,7 +199,7 @@ def peak_memory_mb(step: Callable[[], None]) -> float:
     return peak / 2**20
 
 
-def measure(name, repeats, engines=None, clock=time.perf_counter, batch_scale=1):
+def measure(name, repeats, engines=None, clock=time.perf_counter, batch_scale=1, batch=None):
     """The table's rows for one model: every engine's step built from one copy each of the same model and
     batch, timed taking turns, then one profiled step each for peak memory."""
     try:
@@ -181,9 +211,11 @@ def measure(name, repeats, engines=None, clock=time.perf_counter, batch_scale=1)
         print("opacus is not installed: only fxdp is timed (pip install opacus to compare)")
     makers = {"plain": plain_step, "noise only": noise_only, "fxdp": fxdp_step,
               **{f"opacus-{m}": opacus_step(m) for m in opacus_modes}}
+    if "fxdp-compiled" in (engines or ()):
+        makers["fxdp-compiled"] = fxdp_compiled_step
     if engines:
         makers = {k: v for k, v in makers.items() if k in ("plain", "noise only") or k in engines}
-    (factory, make_x, classes), n = models.CASES[name], BATCH[name] * batch_scale
+    (factory, make_x, classes), n = models.CASES[name], batch or BATCH[name] * batch_scale
     torch.manual_seed(0)
     model = factory().to(DEVICE)
     x, y = make_x(n).to(DEVICE), torch.randint(0, classes, (n,)).to(DEVICE)
@@ -191,15 +223,17 @@ def measure(name, repeats, engines=None, clock=time.perf_counter, batch_scale=1)
     for engine, make in makers.items():
         try:
             steps[engine] = synchronised(make(copy.deepcopy(model), x, y))
+        except NotAvailable as exc:
+            failed[engine] = ("not available", str(exc))
         except Exception as exc:  # reported in the table, never hidden
-            failed[engine] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}"
+            failed[engine] = ("fails", f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}")
     ms = models.median_ms(steps, repeats, clock=clock)
     faults = page_faults(steps)
     memory = {engine: peak_memory_mb(step) for engine, step in steps.items()}
     rows = []
     for engine in makers:
         if engine in failed:
-            rows.append([name, n, engine, "fails", "", "", "", "", failed[engine]])
+            rows.append([name, n, engine, failed[engine][0], "", "", "", "", failed[engine][1]])
             continue
         rows.append([name, n, engine, f"{ms[engine]:.1f}", f"{ms[engine] / ms['plain']:.2f}",
                      f"{memory[engine]:.0f}", f"{memory[engine] / max(memory['plain'], 1e-9):.2f}",
@@ -232,16 +266,18 @@ def measure_in_own_process(name, argv) -> list:
     done = subprocess.run(cmd, capture_output=True, text=True)
     lines = done.stdout.splitlines()
     if done.returncode != 0 or not lines or not lines[-1].startswith(ROWS):
-        raise RuntimeError(f"measuring {name} in its own process failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"measuring {name} in its own process failed (exit {done.returncode}):\n"
+                           f"{done.stderr[-2000:]}")
     print("\n".join(lines[:-1]), end="\n" if len(lines) > 1 else "")
     return json.loads(lines[-1][len(ROWS):])
 
 
-def run(names, repeats, engines=None, clock=time.perf_counter, same_process=False, argv=(), batch_scale=1):
+def run(names, repeats, engines=None, clock=time.perf_counter, same_process=False, argv=(), batch_scale=1,
+        batch=None):
     rows, own = [], not same_process and len(names) > 1
     for name in names:
         rows += (measure_in_own_process(name, argv) if own
-                 else measure(name, repeats, engines, clock, batch_scale))
+                 else measure(name, repeats, engines, clock, batch_scale, batch))
     timed = "CPU time of the one thread" if clock is time.thread_time else "wall time"
     if DEVICE != "cpu":
         timed += f" on {torch.cuda.get_device_name()}"
@@ -266,6 +302,7 @@ if __name__ == "__main__":
                         help="measure all models in this one process (by default each has a fresh one)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU)")
     parser.add_argument("--batch-scale", type=int, default=1, help="multiplies every batch size (for a GPU)")
+    parser.add_argument("--batch", type=int, default=None, help="every model's batch size (instead of BATCH's)")
     parser.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)  # a model's own process
     args = parser.parse_args()
     DEVICE = args.device
@@ -273,9 +310,10 @@ if __name__ == "__main__":
     clock = time.thread_time if args.cpu_time else time.perf_counter
     engines = [e for e in args.engines.split(",") if e]
     if args.rows_only:
-        print(ROWS + json.dumps(measure(args.models, args.repeats, engines, clock, args.batch_scale)))
+        print(ROWS + json.dumps(measure(args.models, args.repeats, engines, clock, args.batch_scale, args.batch)))
     else:
         argv = ["--repeats", str(args.repeats), "--threads", str(args.threads), "--engines", args.engines,
                 "--device", args.device, "--batch-scale", str(args.batch_scale)]
+        argv += ["--batch", str(args.batch)] if args.batch else []
         run(args.models.split(","), args.repeats, engines, clock, args.same_process,
-            argv + (["--cpu-time"] if args.cpu_time else []), args.batch_scale)
+            argv + (["--cpu-time"] if args.cpu_time else []), args.batch_scale, args.batch)

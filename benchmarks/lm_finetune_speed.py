@@ -11,6 +11,8 @@ projection layers, the head trainable):
   large CPU draw in blocks, each from a generator of its own, on torch's number of threads);
 - ``fxdp``: ``fxdp.PrivacyEngine().make_private`` called as an Opacus user calls it, without example_inputs (the
   model is captured from the loader's first batch), book-keeping sink and DP optimizer;
+- ``fxdp-compiled`` (only when named in ``--engines``): the same with ``compile=True``, where this fxdp's
+  ``make_private`` has that option; "not available" where it does not (the keyword refused with a TypeError);
 - ``opacus-hooks`` / ``opacus-ghost`` / ``opacus-functorch`` / ``opacus-ew``: every Opacus mode that runs the model
   (``pip install opacus``); a mode that fails on the model is listed with its error instead of a time.
 
@@ -29,7 +31,8 @@ with the noise draws alone as the floor.
 
 Usage: python benchmarks/lm_finetune_speed.py [--phases] [--size small] [--device cuda] [--bf16] [--repeats 10]
        [--rounds 3] [--layers 4] [--width 256] [--heads 4] [--seq 128] [--batch 8] [--vocab 50257] [--rank 8]
-       [--engines fxdp,opacus-ghost] [--threads 2] [--cpu-time] [--no-lora] [--no-full]
+       [--engines fxdp,opacus-ghost] [--threads 2] [--cpu-time] [--no-lora] [--no-full] [--json rows.json]
+(``--json``: also write every row, as numbers, to a JSON file; benchmarks/gpu_suite.py reads it.)
 """
 
 from __future__ import annotations
@@ -158,12 +161,21 @@ def fxdp_noise_step(args, inputs, lora):
     return lambda: add_gaussian_noise_all_(grads, NOISE * CLIP)
 
 
-def fxdp_step(args, inputs, lora):
+class NotAvailable(Exception):
+    """An engine this installation does not have (reported as "not available", not as a failure)."""
+
+
+def fxdp_step(args, inputs, lora, **options):
     model = build(args, lora)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    dp_model, dp_opt, _ = fxdp.PrivacyEngine().make_private(
-        module=model, optimizer=opt, data_loader=_loader(inputs), noise_multiplier=NOISE, max_grad_norm=CLIP,
-        poisson_sampling=False)  # no example_inputs: captured from the loader's first batch
+    try:
+        dp_model, dp_opt, _ = fxdp.PrivacyEngine().make_private(
+            module=model, optimizer=opt, data_loader=_loader(inputs), noise_multiplier=NOISE, max_grad_norm=CLIP,
+            poisson_sampling=False, **options)  # no example_inputs: captured from the loader's first batch
+    except TypeError as exc:
+        if options and "unexpected keyword" in str(exc):
+            raise NotAvailable(f"make_private(..., {', '.join(options)}=...) is not in this fxdp") from exc
+        raise
     x, y = _split(inputs)
 
     def step():
@@ -174,8 +186,17 @@ def fxdp_step(args, inputs, lora):
         dp_opt.step()
 
     step()
-    report = fxdp.report(dp_model)
-    return step, f"engine {report.engine} ({report.front_end})"
+    if options:  # compiled on the first calls, not in the timed ones
+        step()
+    try:
+        report = fxdp.report(dp_model)
+        return step, f"engine {report.engine} ({report.front_end})"
+    except Exception:  # noqa: BLE001 - a compiled model may not answer fxdp.report; the step is what is timed
+        return step, ""
+
+
+def fxdp_compiled_step(args, inputs, lora):
+    return fxdp_step(args, inputs, lora, compile=True)
 
 
 def opacus_step(mode):
@@ -295,6 +316,8 @@ def measure(args, inputs, lora: bool):
     makers: Dict[str, Callable] = {"plain": plain_step, "noise only": noise_step,
                                    "fxdp noise only": fxdp_noise_step, "fxdp": fxdp_step,
                                    **{f"opacus-{m}": opacus_step(m) for m in modes}}
+    if "fxdp-compiled" in (args.engines or ()):
+        makers["fxdp-compiled"] = fxdp_compiled_step
     if args.engines:
         floors = ("plain", "noise only", "fxdp noise only")
         makers = {k: v for k, v in makers.items() if k in args.engines or k in floors}
@@ -302,6 +325,9 @@ def measure(args, inputs, lora: bool):
     for name, make in makers.items():
         try:
             made = make(args, inputs, lora)
+        except NotAvailable as exc:
+            failed[name] = f"not available: {exc}"
+            continue
         except Exception as exc:  # noqa: BLE001 - a mode that cannot run the model is a result too
             failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
             continue
@@ -321,8 +347,16 @@ def measure(args, inputs, lora: bool):
         mem = "-" if "noise only" in name else f"{memory[name]:.0f}"
         mem_ratio = "-" if "noise only" in name else f"{memory[name] / memory['plain']:.2f}x"
         rows.append([name, f"{ratios[name][-1][0]:.1f}", times, mem, mem_ratio, notes[name]])
+        RESULTS.append(dict(lora=lora, batch=args.batch, engine=name, ms=ratios[name][-1][0],
+                            ratios=[r for _, r in ratios[name]], peak_mib=memory[name],
+                            memory_ratio=memory[name] / memory["plain"], error=""))
     rows += [[name, "-", error, "-", "-", ""] for name, error in failed.items()]
+    RESULTS.extend(dict(lora=lora, batch=args.batch, engine=name, ms=None, ratios=[], peak_mib=None,
+                        memory_ratio=None, error=error) for name, error in failed.items())
     return rows
+
+
+RESULTS: list = []  # every row measure() made, as numbers (--json writes them)
 
 
 def main():
@@ -348,6 +382,7 @@ def main():
     parser.add_argument("--no-lora", action="store_true", help="full fine-tuning only")
     parser.add_argument("--no-full", action="store_true", help="LoRA only")
     parser.add_argument("--phases", action="store_true", help="where fxdp's full fine-tuning step spends its time")
+    parser.add_argument("--json", default=None, help="also write every row, as numbers, to this JSON file")
     args = parser.parse_args()
     for key, value in SIZES[args.size].items():
         if getattr(args, key) is None:
@@ -373,6 +408,11 @@ def main():
         title = f"LoRA r={args.rank} (attention and projections; head trainable)" if lora else "full fine-tuning"
         print(f"\n{title}")
         print(tabulate(measure(args, inputs, lora), headers=headers))
+    if args.json:
+        import json
+
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"device": where, "torch": torch.__version__, "rows": RESULTS}, f, indent=1)
 
 
 if __name__ == "__main__":

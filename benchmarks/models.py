@@ -1,7 +1,8 @@
 """The models the benchmarks time: an MLP, an MNIST CNN, a ResNet with GroupNorm on 32x32 images, a
 2-layer transformer encoder built from Linear, LayerNorm and Embedding layers, the same encoder built from
-PyTorch's own blocks (nn.TransformerEncoder, a learned position table as a bare nn.Parameter), and an LSTM text
-classifier (a stock nn.LSTM)."""
+PyTorch's own blocks (nn.TransformerEncoder, a learned position table as a bare nn.Parameter), an LSTM text
+classifier (a stock nn.LSTM), and a deep, narrow MLP (many small layers: the per-layer cost of each library's
+own code, not the arithmetic, sets its step time)."""
 
 from __future__ import annotations
 
@@ -130,6 +131,15 @@ class LSTMClassifier(nn.Module):
         return self.fc(h[-1])
 
 
+def deep_narrow(blocks=16, width=32, classes=10):
+    """``blocks`` blocks of Linear(width, width) + LayerNorm + GELU, then a Linear(width, classes) head: 66
+    parameters of at most 1,024 values each."""
+    layers = []
+    for _ in range(blocks):
+        layers += [nn.Linear(width, width), nn.LayerNorm(width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(width, classes))
+
+
 # name -> (model factory, a batch of n inputs, number of classes); each benchmark picks its batch sizes
 CASES = {
     "mlp": (mlp, lambda n: torch.randn(n, 1, 28, 28), 10),
@@ -138,6 +148,7 @@ CASES = {
     "transformer": (Transformer, lambda n: torch.randint(0, 1000, (n, 64)), 2),
     "torch-transformer": (TorchTransformer, lambda n: torch.randint(0, 1000, (n, 64)), 2),
     "lstm": (LSTMClassifier, lambda n: torch.randint(0, 10_000, (n, 50)), 2),  # sequences of 50 tokens
+    "deep-narrow": (deep_narrow, lambda n: torch.randn(n, 32), 10),
 }
 
 

@@ -101,6 +101,10 @@ def add_gaussian_noise_(
     return out
 
 
+# Values of small CPU tensors' noise held at most before they are added (by one torch._foreach_add_)
+_PENDING_VALUES = 1 << 20
+
+
 def add_gaussian_noise_all_(
     outs: Sequence[torch.Tensor],
     std: float,
@@ -108,27 +112,106 @@ def add_gaussian_noise_all_(
     secure_mode: bool = False,
     generator: Optional[torch.Generator] = None,
 ) -> None:
-    """``out += N(0, std^2)`` in place for each of ``outs``, with the values :func:`add_gaussian_noise_` called
-    on each in turn gives, the large ones drawn in parallel.
+    """``out += N(0, std^2)`` in place for each of ``outs``.
 
-    A contiguous CPU tensor of more than :data:`NOISE_CHUNK` values drawn on the CPU gets its noise in blocks
-    (see "Large draws" below): the blocks of all such ``outs`` are drawn together, on torch's number of threads
-    when they hold :data:`_PARALLEL_FROM` values or more, each added a chunk at a time from a small buffer (its
-    thread's, kept between calls), so adding noise to a model's gradients needs no second copy of them. The others (few values, secure mode, a GPU draw, a
+    Drawn on the CPU (a CPU ``generator``, or none and a CPU tensor), the values are those :func:`add_gaussian_noise_`
+    called on each in turn gives, the large ones drawn in parallel: a contiguous CPU tensor of more than
+    :data:`NOISE_CHUNK` values gets its noise in blocks (see "Large draws" below), the blocks of all such ``outs``
+    drawn together, on torch's number of threads when they hold :data:`_PARALLEL_FROM` values or more, each added a
+    chunk at a time from a small buffer (its thread's, kept between calls), so adding noise to a model's gradients
+    needs no second copy of them; the small ones are drawn one after the other and added by one
+    ``torch._foreach_add_`` (a few at a time). The others (secure mode, a GPU tensor with a CPU generator, a
     non-contiguous tensor) get :func:`gaussian_noise` added, in order.
+
+    Drawn on a GPU (a GPU ``generator``, or none and GPU tensors), all of them get their noise from one flat draw
+    and one fused addition (:func:`fused_add_gaussian_noise_`, see "Device draws" below). Secure mode draws every
+    value from the OS, wherever the tensors live.
     """
-    blocks = []
+    blocks: List[tuple] = []
+    fused: List[torch.Tensor] = []
+    pending: List[torch.Tensor] = []  # small CPU tensors drawn and not yet added, with their noise
+    noises: List[torch.Tensor] = []
+    held = 0  # values held in noises
     for out in outs:
         draw_dtype = torch.promote_types(out.dtype, torch.float32)
         draw_device = generator.device if generator is not None else out.device
-        if (secure_mode or out.device.type != "cpu" or not out.is_contiguous()
+        if not secure_mode and (draw_device.type != "cpu" or _FUSED_ON_CPU):
+            fused.append(out)  # (no CPU draw's order depends on it: it draws from another generator)
+        elif (not secure_mode and out.device.type == "cpu" and out.numel() <= NOISE_CHUNK
+              and draw_dtype in (torch.float32, torch.float64)):
+            # gaussian_noise's draw, with less Python per tensor; the addition deferred (values unchanged)
+            noise = torch.normal(0.0, std, size=out.shape, generator=generator, dtype=draw_dtype)
+            pending.append(out)
+            noises.append(noise if out.dtype == draw_dtype else noise.to(out.dtype))
+            held += out.numel()
+            if held >= _PENDING_VALUES:
+                torch._foreach_add_(pending, noises)
+                pending, noises, held = [], [], 0
+        elif (secure_mode or out.device.type != "cpu" or not out.is_contiguous()
                 or not _large_cpu_draw(out.numel(), draw_device, draw_dtype)):
             out.add_(gaussian_noise(out, std, secure_mode=secure_mode, generator=generator))
         elif _twister_template() is None:  # one stream (see below), still without a second copy of out
             _add_in_chunks(out.view(-1), std, generator)
         else:
             blocks += _blocks(out.view(-1), generator)  # the key drawn now: the generator's draws in order
+    if pending:
+        torch._foreach_add_(pending, noises)
     _draw_blocks(blocks, std, add=True)
+    if fused:
+        fused_add_gaussian_noise_(fused, std, generator=generator)
+
+
+# --- Device draws: one flat draw, one fused addition ----------------------------------------------------------
+#
+# On a GPU, one torch.normal and one add_ per parameter are two kernel launches per parameter, and the launches,
+# not the arithmetic, set the time of a model of many small parameters. There the noise of all the parameters is
+# drawn by one torch.normal of their total size and added by one torch._foreach_add_ of views of it (one call per
+# group of tensors of the same device and dtype, a few launches of torch's fused kernels): values N(0, std^2),
+# independent between tensors and steps as the coordinates of one draw are, repeating from a seeded generator. They
+# are not the values of one draw per tensor (torch's GPU sampler hands each draw a fresh offset of its stream).
+# The flat draw is a second copy of the gradients for a moment, at the step, when the activations are freed;
+# more than DEVICE_DRAW_VALUES values are drawn in several flat draws, to bound it.
+
+DEVICE_DRAW_VALUES = 1 << 27  # values of one flat draw at most (512 MiB in float32): GPT-2 small's 124M in one
+_FUSED_ON_CPU = False  # tests set it: CPU draws take the device route too (CPU values otherwise never do)
+
+
+def fused_add_gaussian_noise_(
+    outs: Sequence[torch.Tensor],
+    std: float,
+    *,
+    generator: Optional[torch.Generator] = None,
+) -> None:
+    """``out += N(0, std^2)`` in place for each of ``outs``, from one flat draw and one ``torch._foreach_add_``
+    per group of tensors of the same device and dtype (see "Device draws" above); the route of GPU draws, callable
+    on CPU tensors (tests do). Drawn on the generator's device (else each group's), in at least float32, in the
+    order of the groups' first tensors, a group cut in draws of at most :data:`DEVICE_DRAW_VALUES` values."""
+    groups: dict = {}
+    for out in outs:
+        groups.setdefault((out.device, out.dtype), []).append(out)
+    for (device, dtype), group in groups.items():
+        draw_dtype = torch.promote_types(dtype, torch.float32)
+        draw_device = generator.device if generator is not None else device
+        for part in _parts_of_at_most(group, DEVICE_DRAW_VALUES):
+            sizes = [out.numel() for out in part]
+            flat = torch.normal(0.0, std, size=(sum(sizes),), generator=generator, device=draw_device,
+                                dtype=draw_dtype)
+            if flat.device != device or flat.dtype != dtype:
+                flat = flat.to(device=device, dtype=dtype)
+            torch._foreach_add_(part, [view.view(out.shape) for view, out in zip(flat.split(sizes), part)])
+
+
+def _parts_of_at_most(tensors: List[torch.Tensor], values: int) -> List[List[torch.Tensor]]:
+    """``tensors`` in order, cut into runs of at most ``values`` values in all (a larger tensor alone)."""
+    parts: List[List[torch.Tensor]] = [[]]
+    held = 0
+    for t in tensors:
+        if parts[-1] and held + t.numel() > values:
+            parts.append([])
+            held = 0
+        parts[-1].append(t)
+        held += t.numel()
+    return [part for part in parts if part]
 
 
 # --- Large draws: blocks from generators of their own, in parallel -----------------------------------------
