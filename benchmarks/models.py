@@ -1,7 +1,8 @@
 """The models the benchmarks time: an MLP, an MNIST CNN, a ResNet with GroupNorm on 32x32 images, a
 2-layer transformer encoder built from Linear, LayerNorm and Embedding layers, the same encoder built from
 PyTorch's own blocks (nn.TransformerEncoder, a learned position table as a bare nn.Parameter), and an LSTM text
-classifier (a stock nn.LSTM)."""
+classifier (a stock nn.LSTM); and the models benchmarks/compile_speed.py times: a deep-narrow one and one head of
+attention."""
 
 from __future__ import annotations
 
@@ -157,6 +158,14 @@ def median_ms(steps: Dict[str, Callable[[], None]], repeats: int, warmup: int = 
             step()
             times[name].append(clock() - t0)
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
+def deep_narrow(blocks: int = 16, width: int = 32, classes: int = 10) -> nn.Sequential:
+    """Deep and narrow (issue 34): ``blocks`` of Linear(width, width) + LayerNorm + GELU, a Linear head; per layer
+    little arithmetic, so the per-layer overhead (hooks, graph breaks, kernel launches) is what a step costs
+    (benchmarks/compile_speed.py; tests/test_compile_option.py counts its graphs)."""
+    body = [m for _ in range(blocks) for m in (nn.Linear(width, width), nn.LayerNorm(width), nn.GELU())]
+    return nn.Sequential(*body, nn.Linear(width, classes))
 
 
 class OneHeadAttention(nn.Module):

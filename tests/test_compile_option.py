@@ -36,12 +36,6 @@ def _mlp(dropout: float = 0.0):
                          nn.Linear(16, 3))
 
 
-def deep_narrow(blocks: int = 16, width: int = 32, classes: int = 10) -> nn.Sequential:
-    """The deep-narrow model of issue 34: ``blocks`` of Linear(width, width) + LayerNorm + GELU, a Linear head."""
-    body = [m for _ in range(blocks) for m in (nn.Linear(width, width), nn.LayerNorm(width), nn.GELU())]
-    return nn.Sequential(*body, nn.Linear(width, classes))
-
-
 MODELS = {
     "mlp": (_mlp, lambda n: torch.randn(n, 10)),
     "attention": (bench_models.OneHeadAttention, lambda n: torch.randint(0, 20, (n, 6))),  # LayerNorm, embeddings
@@ -87,7 +81,9 @@ def _assert_same_steps(eager, compiled, **tolerance):
 def test_compile_true_takes_the_steps_of_eager_make_private(name, noise):
     make, make_x = MODELS[name]
     eager, eager_history = _train(make, make_x, noise, compile=False)
-    compiled, compiled_history = _train(make, make_x, noise, compile={"backend": "aot_eager"})
+    backend = CountingBackend(then="aot_eager")
+    compiled, compiled_history = _train(make, make_x, noise, compile={"backend": backend})
+    assert backend.graphs >= 1  # compiled, not fallen back to eager
     _assert_same_steps(eager, compiled, atol=1e-12, rtol=1e-10)
     assert compiled_history == eager_history
 
@@ -116,8 +112,9 @@ def test_poisson_batches_of_0_1_and_2_samples_take_the_steps_of_eager():
 
     sizes, eager = steps(False)
     assert {0, 1, 2} <= set(sizes)
-    compiled_sizes, compiled = steps({"backend": "aot_eager"})
-    assert compiled_sizes == sizes
+    backend = CountingBackend(then="aot_eager")
+    compiled_sizes, compiled = steps({"backend": backend})
+    assert compiled_sizes == sizes and backend.graphs >= 3  # sizes 0 and 1 specialised, then a dynamic size
     for want, got in zip(eager, compiled):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
 
@@ -125,13 +122,15 @@ def test_poisson_batches_of_0_1_and_2_samples_take_the_steps_of_eager():
 def test_compile_true_with_inductor_takes_the_steps_of_eager_to_float32_rounding():
     make, make_x = MODELS["mlp"]
     eager, _ = _train(make, make_x, 1.0, compile=False)
+    torch._dynamo.utils.counters.clear()
     compiled, _ = _train(make, make_x, 1.0, compile=True)  # torch.compile's default: inductor
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # compiled, not fallen back to eager
     _assert_same_steps(eager, compiled, atol=1e-5, rtol=1e-4)  # inductor may fuse and reorder float32 arithmetic
 
 
 def test_the_deep_narrow_forward_is_one_graph():
     torch.manual_seed(0)
-    model, make_x = deep_narrow(), (lambda n: torch.randn(n, 32))
+    model, make_x = bench_models.deep_narrow(), (lambda n: torch.randn(n, 32))
     torch._dynamo.reset()
     backend = CountingBackend()
     private, optimizer, _ = _private(PrivacyEngine(), model, make_x, compile={"backend": backend},
