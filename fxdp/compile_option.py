@@ -1,7 +1,8 @@
 """``make_private(..., compile=True)``: the private model ``torch.compile``'d in place, one graph per forward.
 
 The model is compiled with :meth:`torch.nn.Module.compile` (``torch.compile`` of its call), not wrapped in the
-``OptimizedModule`` ``torch.compile(model)`` returns: the object ``make_private`` returns stays the private model
+``OptimizedModule`` ``torch.compile(model)`` returns (a copy, deepcopy or pickle, is compiled for itself:
+:func:`fxdp.runtime.module.compile_module`): the object ``make_private`` returns stays the private model
 itself, so its ``state_dict`` names, ``fxdp.report(model)``, its gradient sink (which the DP optimizer reads),
 ``eval()``/``train()`` and the checkpoints of :class:`~fxdp.privacy_engine.PrivacyEngine` are those of the eager
 model. Under torch.compile the DP-aware layers deliver from the compiled backward
@@ -22,6 +23,7 @@ from torch import nn
 
 from fxdp.diagnostics.report import REPORT_ATTR
 from fxdp.runtime import compiled_delivery
+from fxdp.runtime.module import CompiledGraphModule, compile_module
 
 #: torch.compile's keyword arguments a ``compile`` dict may hold (``model`` is the private model itself)
 TORCH_COMPILE_KEYWORDS = tuple(name for name in inspect.signature(torch.compile).parameters if name != "model")
@@ -75,7 +77,7 @@ def compile_in_place(private: nn.Module, options: Dict[str, Any]) -> nn.Module:
     engine took it), saying why."""
     report = getattr(private, REPORT_ATTR, None)
     engine = getattr(report, "engine", None)
-    if engine != "fx":
+    if engine != "fx" or not isinstance(private, CompiledGraphModule):
         why = f" ({report.fallback_reason})" if getattr(report, "fallback_reason", None) else ""
         raise ValueError(
             f"fxdp: make_private(compile=...) needs the graph engine, but this {getattr(report, 'model', 'model')} "
@@ -85,5 +87,5 @@ def compile_in_place(private: nn.Module, options: Dict[str, Any]) -> nn.Module:
         warnings.warn(f"fxdp: make_private(compile=...) on torch {torch.__version__}: dynamo cannot trace fxdp's "
                       "compiled delivery before torch 2.13, so each DP-aware layer keeps its eager hook (a graph "
                       "break per layer; the per-sample gradients are the same)", stacklevel=3)
-    private.compile(**options)
+    compile_module(private, options)  # (its copies, deepcopy or pickle, are compiled for themselves)
     return private

@@ -7,6 +7,7 @@ Compiles are slow on a small CPU machine: tiny models, few compiles per test (``
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from pathlib import Path
 
@@ -164,6 +165,24 @@ def test_the_returned_model_is_the_private_model_compiled_in_place(tmp_path):
     plain.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True)["module_state_dict"])
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters()))
     engine.load_checkpoint(path=tmp_path / "ckpt.pt", module=private, optimizer=optimizer)
+
+
+def test_a_copy_of_the_compiled_model_is_compiled_for_itself_and_runs_its_own_parameters(tmp_path):
+    """nn.Module.compile's compiled call is bound to its model: a copy holding it would run the original."""
+    torch.manual_seed(0)
+    model = _mlp()
+    private, _, _ = _private(PrivacyEngine(), model, MODELS["mlp"][1], compile={"backend": "aot_eager"})
+    x = torch.randn(5, 10)
+    want = model(x).detach()
+    torch.save(private, tmp_path / "model.pt")
+    for copied in (copy.deepcopy(private), torch.load(tmp_path / "model.pt", weights_only=False)):
+        assert copied._compiled_call_impl is not None and copied._compiled_call_impl is not private._compiled_call_impl
+        torch.testing.assert_close(copied(x), want)
+        with torch.no_grad():
+            for p in copied.parameters():
+                p.zero_()
+        torch.testing.assert_close(copied(x), torch.zeros(5, 3))  # its own (zeroed) parameters, not the original's
+        torch.testing.assert_close(private(x), want)
 
 
 def test_compile_false_leaves_the_model_uncompiled():
