@@ -120,6 +120,34 @@ def test_poisson_batches_of_0_1_and_2_samples_take_the_steps_of_eager():
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
 
 
+@pytest.mark.usefixtures("float64")
+def test_the_ghost_clipping_surface_takes_the_steps_of_eager():
+    """make_private(criterion=...) returns the criterion wrapped (DPLossFastGradientClipping) around the compiled
+    model."""
+
+    def steps(compile):  # noqa: A002
+        torch.manual_seed(0)
+        model = _mlp()
+        data = TensorDataset(torch.randn(16, 10), torch.randint(0, 3, (16,)))
+        private, optimizer, criterion, loader = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), noise_multiplier=1.0,
+            data_loader=DataLoader(data, batch_size=4), max_grad_norm=1.0, criterion=nn.CrossEntropyLoss(),
+            example_inputs=(torch.randn(4, 10),), noise_generator=torch.Generator().manual_seed(1), compile=compile)
+        torch.manual_seed(5)
+        for step, (x, y) in enumerate(loader):
+            if step == 3:
+                break
+            optimizer.zero_grad()
+            criterion(private(x), y).backward()
+            optimizer.step()
+        return [p.detach() for p in model.parameters()]
+
+    backend = CountingBackend(then="aot_eager")
+    for want, got in zip(steps(False), steps({"backend": backend})):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+    assert backend.graphs >= 1
+
+
 def test_compile_true_with_inductor_takes_the_steps_of_eager_to_float32_rounding():
     make, make_x = MODELS["mlp"]
     eager, _ = _train(make, make_x, 1.0, compile=False)
