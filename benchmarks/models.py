@@ -133,7 +133,9 @@ class LSTMClassifier(nn.Module):
 
 def deep_narrow(blocks=16, width=32, classes=10):
     """``blocks`` blocks of Linear(width, width) + LayerNorm + GELU, then a Linear(width, classes) head: 66
-    parameters of at most 1,024 values each."""
+    parameters of at most 1,024 values each; per layer little arithmetic, so the per-layer cost of each library's own
+    code is what a step costs (issue 34; benchmarks/compile_speed.py; tests/test_compile_option.py counts its
+    graphs)."""
     layers = []
     for _ in range(blocks):
         layers += [nn.Linear(width, width), nn.LayerNorm(width), nn.GELU()]

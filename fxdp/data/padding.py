@@ -73,11 +73,14 @@ def padding_base(padded_batches: Union[bool, int], num_samples: int, sample_rate
                      f"size) or a positive int (the base size), got {padded_batches!r}")
 
 
-def padded_batches_for(padded_batches: Optional[Union[bool, int]]) -> Union[bool, int]:
-    """What ``make_private(padded_batches=...)`` asks for: ``None`` (its default) is fxdp's choice, which is no
-    padding for now (padding pays off where a step is compiled for fixed shapes: a mode that compiles the step turns
-    it on here)."""
-    return False if padded_batches is None else padded_batches
+def padded_batches_for(padded_batches: Optional[Union[bool, int]], *, compiled: bool = False,
+                       poisson_sampling: bool = True, criterion: bool = False) -> Union[bool, int]:
+    """What ``make_private(padded_batches=...)`` asks for: ``None`` (its default) is fxdp's choice, which is padding
+    where the model is compiled (``compile=``: a compiled step then sees a few shapes, not one per batch size) and
+    padding is possible (Poisson sampling, no ``criterion``), and no padding otherwise."""
+    if padded_batches is not None:
+        return padded_batches
+    return compiled and poisson_sampling and not criterion
 
 
 def check_padding_supported(*, poisson_sampling: bool, criterion: bool, across_processes: bool) -> None:

@@ -61,6 +61,11 @@ def _reduce_op_overload(op):
 copyreg.pickle(torch._ops.OpOverload, _reduce_op_overload)
 
 
+#: Where a model compiled in place (``make_private(compile=...)``: ``nn.Module.compile``) keeps its torch.compile
+#: options, so that each copy (deepcopy, pickle) is compiled for itself: the compiled call ``nn.Module.compile``
+#: stores is bound to the model it compiled, and a copy holding it would run the original's parameters.
+COMPILE_OPTIONS_ATTR = "fxdp_compile_options"
+
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
@@ -106,6 +111,7 @@ class CompiledGraphModule(OpacusModelMethods, torch.fx.GraphModule):
     # sites refer to them by name): the graph itself is saved instead.
     def __reduce__(self):
         body = self.__dict__.copy()
+        body.pop("_compiled_call_impl", None)  # bound to this model (and not picklable): the copy compiles its own
         original = body.pop("_graph")
         graph = torch.fx.Graph()
         with _quiet_pytree_specs():
@@ -124,6 +130,7 @@ class CompiledGraphModule(OpacusModelMethods, torch.fx.GraphModule):
                 res.__dict__[key] = value
         res.training = self.training
         _relink(res)
+        _compile_for_itself(res)
         return res
 
 
@@ -157,7 +164,23 @@ def _rebuild(body, graph, class_name):
         if key in _HOOK_DICTS or key not in gm.__dict__:
             gm.__dict__[key] = value
     _relink(gm)
+    _compile_for_itself(gm)
     return gm
+
+
+def compile_module(gm: "CompiledGraphModule", options: dict) -> None:
+    """``gm.compile(**options)`` (torch.compile of its call, in place), the options kept for its copies."""
+    gm.__dict__[COMPILE_OPTIONS_ATTR] = dict(options)
+    gm.compile(**options)
+
+
+def _compile_for_itself(copied: nn.Module) -> None:
+    """A copy of a model compiled in place gets a compiled call of its own (with the options recorded by
+    :func:`compile_module`; without them, compiled by hand, the copy runs eagerly), never the original's."""
+    copied.__dict__["_compiled_call_impl"] = None
+    options = copied.__dict__.get(COMPILE_OPTIONS_ATTR)
+    if options is not None:
+        copied.compile(**options)
 
 
 def _relink(gm: torch.fx.GraphModule) -> None:
