@@ -53,6 +53,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                              "(BatchMemoryManager); the privacy accounting is unchanged")
     parser.add_argument("--secure-mode", action="store_true",
                         help="noise and sampling from the operating system's cryptographic source")
+    parser.add_argument("--compile", action="store_true",
+                        help="make_private(compile=True): the private model torch.compile'd (inductor), its Poisson "
+                             "batches padded to a fixed size (docs/torch_compile.md)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation, sampling and noise")
     parser.add_argument("--train-subset", type=int, default=None,
                         help="train on the first N training samples only (quick runs and tests)")
@@ -226,8 +229,11 @@ def main(argv: Optional[List[str]] = None) -> List[tuple]:
         print(f"epoch {epoch:3d}   test accuracy {100 * accuracy:5.1f}%   epsilon {epsilon:.2f} (delta {args.delta:g})")
 
     # Example inputs (only their shape matters) let the compiler finish its analysis before training.
+    compiled = {}
+    if args.compile:  # (BatchMemoryManager cuts batches to sizes of its own: no padding then)
+        compiled = dict(compile=True, padded_batches=False if args.max_physical_batch_size else None)
     history = train(args, engine, on_epoch=log, progress=not args.no_progress, on_private=show_setup,
-                    example_inputs=torch.zeros(2, 1, 8, 8))
+                    example_inputs=torch.zeros(2, 1, 8, 8), **compiled)
     _, accuracy, epsilon = history[-1]
     print(f"final: test accuracy {100 * accuracy:.1f}% at epsilon {epsilon:.2f}, delta {args.delta:g}")
     if args.plot:
