@@ -19,6 +19,7 @@ stack would copy large tensors.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -40,7 +41,9 @@ class Lane:
 
     def __init__(self, scale: float):
         self.scale = scale
-        self.members: List["LaneMember"] = []
+        # held weakly: a member refers to its lane, and a cycle would keep its A and G alive after the sink drops
+        # the member (until Python's cycle collector runs), not as soon as its clipped sum is taken
+        self._members: List[weakref.ref] = []
         self._norms: Optional[torch.Tensor] = None
         self._stacks: Optional[Tuple[Tuple[int, ...], tuple]] = None  # (member indices, stacks), kept for the sums
 
@@ -50,12 +53,14 @@ class Lane:
         return self._norms is not None
 
     def join(self, use: "LaneMember") -> "LaneMember":
-        use.lane, use.lane_index = self, len(self.members)
-        self.members.append(use)
+        use.lane, use.lane_index = self, len(self._members)
+        self._members.append(weakref.ref(use))
         return use
 
-    def present(self) -> List["LaneMember"]:
-        return [m for m in self.members if m.lane is self]
+    @property
+    def members(self) -> List["LaneMember"]:
+        """The members that joined, in order (all alive while their norms are formed: the sink holds them)."""
+        return [ref() for ref in self._members]
 
     def _stacked(self, members: List["LaneMember"]) -> tuple:
         key = tuple(m.lane_index for m in members)
@@ -63,9 +68,13 @@ class Lane:
             self._stacks = (key, self.stacks(members))
         return self._stacks[1]
 
-    def norms_of(self, use: "LaneMember") -> torch.Tensor:
+    def norms_of(self, use: "LaneMember") -> Optional[torch.Tensor]:
+        """``use``'s norms, formed with every member's (read once the backward pass has ended: all have joined);
+        ``None`` where a member is gone already (then each forms its own)."""
         if self._norms is None:
-            everyone = self.members  # all joined by now: norms are read once the backward pass has ended
+            everyone = self.members
+            if any(m is None for m in everyone):
+                return None
             self._norms = self.batched_norms(self._stacked(everyone))
         return self._norms[use.lane_index]
 
@@ -96,9 +105,10 @@ class LaneMember(Use):
     _clipped: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (factors, this use's clipped sum under them)
 
     def squared_norms(self) -> torch.Tensor:
-        if self.lane is None or len(self.lane.members) == 1:  # (alone: a stack would only copy it)
-            return super().squared_norms()
-        return self.lane.norms_of(self)
+        norms = None
+        if self.lane is not None and len(self.lane._members) > 1:  # (alone: a stack would only copy it)
+            norms = self.lane.norms_of(self)
+        return super().squared_norms() if norms is None else norms
 
     def clipped_sum(self, c: torch.Tensor) -> torch.Tensor:
         formed, self._clipped = self._clipped, None
@@ -158,7 +168,7 @@ class GradSampleLane(Lane):
         self._make = stack
 
     def stacks(self, members):
-        if self._make is not None and len(members) == len(self.members):
+        if self._make is not None and len(members) == len(self._members):
             return (self._make().flatten(2),)
         return (torch.stack([m.unscaled().flatten(1) for m in members]),)
 
