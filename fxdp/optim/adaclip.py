@@ -85,9 +85,8 @@ class AdaClipDPOptimizer(DPOptimizer):
             raise PrivacySettingError(f"fxdp: noise_multiplier ({self.noise_multiplier}) must stay smaller than "
                                       f"2 * unclipped_num_std ({2 * self.unclipped_num_std})")
 
-    def _clip_factors(self, norms: Dict[nn.Parameter, torch.Tensor],
-                      stacked: Optional[torch.Tensor] = None) -> Dict[nn.Parameter, torch.Tensor]:
-        factors = super()._clip_factors(norms, stacked)
+    def _clip_factors(self, norms: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
+        factors = super()._clip_factors(norms)
         factor = next(iter(factors.values()))
         unclipped = int((factor >= 1.0).sum())
         self._centred_count += unclipped - factor.shape[0] / 2

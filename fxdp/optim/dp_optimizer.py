@@ -401,10 +401,12 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         if real < rows:  # a padded batch: its padding rows are dropped, and the checks and clipping see the real ones
             norms = self._drop_padding(norms, real, rows)
         stacked = stacked_norms(norms)
+        self._stacked = (norms, stacked)  # for _clip_factors (an extension point: its signature stays)
         self._check_not_negative(norms, stacked)
         dropped = self._drop_non_finite(norms, real, rows, stacked)
         self._check_every_gradient_is_per_sample(params, norms, rows)
-        factors = self._clip_factors(norms, stacked) if norms else {}
+        factors = self._clip_factors(norms) if norms else {}
+        self._stacked = None
         if dropped is not None:  # (their factor C / (inf + eps) would be 0, or NaN: 0 either way)
             factors = {p: c.masked_fill(dropped.to(c.device), 0.0) for p, c in factors.items()}
         if real < rows:  # the padding rows' factors: 0 (their records are zeros already)
@@ -426,12 +428,14 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         for p in params:
             p.grad = None
 
-    def _clip_factors(self, norms: Dict[nn.Parameter, torch.Tensor],
-                      stacked: Optional[torch.Tensor] = None) -> Dict[nn.Parameter, torch.Tensor]:
-        """One factor per sample and parameter; ``stacked``: the norms as :func:`stacked_norms` gives them."""
+    def _clip_factors(self, norms: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
+        """One factor per sample and parameter (flat clipping: one tensor for all, so a sink can form their sums
+        together)."""
         if self.clipping == "per_layer":
             return {p: (self._bound(p) / (wide(sq).sqrt() + _EPS)).clamp(max=1.0) for p, sq in norms.items()}
         device = next(iter(norms.values())).device
+        kept = getattr(self, "_stacked", None)  # the (P, N) stack _factors formed of these very norms
+        stacked = kept[1] if kept is not None and kept[0] is norms else stacked_norms(norms)
         total = stacked.sum(0) if stacked is not None else sum(wide(sq).to(device) for sq in norms.values())
         factor = (self._max_grad_norm / (total.sqrt() + _EPS)).clamp(max=1.0)
         return {p: factor.to(sq.device) for p, sq in norms.items()}

@@ -162,3 +162,15 @@ def test_a_dp_step_with_lanes_equals_the_step_without():
         step(alone)
     for a, b in zip(laned.parameters(), alone.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_full_lanes_make_way_for_new_ones(monkeypatch):
+    """A lane takes members until their tensors hold LANE_VALUES elements (bounding its stacks' memory): here two
+    layers' worth, so the model's Linear weights spread over several lanes, each right."""
+    torch.manual_seed(7)
+    model, x = DeepNarrow(blocks=5).double(), torch.randn(4, 5, dtype=torch.float64)
+    monkeypatch.setattr(lanes, "LANE_VALUES", 2 * 2 * 4 * 5)  # two Linear(5, 5) layers' A and G at batch 4
+    sink = _record(model, x)
+    outer = {id(u.lane) for s in sink._segments.values() for u in s.uses if type(u).__name__ == "LaneLinearWeight"}
+    assert len(outer) == 4  # the 5 blocks 2 per lane (3 lanes), the head, of another shape, in a 4th
+    _check(model, x, _flat)

@@ -29,6 +29,9 @@ from fxdp.sinks.bookkeeping.uses import Materialised, Use
 
 #: a use joins a lane when each of its tensors holds at most this many elements
 SMALL = 1 << 16
+#: a lane takes members until their tensors hold this many elements (its stacks, copies of them, are made one lane
+#: at a time: this bounds the memory they add to a step); then the sink opens another
+LANE_VALUES = 1 << 20
 
 
 def small(*tensors: torch.Tensor) -> bool:
@@ -44,16 +47,19 @@ class Lane:
         # held weakly: a member refers to its lane, and a cycle would keep its A and G alive after the sink drops
         # the member (until Python's cycle collector runs), not as soon as its clipped sum is taken
         self._members: List[weakref.ref] = []
+        self.values = 0  # elements of the members' tensors
         self._norms: Optional[torch.Tensor] = None
-        self._stacks: Optional[Tuple[Tuple[int, ...], tuple]] = None  # (member indices, stacks), kept for the sums
+        self._stacks: Optional[Tuple[Tuple[int, ...], tuple]] = None  # (member indices, stacks) while in use
 
     @property
     def closed(self) -> bool:
-        """Norms formed: no member may join any more (the sink opens a new lane)."""
-        return self._norms is not None
+        """Norms formed, or full: no member may join any more (the sink opens a new lane)."""
+        return self._norms is not None or self.values >= LANE_VALUES
 
-    def join(self, use: "LaneMember") -> "LaneMember":
+    def join(self, use: "LaneMember", values: int) -> "LaneMember":
+        """``use`` joins, its tensors holding ``values`` elements."""
         use.lane, use.lane_index = self, len(self._members)
+        self.values += values
         self._members.append(weakref.ref(use))
         return use
 
@@ -76,6 +82,7 @@ class Lane:
             if any(m is None for m in everyone):
                 return None
             self._norms = self.batched_norms(self._stacked(everyone))
+            self._stacks = None  # a copy of the members' tensors: not kept until the sums (stacked again then)
         return self._norms[use.lane_index]
 
     def clipped_sums(self, members: List["LaneMember"], c: torch.Tensor) -> torch.Tensor:
@@ -187,7 +194,7 @@ class LaneGradSamples(LaneMember, Materialised):
                  row: Optional[Callable[[], torch.Tensor]] = None):
         self.batch_size, self.shape, self.scale = batch_size, shape, lane.scale
         self._own, self._row = own, row
-        lane.join(self)
+        lane.join(self, batch_size * shape.numel())
 
     def unscaled(self) -> torch.Tensor:
         if self._own is None:
@@ -212,6 +219,7 @@ class LayerNormLane:
 
     def __init__(self, normalized_shape, eps: float, scale: float):
         self.normalized_shape, self.eps = tuple(normalized_shape), eps
+        self.values = 0  # elements of the inputs and output gradients taken
         self.xs: List[torch.Tensor] = []
         self.gs: List[torch.Tensor] = []
         self._result: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
@@ -220,9 +228,11 @@ class LayerNormLane:
 
     @property
     def closed(self) -> bool:
-        return self._result is not None or self.weights.closed or self.biases.closed
+        return (self._result is not None or self.weights.closed or self.biases.closed
+                or self.values >= LANE_VALUES)
 
     def add(self, x: torch.Tensor, g: torch.Tensor) -> int:
+        self.values += x.numel() + g.numel()
         self.xs.append(x)
         self.gs.append(g)
         return len(self.xs) - 1

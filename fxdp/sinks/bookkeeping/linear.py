@@ -80,7 +80,7 @@ class LaneLinearWeight(LaneMember, LinearWeight):
 
     def __init__(self, lane: OuterLane, a: torch.Tensor, g: torch.Tensor, scale: float):
         super().__init__(a, g, "outer", scale)
-        lane.join(self)
+        lane.join(self, a.numel() + g.numel())
 
 
 def gram_dot(a_k, a_l, g_k, g_l) -> torch.Tensor:
