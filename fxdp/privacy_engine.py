@@ -38,6 +38,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fxdp.accounting import create_accountant, get_noise_multiplier, steps_in_epochs
 from fxdp.compiler import attach_hooks, compile_for_dp, report
+from fxdp.correlated_noise import (check_correlated_noise, correlated_accountant, correlated_noise_multiplier,
+                                   cyclic_loader)
 from fxdp.diagnostics import AlreadyPrivateError, UnsupportedInputError, location_of_caller
 from fxdp.diagnostics.report import REPORT_ATTR
 from fxdp.data import DPDataLoader
@@ -51,6 +53,7 @@ from fxdp.distributed.fsdp import (DPFullyShardedModule, check_sharded_mode, fsd
 from fxdp.distributed.sharded_optimizer import FullyShardedDPOptimizer
 from fxdp.engines import DPLossFastGradientClipping
 from fxdp.optim import AdaClipDPOptimizer, DPOptimizer
+from fxdp.optim.correlated import noise_mechanism_from
 from fxdp.optim.noise import secure_seed
 from fxdp.per_sample_loss import per_sample_loss, task_of
 from fxdp.frontends.fx import trace
@@ -171,6 +174,10 @@ class PrivacyEngine:
         the model and the loss run on them (their cost), and a loss summed or averaged over the batch's rows gives
         the update it gives without padding (docs/training.md, "Padded batches"). Needs ``poisson_sampling``; not
         with ``criterion``, nor across processes, yet.
+
+        ``noise_mechanism`` (in ``optimizer_kwargs``): ``"gaussian"`` (default) or ``BandedMatrixFactorization(b)``,
+        noise correlated over b steps: the loader is then cyclic Poisson and the accountant the banded MF one
+        (:mod:`fxdp.correlated_noise`, docs/correlated_noise.md).
         """
         sharded = sharding_plan_of(module)  # FSDP2 (fully_shard): its plan; FSDP1 is refused with the reason
         if grad_sample_mode == "ghost_fsdp":  # Opacus's name: book-keeping on a fully_shard model
@@ -185,6 +192,11 @@ class PrivacyEngine:
             check_padding_supported(poisson_sampling=poisson_sampling, criterion=criterion is not None,
                                     across_processes=sharded is not None or isinstance(module, DistributedDataParallel))
         _check_types(module, optimizer, data_loader)
+        mechanism = noise_mechanism_from(optimizer_kwargs.get("noise_mechanism"))
+        if mechanism is not None:  # correlated noise: its sampling and accounting (fxdp/correlated_noise.py)
+            check_correlated_noise(mechanism, accountant=self.accountant, accountant_name=self.accountant_name,
+                                   poisson_sampling=poisson_sampling, padded_batches=padded_batches,
+                                   across_processes=sharded is not None or isinstance(module, DistributedDataParallel))
         _check_optimizer_params_in_module(module, optimizer)
         self._check_not_private_elsewhere(module)
         steps_per_epoch = _check_fixed_batch_accounting(fixed_batch_accounting, poisson_sampling, data_loader, module)
@@ -222,7 +234,7 @@ class PrivacyEngine:
         self._originals[compiled] = module
         data_loader, sample_rate, expected_batch_size = self._prepare_data(
             data_loader, poisson_sampling, ddp if sharded is None else sharded, padded_batches=padded_batches,
-            batch_first=batch_first)
+            batch_first=batch_first, mechanism=mechanism)
         optimizer_class, across_ranks = DPOptimizer, dict(optimizer_kwargs)
         if clipping == "adaptive":
             if ddp is not None or sharded is not None:
@@ -256,6 +268,8 @@ class PrivacyEngine:
         else:
             self._poisson_figure_for_fixed_batches |= not poisson_sampling
             dp_optimizer.attach_step_hook(self._accountant_hook(sample_rate))
+        if mechanism is not None:
+            self.accountant = correlated_accountant(mechanism, data_loader)
         self._claim(module)
         if isinstance(data_loader, DPDataLoader):  # a step then knows how many batches it covers, and empty ones
             data_loader.batch_observer = dp_optimizer.observe_batch
@@ -298,10 +312,16 @@ class PrivacyEngine:
             sample_rate, steps = 1.0, steps_in_epochs(epochs, 1.0)
         else:
             sample_rate, steps = 1.0 / batches, steps_in_epochs(epochs * batches, 1.0)
-        noise_multiplier = get_noise_multiplier(
-            target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=sample_rate, steps=steps,
-            accountant=self.accountant_name, epsilon_tolerance=epsilon_tolerance,
-        )
+        mechanism = noise_mechanism_from(kwargs.get("noise_mechanism"))
+        if mechanism is not None:  # the cyclic loader's steps, accounted as banded MF (fxdp/correlated_noise.py)
+            noise_multiplier = correlated_noise_multiplier(mechanism, data_loader, target_epsilon=target_epsilon,
+                                                           target_delta=target_delta, epochs=epochs,
+                                                           epsilon_tolerance=epsilon_tolerance)
+        else:
+            noise_multiplier = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
+                                                    sample_rate=sample_rate, steps=steps,
+                                                    accountant=self.accountant_name,
+                                                    epsilon_tolerance=epsilon_tolerance)
         return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
                                  noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, **kwargs)
 
@@ -350,11 +370,13 @@ class PrivacyEngine:
         return self.accountant.get_epsilon(delta)
 
     def _prepare_data(self, data_loader: DataLoader, poisson_sampling: bool, ddp=None, *,
-                      padded_batches: Union[bool, int] = False,
-                      batch_first: bool = True) -> Tuple[DataLoader, float, Optional[int]]:
+                      padded_batches: Union[bool, int] = False, batch_first: bool = True,
+                      mechanism: Any = None) -> Tuple[DataLoader, float, Optional[int]]:
         if poisson_sampling:
             # secure mode: the sampler is a torch generator, seeded from the OS's cryptographic source
             generator = torch.Generator().manual_seed(secure_seed()) if self.secure_mode else None
+            if mechanism is not None:  # banded MF: cyclic Poisson sampling, partitions = bands
+                return cyclic_loader(data_loader, mechanism, generator, batch_first)
             if ddp is not None:  # one shared mask over the global dataset, each rank its share
                 check_poisson_group(ddp.process_group)
             dp_loader = DPDataLoader.from_data_loader(data_loader, generator=generator, distributed=ddp is not None,
