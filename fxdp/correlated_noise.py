@@ -54,8 +54,8 @@ def check_correlated_noise(mechanism: NoiseMechanism, *, accountant: Accountant,
         raise ValueError("fxdp: make_private with banded MF noise refuses " + "; ".join(problems))
 
 
-def cyclic_loader(data_loader: DataLoader, mechanism: BandedMatrixFactorization,
-                  generator: Optional[torch.Generator], batch_first: bool) -> Tuple[CyclicPoissonDataLoader, float, int]:
+def cyclic_loader(data_loader: DataLoader, mechanism: BandedMatrixFactorization, generator: Optional[torch.Generator],
+                  batch_first: bool) -> Tuple[CyclicPoissonDataLoader, float, int]:
     """``(loader, sample rate within a part, expected batch size)`` for ``mechanism``: ``partitions = bands``."""
     loader = CyclicPoissonDataLoader.from_data_loader(data_loader, generator=generator, partitions=mechanism.bands,
                                                       batch_first=batch_first)

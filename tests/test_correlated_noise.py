@@ -77,7 +77,8 @@ def test_make_private_with_epsilon_calibrates_for_the_banded_accountant():
     model = classifier()
     data = dataset()
     model, optimizer, loader = engine.make_private_with_epsilon(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=10),
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=10),
         target_epsilon=3.0, target_delta=DELTA, epochs=2, max_grad_norm=1.0, example_inputs=data.tensors[0][:4],
         noise_mechanism=BandedMatrixFactorization(2), epsilon_tolerance=0.05)
     for _ in range(2):

@@ -35,7 +35,7 @@ class CyclicPoissonBatchSampler(Sampler[List[int]]):
     def __init__(self, num_samples: int, sample_rate: float, steps: int, partitions: int, *,
                  generator: Optional[torch.Generator] = None, partition_of: Optional[torch.Tensor] = None):
         if num_samples <= 0:
-            raise ValueError(f"fxdp: CyclicPoissonBatchSampler needs a non-empty dataset, got num_samples={num_samples}")
+            raise ValueError(f"fxdp: CyclicPoissonBatchSampler needs a non-empty dataset, got {num_samples} samples")
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"fxdp: sample_rate must be in (0, 1], got {sample_rate}")
         if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:

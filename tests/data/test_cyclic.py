@@ -15,7 +15,8 @@ def dataset(n=200):
 
 
 def test_each_batch_comes_from_its_steps_part_and_the_split_is_kept_across_passes():
-    loader = CyclicPoissonDataLoader(dataset(), sample_rate=0.5, partitions=4, generator=torch.Generator().manual_seed(1))
+    loader = CyclicPoissonDataLoader(dataset(), sample_rate=0.5, partitions=4,
+                                     generator=torch.Generator().manual_seed(1))
     part = loader.partition_of.clone()
     steps_of = {}  # sample -> the global steps it took part in
     for epoch in range(3):
