@@ -127,3 +127,16 @@ def test_an_accountant_with_steps_of_independent_noise_is_refused():
     with pytest.raises(ValueError, match="already recorded 1 steps"):
         private(engine)
     assert math.isfinite(engine.get_epsilon(DELTA))
+
+
+def test_the_memory_manager_keeps_the_cycle():
+    """Physical batches of at most 3 rows: the logical batches' parts are still told to the noise mechanism, and the
+    run spends what it spends without the memory manager."""
+    from fxdp.data import BatchMemoryManager
+
+    engine = PrivacyEngine()
+    model, optimizer, loader = private(engine, bands=3)
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=optimizer) as physical:
+        for _ in range(2):
+            train(model, optimizer, physical)
+    assert optimizer.noise_mechanism.steps == 12 and len(engine.accountant) == 12

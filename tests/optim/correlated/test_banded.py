@@ -13,7 +13,9 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
+from fxdp.data import DPDataLoader
 from fxdp.optim import AdaClipDPOptimizer, DPOptimizer
 from fxdp.optim.correlated import (BandedMatrixFactorization, banded_toeplitz_matrix, expected_prefix_sum_error,
                                    max_column_norm, optimize_banded_toeplitz, sqrt_toeplitz_coefficients)
@@ -187,8 +189,9 @@ def test_a_batch_out_of_the_cycle_is_refused():
 def test_fewer_partitions_than_bands_and_unknown_mechanisms_are_refused():
     with pytest.raises(PrivacySettingError, match="at least 3 partitions"):
         BandedMatrixFactorization(3).follow_cycle(lambda: 0, 2)
-    with pytest.raises(PrivacySettingError, match="CyclicPoissonDataLoader"):
-        BandedMatrixFactorization(3).follow(object())
+    plain_poisson = DPDataLoader(TensorDataset(torch.zeros(10, 1)), sample_rate=0.5)
+    with pytest.raises(PrivacySettingError, match="a DPDataLoader does not guarantee that.*CyclicPoissonDataLoader"):
+        BandedMatrixFactorization(3).follow(plain_poisson)
     with pytest.raises(PrivacySettingError, match="noise_mechanism must be"):
         noising_optimizer(3, "banded")
     with pytest.raises(PrivacySettingError, match="c_0 > 0"):
