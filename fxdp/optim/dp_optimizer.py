@@ -381,6 +381,8 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
                 "would be mixed into the next one"
             )
         self._check_one_logical_batch()
+        if self.noise_mechanism is not None:  # (a batch out of a correlated mechanism's cycle: refused here)
+            self.noise_mechanism.check_step()
         params = self._trainable_params()
         self._check_params_are_the_models(params)
         factors = self._factors(params)

@@ -187,6 +187,9 @@ class BandedMatrixFactorization(NoiseMechanism):
             self._history = [draws] + self._history[:self.bands - 2]
         self.steps += 1
 
+    def check_step(self) -> None:
+        self._check_cycle()
+
     def _check_cycle(self) -> None:
         if self._position is None:
             raise StepRefusedError(

@@ -41,6 +41,10 @@ class NoiseMechanism(abc.ABC):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`."""
 
+    def check_step(self) -> None:
+        """Raise if the step about to run must not get this mechanism's noise (called by the optimizer before
+        anything of the step moves; :meth:`add_noise_` checks again)."""
+
     def memory_bytes(self) -> int:
         """Bytes of state kept between steps (0 for a stateless mechanism)."""
         return 0

@@ -179,11 +179,15 @@ def test_banded_noise_without_a_cycle_to_follow_refuses_to_step():
 def test_a_batch_out_of_the_cycle_is_refused():
     mechanism = BandedMatrixFactorization(2)
     p, opt = noising_optimizer(3, mechanism)
-    positions = iter([0, 1, 0, 0])  # the fourth step gets part 0 again: a batch was skipped
-    mechanism.follow_cycle(lambda: next(positions), 2)
+    positions = [0, 1, 0, 0]  # the fourth step gets part 0 again: a batch was skipped
+    mechanism.follow_cycle(lambda: positions[opt.steps], 2)
     noise_of_steps(p, opt, 3)
+    state = opt.state_dict()
     with pytest.raises(StepRefusedError, match="cycle position 0"):
         noise_of_steps(p, opt, 1)
+    assert opt.steps == 3 and opt.noise_mechanism.steps == 3  # refused before anything moved
+    assert all(torch.equal(a, b) for a, b in zip(opt.state_dict()["fxdp"]["noise_mechanism"]["state"]["history"][0],
+                                                  state["fxdp"]["noise_mechanism"]["state"]["history"][0]))
 
 
 def test_fewer_partitions_than_bands_and_unknown_mechanisms_are_refused():
