@@ -22,9 +22,7 @@ accountant's history, so a resumed run never forgets the privacy it already spen
 
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
-import inspect
 import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -38,11 +36,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fxdp.accounting import create_accountant, get_noise_multiplier, steps_in_epochs
 from fxdp.compile_option import check_compile_is_possible, compile_in_place, compile_options
-from fxdp.compiler import attach_hooks, compile_for_dp, report
-from fxdp.diagnostics import AlreadyPrivateError, UnsupportedInputError, location_of_caller
+from fxdp.compiler import attach_hooks, compile_for_dp
+from fxdp.correlated_noise import (check_correlated_noise, correlated_accountant, correlated_noise_multiplier,
+                                   cyclic_loader)
+from fxdp.diagnostics import AlreadyPrivateError, location_of_caller
 from fxdp.diagnostics.report import REPORT_ATTR
 from fxdp.data import DPDataLoader
-from fxdp.data.example_inputs import LABEL_KEYS, inputs_from_the_loader
+from fxdp.data.example_inputs import inputs_from_the_loader
 from fxdp.data.loader import loader_options
 from fxdp.data.padding import check_padding_supported, padded_batches_for
 from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer, bucket_bytes_of, check_poisson_group,
@@ -52,8 +52,9 @@ from fxdp.distributed.fsdp import (DPFullyShardedModule, check_sharded_mode, fsd
 from fxdp.distributed.sharded_optimizer import FullyShardedDPOptimizer
 from fxdp.engines import DPLossFastGradientClipping
 from fxdp.optim import AdaClipDPOptimizer, DPOptimizer
+from fxdp.optim.correlated import noise_mechanism_from
 from fxdp.optim.noise import secure_seed
-from fxdp.per_sample_loss import per_sample_loss, task_of
+from fxdp.model_labels import labels_outside_the_graph
 from fxdp.frontends.fx import trace
 from fxdp.runtime.loss_probe import batch_probe_of  # the first batch's labels followed into the loss
 from fxdp.sinks.bookkeeping import BookkeepingSink
@@ -180,6 +181,10 @@ class PrivacyEngine:
         ``compile={"backend": "aot_eager"}`` or ``{"mode": "reduce-overhead"}``. For the graph engine on one
         process only (other engines and DDP/FSDP are refused); the optimizer's step stays eager
         (:mod:`fxdp.compile_option`, docs/torch_compile.md).
+
+        ``noise_mechanism`` (in ``optimizer_kwargs``): ``"gaussian"`` (default) or ``BandedMatrixFactorization(b)``,
+        noise correlated over b steps: the loader is then cyclic Poisson and the accountant the banded MF one
+        (:mod:`fxdp.correlated_noise`, docs/correlated_noise.md).
         """
         compile_with = compile_options(compile)  # None: not compiled
         sharded = sharding_plan_of(module)  # FSDP2 (fully_shard): its plan; FSDP1 is refused with the reason
@@ -196,6 +201,11 @@ class PrivacyEngine:
             check_padding_supported(poisson_sampling=poisson_sampling, criterion=criterion is not None,
                                     across_processes=sharded is not None or isinstance(module, DistributedDataParallel))
         _check_types(module, optimizer, data_loader)
+        mechanism = noise_mechanism_from(optimizer_kwargs.get("noise_mechanism"))
+        if mechanism is not None:  # correlated noise: its sampling and accounting (fxdp/correlated_noise.py)
+            check_correlated_noise(mechanism, accountant=self.accountant, accountant_name=self.accountant_name,
+                                   poisson_sampling=poisson_sampling, padded_batches=padded_batches,
+                                   across_processes=sharded is not None or isinstance(module, DistributedDataParallel))
         _check_optimizer_params_in_module(module, optimizer)
         self._check_not_private_elsewhere(module)
         steps_per_epoch = _check_fixed_batch_accounting(fixed_batch_accounting, poisson_sampling, data_loader, module)
@@ -230,7 +240,7 @@ class PrivacyEngine:
             compiled = compile_for_dp(module, example_inputs, batch_dim=0 if batch_first else 1,
                                       loss_reduction=loss_reduction, grad_sample_mode=grad_sample_mode,
                                       sink=BookkeepingSink() if bookkept else None, batch_inputs=batch_inputs)
-            task = _labels_outside_the_graph(compiled, module, example_inputs, loss_reduction)
+            task = labels_outside_the_graph(compiled, module, example_inputs, loss_reduction)
             if from_loader is not None:
                 from_loader.mark(compiled, task)
             if compile_with is not None:  # before the optimizer, loader and claim: a refusal leaves nothing behind
@@ -238,7 +248,7 @@ class PrivacyEngine:
         self._originals[compiled] = module
         data_loader, sample_rate, expected_batch_size = self._prepare_data(
             data_loader, poisson_sampling, ddp if sharded is None else sharded, padded_batches=padded_batches,
-            batch_first=batch_first)
+            batch_first=batch_first, mechanism=mechanism)
         optimizer_class, across_ranks = DPOptimizer, dict(optimizer_kwargs)
         if clipping == "adaptive":
             if ddp is not None or sharded is not None:
@@ -272,6 +282,8 @@ class PrivacyEngine:
         else:
             self._poisson_figure_for_fixed_batches |= not poisson_sampling
             dp_optimizer.attach_step_hook(self._accountant_hook(sample_rate))
+        if mechanism is not None:
+            self.accountant = correlated_accountant(mechanism, data_loader)
         self._claim(module)
         if isinstance(data_loader, DPDataLoader):  # a step then knows how many batches it covers, and empty ones
             data_loader.batch_observer = dp_optimizer.observe_batch
@@ -314,10 +326,16 @@ class PrivacyEngine:
             sample_rate, steps = 1.0, steps_in_epochs(epochs, 1.0)
         else:
             sample_rate, steps = 1.0 / batches, steps_in_epochs(epochs * batches, 1.0)
-        noise_multiplier = get_noise_multiplier(
-            target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=sample_rate, steps=steps,
-            accountant=self.accountant_name, epsilon_tolerance=epsilon_tolerance,
-        )
+        mechanism = noise_mechanism_from(kwargs.get("noise_mechanism"))
+        if mechanism is not None:  # the cyclic loader's steps, accounted as banded MF (fxdp/correlated_noise.py)
+            noise_multiplier = correlated_noise_multiplier(mechanism, data_loader, target_epsilon=target_epsilon,
+                                                           target_delta=target_delta, epochs=epochs,
+                                                           epsilon_tolerance=epsilon_tolerance)
+        else:
+            noise_multiplier = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
+                                                    sample_rate=sample_rate, steps=steps,
+                                                    accountant=self.accountant_name,
+                                                    epsilon_tolerance=epsilon_tolerance)
         return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
                                  noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, **kwargs)
 
@@ -366,11 +384,13 @@ class PrivacyEngine:
         return self.accountant.get_epsilon(delta)
 
     def _prepare_data(self, data_loader: DataLoader, poisson_sampling: bool, ddp=None, *,
-                      padded_batches: Union[bool, int] = False,
-                      batch_first: bool = True) -> Tuple[DataLoader, float, Optional[int]]:
+                      padded_batches: Union[bool, int] = False, batch_first: bool = True,
+                      mechanism: Any = None) -> Tuple[DataLoader, float, Optional[int]]:
         if poisson_sampling:
             # secure mode: the sampler is a torch generator, seeded from the OS's cryptographic source
             generator = torch.Generator().manual_seed(secure_seed()) if self.secure_mode else None
+            if mechanism is not None:  # banded MF: cyclic Poisson sampling, partitions = bands
+                return cyclic_loader(data_loader, mechanism, generator, batch_first)
             if ddp is not None:  # one shared mask over the global dataset, each rank its share
                 check_poisson_group(ddp.process_group)
             dp_loader = DPDataLoader.from_data_loader(data_loader, generator=generator, distributed=ddp is not None,
@@ -502,96 +522,6 @@ class PrivacyEngine:
         if module not in self._originals and isinstance(module, (DistributedDataParallel, DPDistributedDataParallel)):
             module = module.module  # the names of the model inside, as a single process saves them
         return self._originals.get(module, module)
-
-
-def _labels_outside_the_graph(compiled: nn.Module, module: nn.Module, example_inputs: Any,
-                              loss_reduction: str) -> Optional[str]:
-    """A model whose ``forward`` takes labels (a transformers model), compiled from example inputs without them
-    (given, or captured from the data loader): given to the private model, they give each sample's own loss for the
-    model's task (:class:`LabelsAsPerSampleLoss`; the task is returned), or, where fxdp does not know the model's
-    loss, are refused with why (:class:`LabelsLeftOut`)."""
-    if example_inputs is None:  # traced from forward's code: the graph takes what forward takes
-        return None
-    try:
-        named = set(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return None
-    given = set(example_inputs) if isinstance(example_inputs, collections.abc.Mapping) else set()
-    labels = tuple(k for k in LABEL_KEYS if k in named and k not in given)
-    if not labels or report(compiled).engine not in ("fx", "hooks"):
-        return None
-    try:
-        task = task_of(module)
-    except ValueError:
-        compiled.register_forward_pre_hook(LabelsLeftOut(labels), with_kwargs=True)
-        return None
-    LabelsAsPerSampleLoss(labels, task, loss_reduction).attach(compiled)
-    return task
-
-
-class LabelsAsPerSampleLoss:
-    """A compiled model captured without the batch's labels takes them as a transformers model does, and returns
-    its output with ``loss`` first, as the model would, but each sample's own loss (:func:`fxdp.per_sample_loss.
-    per_sample_loss` for the model's task) reduced over the batch as the DP optimizer expects (mean or sum).
-
-    The model's own loss from ``labels`` is averaged over the whole batch (over all its tokens, for a language
-    model), so each sample's gradient would depend on the others; here the labels never enter the graph. For a
-    causal language model each sample's loss is the mean over its own target tokens (the model's is weighted by
-    token, over the batch); for classification the two are equal."""
-
-    def __init__(self, labels: Tuple[str, ...], task: str, loss_reduction: str):
-        self.labels, self.task, self.loss_reduction = labels, task, loss_reduction
-        self._taken: List[Optional[torch.Tensor]] = []  # the labels of each call in progress (calls may nest)
-
-    def attach(self, compiled: nn.Module) -> None:
-        compiled.register_forward_pre_hook(self, with_kwargs=True)
-        compiled.register_forward_hook(self.give, with_kwargs=True, always_call=True)
-
-    @property
-    def fxdp_outside_inputs(self) -> Tuple[str, ...]:  # what the captured graph never takes (a graph captured again
-        return self.labels                              # for another call leaves them out too)
-
-    def __call__(self, module, args, kwargs):  # the forward pre-hook
-        given = [k for k in self.labels if kwargs.get(k) is not None]
-        if len(given) > 1:
-            raise UnsupportedInputError(f"fxdp: the private model was given labels twice ({', '.join(given)}); "
-                                        "give one")
-        self._taken.append(kwargs[given[0]] if given else None)
-        return args, {k: v for k, v in kwargs.items() if k not in self.labels}
-
-    def give(self, module, args, kwargs, output):
-        labels = self._taken.pop() if self._taken else None
-        if labels is None or output is None:  # (no labels; or forward raised: the hook is always called)
-            return None
-        logits = output["logits"] if isinstance(output, collections.abc.Mapping) else output[0]
-        losses = per_sample_loss(logits, labels, self.task)
-        loss = losses.mean() if self.loss_reduction == "mean" else losses.sum()
-        if isinstance(output, tuple):  # return_dict=False: (loss, logits, ...), as the model returns it
-            return (loss, *output)
-        return type(output)(loss=loss, **output)
-
-
-class LabelsLeftOut:
-    """A compiled model captured without the batch's labels, of a model whose loss fxdp does not know, refuses
-    them, saying why (a loss averaged inside the model over the batch mixes the samples) and what to do."""
-
-    def __init__(self, labels: Tuple[str, ...]):
-        self.labels = self.fxdp_outside_inputs = labels
-
-    def __call__(self, module, args, kwargs):
-        given = [k for k in self.labels if k in kwargs]
-        if given:
-            raise UnsupportedInputError(
-                f"fxdp: the private model was given {', '.join(map(repr, given))}, which make_private compiled the "
-                "model without (its example inputs, or the data loader's first batch): with labels, the model "
-                "computes its loss itself, averaged over the whole batch (over all its tokens, for a language "
-                "model), so each sample's gradient would depend on the other samples, and fxdp cannot tell which "
-                "loss this model computes (it knows the transformers models ...ForCausalLM, "
-                "...ForSequenceClassification, ...ForMaskedLM, ...ForTokenClassification). Call the model without "
-                "them and compute each sample's loss outside it (fxdp.per_sample_loss.per_sample_loss(outputs.logits, "
-                "labels, task) does), with the mean over the batch as the loss; or train with "
-                "fxdp.integrations.transformers.DPTrainer")
-        return None
 
 
 def _check_types(module, optimizer, data_loader) -> None:

@@ -8,6 +8,8 @@ target ε needs.
 - :class:`GDPAccountant` (``"gdp"``, Opacus's ``GaussianAccountant``): the central-limit Gaussian-DP
   approximation, not a bound.
 - :class:`PRVAccountant` (``"prv"``): the PLD accountant under Opacus's name.
+- :class:`CyclicPoissonBandedMFAccountant`: banded matrix-factorization noise amplified by cyclic Poisson
+  sampling (:mod:`fxdp.accounting.banded_mf`), through ``dp-accounting``'s PLD.
 - :func:`create_accountant` by name (:func:`register_accountant` adds one), :func:`get_noise_multiplier` for
   calibration.
 
@@ -17,6 +19,7 @@ This package is pure math and imports nothing from the rest of fxdp.
 
 from fxdp.accounting import registry
 from fxdp.accounting.accountant import Accountant
+from fxdp.accounting.banded_mf import CyclicPoissonBandedMFAccountant
 from fxdp.accounting.calibration import get_noise_multiplier, steps_in_epochs
 from fxdp.accounting.gdp import GDPAccountant
 from fxdp.accounting.pld import PLDAccountant, PRVAccountant
@@ -28,6 +31,7 @@ GaussianAccountant = GDPAccountant  # Opacus's name for the "gdp" accountant
 __all__ = [
     "ACCOUNTANTS",
     "Accountant",
+    "CyclicPoissonBandedMFAccountant",
     "DEFAULT_ORDERS",
     "GDPAccountant",
     "GaussianAccountant",

@@ -89,6 +89,9 @@ class Accountant(abc.ABC):
     mechanism: str = MechanismName("")
     #: whether :meth:`get_epsilon` is an upper bound on the ε spent (the GDP approximation is not)
     is_bound: bool = True
+    #: whether it analyses noise correlated across steps (a history of such steps, saved with a "correlated" entry,
+    #: loads only into an accountant of that kind: :mod:`fxdp.accounting.banded_mf`)
+    analyses_correlated_noise: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -151,6 +154,11 @@ class Accountant(abc.ABC):
                 f"{type(self).__name__}.load_state_dict expects the dict that state_dict() returned "
                 f"(with 'history' and 'mechanism' keys), got {state_dict!r:.200}"
             )
+        if state_dict.get("correlated") is not None and not self.analyses_correlated_noise:
+            raise ValueError(
+                f"the history was saved by a {state_dict['mechanism']!r} accountant, of steps with noise correlated "
+                f"across steps; {type(self).__name__} analyses independent noise and would report an ε that does "
+                "not hold. Load it into the accountant that saved it")
         if not self.is_bound and str(state_dict["mechanism"]) != self.mechanism:
             raise ValueError(
                 f"the history was saved by a {state_dict['mechanism']!r} accountant; "

@@ -30,7 +30,7 @@ class LoaderInputs:
 
     def mark(self, compiled: nn.Module, task: Optional[str]) -> None:
         """Say in the report where the graph came from, and what the labels left out do (``task``: the loss they
-        give, see :func:`fxdp.privacy_engine._labels_outside_the_graph`)."""
+        give, see :func:`fxdp.model_labels.labels_outside_the_graph`)."""
         shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in self.inputs.items() if isinstance(v, torch.Tensor)) \
             if isinstance(self.inputs, dict) else f"{tuple(self.inputs.shape)}"
         left = ""

@@ -281,9 +281,7 @@ class DPDataLoader(DataLoader):
         self.distributed = distributed
         self.rank = rank
         self.world_size = world_size
-        batch_sampler = PoissonBatchSampler(
-            num_samples, sample_rate, steps, generator=generator, rank=rank, world_size=world_size
-        )
+        batch_sampler = self._batch_sampler(num_samples, sample_rate, steps, generator, rank, world_size)
         # the base size of a padded batch (0: batches are not padded)
         self.padding_base = padding_base(padded_batches, num_samples, self.sample_rate)
         # (the empty batch of an unpadded loader is batch first, as it always was)
@@ -303,6 +301,12 @@ class DPDataLoader(DataLoader):
         # a callable that hands out a batch in its place (the compiled model's loss probe, which follows what the
         # loss computes from the labels on the first step: fxdp.runtime.loss_probe)
         self.batch_probe: Optional[Callable[[Any], Any]] = None
+
+    def _batch_sampler(self, num_samples: int, sample_rate: float, steps: int, generator: Optional[torch.Generator],
+                       rank: int, world_size: int) -> PoissonBatchSampler:
+        """The sampler of the batches (a subclass samples otherwise: :class:`fxdp.data.CyclicPoissonDataLoader`)."""
+        return PoissonBatchSampler(num_samples, sample_rate, steps, generator=generator, rank=rank,
+                                   world_size=world_size)
 
     @property
     def row_mask(self) -> Optional[torch.Tensor]:

@@ -63,9 +63,13 @@ class _PhysicalBatchLoader:
         # The sampler runs ahead of us when worker processes prefetch; batches come back in the
         # order it produced them, so its flags are read first in, first out.
         observer = getattr(self.logical_data_loader, "batch_observer", None)  # see DPDataLoader
-        starts, first = True, True
+        starts, first, logical_batches = True, True, 0
+        cyclic = getattr(self.logical_data_loader, "partitions", None) is not None  # a CyclicPoissonDataLoader
         for batch in self._loader:
             is_last, size = self._sampler.is_last.popleft()
+            if cyclic and starts:  # the part of the logical batch begun, as the cyclic loader's own pass notes it
+                self.logical_data_loader.cycle_position = logical_batches % self.logical_data_loader.partitions
+                logical_batches += 1
             if observer is not None and starts:  # a logical batch begins (empty: its one physical batch is)
                 observer(empty=size == 0, new_epoch=first)
                 first = False

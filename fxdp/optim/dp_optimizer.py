@@ -52,6 +52,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from fxdp.optim.correlated.mechanism import (NoiseMechanism, mechanism_state, noise_mechanism_from,
+                                             restore_mechanism_state)
 from fxdp.optim.extension_points import OpacusExtensionPoints
 from fxdp.optim.step_checks import StepChecks, stacked_norms
 from fxdp.optim.noise import add_gaussian_noise_all_
@@ -66,6 +68,8 @@ _OPACUS_EXTENSION_POINTS = ("pre_step", "clip_and_accumulate", "add_noise", "sca
 _NEEDS_EXPECTED_BATCH_SIZE = (
     "fxdp: loss_reduction='mean' needs expected_batch_size (the expected number of samples per logical batch: "
     "sample_rate * len(dataset) under Poisson sampling); the gradient is divided by it, not by the actual batch size")
+# what a subclass overrides to form or add the noise its own way (a noise mechanism needs the default path)
+_NOISE_PATH = ("_write_private_grads", "_adds_noise", "_reduce", "_before_update")
 _SECURE_WITH_GENERATOR = ("fxdp: secure_mode draws noise from the OS's cryptographic source; a seeded generator "
                           "would make the noise predictable. Pass generator=None")
 
@@ -92,6 +96,9 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         generator: a ``torch.Generator`` for reproducible noise (its state is saved by ``state_dict``).
         param_names: ``{parameter: name}`` used in error messages (the PrivacyEngine passes the model's
             ``named_parameters``).
+        noise_mechanism: ``"gaussian"`` (independent noise at every step, the default) or a
+            :class:`fxdp.optim.correlated.NoiseMechanism` that draws each step's noise (correlated across steps:
+            ``BandedMatrixFactorization``); its state is part of :meth:`state_dict`.
     """
 
     def __init__(
@@ -107,6 +114,7 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         secure_mode: bool = False,
         generator: Optional[torch.Generator] = None,
         param_names: Optional[Dict[nn.Parameter, str]] = None,
+        noise_mechanism: Union[str, NoiseMechanism, None] = "gaussian",
     ):
         self._overrides = _overridden_extension_points(type(self))
         if isinstance(optimizer, DPOptimizer):
@@ -133,6 +141,12 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         self.expected_batch_size = expected_batch_size
         self.max_grad_norm = max_grad_norm
         self._check_settings()
+        self.noise_mechanism: Optional[NoiseMechanism] = noise_mechanism_from(noise_mechanism)  # None: independent
+        if self.noise_mechanism is not None and (self._overrides or any(
+                getattr(type(self), m) is not getattr(DPOptimizer, m) for m in _NOISE_PATH)):
+            raise PrivacySettingError(f"fxdp: {type(self).__name__} forms or adds its noise its own way; the noise "
+                                      f"mechanism {self.noise_mechanism.name!r} needs the DPOptimizer's own step, in "
+                                      "one process (noise_mechanism='gaussian' here)")
         if set(self._overrides) - {"scale_grad"}:
             warnings.warn(
                 f"fxdp: {type(self).__name__} overrides {', '.join(self._overrides)}: its step runs them. fxdp's "
@@ -367,6 +381,8 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
                 "would be mixed into the next one"
             )
         self._check_one_logical_batch()
+        if self.noise_mechanism is not None:  # (a batch out of a correlated mechanism's cycle: refused here)
+            self.noise_mechanism.check_step()
         params = self._trainable_params()
         self._check_params_are_the_models(params)
         factors = self._factors(params)
@@ -477,7 +493,9 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
             if keep_summed:
                 p.summed_grad = (grad / scale).to(p.dtype)
             grads.append(grad)
-        if std > 0:  # in the parameters' order; the large ones' blocks drawn in parallel
+        if self.noise_mechanism is not None:  # correlated noise (fxdp.optim.correlated): its state advances each step
+            self.noise_mechanism.add_noise_(grads, std * scale, secure_mode=self.secure_mode, generator=self.generator)
+        elif std > 0:  # in the parameters' order; the large ones' blocks drawn in parallel
             add_gaussian_noise_all_(grads, std * scale, secure_mode=self.secure_mode, generator=self.generator)
         self._check_finite_after_dropping(grads)
         for p, grad in zip(params, self._reduce(grads)):
@@ -522,6 +540,7 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
                 "skip_next": self._skip_next,
                 "generator_state": None if self.generator is None else self.generator.get_state(),
                 "accumulated": [self._summed.get(p) for p in params],
+                "noise_mechanism": mechanism_state(self.noise_mechanism),
             },
         }
 
@@ -550,6 +569,7 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
                 f"max_grad_norm={own['max_grad_norm']!r}, and this optimizer's bound is {self.max_grad_norm!r}: its "
                 "step would add noise for the wrong bound. Build the optimizer with the checkpoint's max_grad_norm, "
                 "or save the checkpoint after a real step")
+        restore_mechanism_state(self.noise_mechanism, own.get("noise_mechanism"))
         self.original_optimizer.load_state_dict(state_dict["optimizer"])
         changed = [k for k in ("noise_multiplier", "max_grad_norm", "expected_batch_size")
                    if own[k] != getattr(self, k)]

@@ -1,0 +1,281 @@
+"""Banded matrix factorization (banded MF): noise correlated over the last ``bands`` steps.
+
+The mechanism (Denisov et al. 2022; Choquette-Choo et al. 2023, "Amplified Banded Matrix Factorization: A
+unified approach to private training"). Write the gradients of ``n`` steps as the rows of ``X`` and the
+workload as ``A`` (lower-triangular ones: SGD's iterates are prefix sums of the gradients). A factorization
+``A = B C`` with ``C`` lower triangular releases ``C X + Z`` (``Z`` independent Gaussian rows), from which
+``B (C X + Z) = A (X + C^-1 Z)``: training on ``X + C^-1 Z`` is that release, post-processed. So the noise
+added at step ``t`` is ``w_t = (C^-1 Z)_t``, and with ``C`` banded (``C[t, s] = c_(t-s)`` for
+``0 <= t - s < bands``, Toeplitz) it follows from ``C w = Z``::
+
+    w_t = (z_t - c_1 w_(t-1) - ... - c_(b-1) w_(t-b+1)) / c_0            z_t ~ N(0, I), fresh each step
+
+so the state is the last ``bands - 1`` noise vectors: ``(bands - 1) x`` the trainable parameters
+(:meth:`BandedMatrixFactorization.memory_bytes`), each ``w_t`` scaled by DP-SGD's std (``sigma * C * scale``).
+``bands=1`` is DP-SGD's independent noise.
+
+Normalisation: the coefficients are scaled so that C's largest column norm (its sensitivity to one
+participation), ``sqrt(c_0^2 + ... + c_(b-1)^2)``, is 1; ``noise_multiplier`` then means what it means for
+DP-SGD, and the accountant (:class:`fxdp.accounting.CyclicPoissonBandedMFAccountant`) composes Gaussian
+mechanisms of that multiplier.
+
+Strategies here: :func:`sqrt_toeplitz_coefficients` (the first ``bands`` coefficients of ``(1 - x)^(-1/2)``,
+whose full Toeplitz matrix squares to ``A``: banded square root, a good strategy without optimisation) and
+:func:`optimize_banded_toeplitz` (coefficients minimising the expected total squared error of the ``n`` prefix
+sums per unit of sensitivity, :func:`expected_prefix_sum_error`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from fxdp.optim.correlated.mechanism import NoiseMechanism
+from fxdp.optim.noise import add_gaussian_noise_all_
+from fxdp.sinks.contract import PrivacySettingError, StepRefusedError
+
+
+def sqrt_toeplitz_coefficients(bands: int) -> List[float]:
+    """``c_k = binom(2k, k) / 4^k`` for ``k < bands`` (the series of ``(1 - x)^(-1/2)``), scaled to unit norm."""
+    _check_bands(bands)
+    coefficients = [1.0]
+    for k in range(1, bands):  # binom(2k, k) / 4^k = previous * (2k - 1) / (2k)
+        coefficients.append(coefficients[-1] * (2 * k - 1) / (2 * k))
+    return _normalised(coefficients)
+
+
+def banded_toeplitz_matrix(coefficients: Sequence[float], n: int) -> torch.Tensor:
+    """The ``n x n`` lower-triangular Toeplitz matrix ``C[t, s] = c_(t-s)`` (0 beyond the bands), float64."""
+    matrix = torch.zeros(n, n, dtype=torch.float64)
+    for k, c in enumerate(coefficients[:n]):
+        matrix += torch.diag(torch.full((n - k,), float(c), dtype=torch.float64), -k)
+    return matrix
+
+
+def max_column_norm(coefficients: Sequence[float], n: int) -> float:
+    """C's largest column norm for ``n`` steps, in closed form: column ``s`` holds ``c_0 .. c_(min(b, n-s)-1)``, so
+    the first column is the largest, ``sqrt(sum of c_k^2 over k < min(bands, n))``."""
+    return math.sqrt(sum(float(c) ** 2 for c in list(coefficients)[:max(1, n)]))
+
+
+def expected_prefix_sum_error(coefficients: Sequence[float], n: int) -> float:
+    """``||A C^-1||_F^2 * sens(C)^2``: the expected total squared error of the ``n`` prefix sums of the noise,
+    ``sum_t E||sum_(s<=t) w_s||^2`` per coordinate, at noise multiplier 1 and sensitivity normalised to 1 (the
+    objective of Choquette-Choo et al. 2023, per unit of sigma^2 C^2). DP-SGD's (C = I) is ``n (n + 1) / 2``."""
+    c = torch.tensor([float(x) for x in coefficients], dtype=torch.float64)
+    return float(_prefix_error(c, n))
+
+
+def optimize_banded_toeplitz(bands: int, n: int, *, iterations: int = 200) -> List[float]:
+    """Banded Toeplitz coefficients minimising :func:`expected_prefix_sum_error` for ``n`` steps (L-BFGS in
+    float64 from :func:`sqrt_toeplitz_coefficients`, ``c_0`` held at 1: the objective does not depend on the
+    scale), normalised to unit column norm. A local optimum: never worse than the start, which is returned if
+    the optimiser does not improve on it."""
+    _check_bands(bands)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"fxdp: n (the number of steps) must be a positive int, got {n!r}")
+    start = torch.tensor(sqrt_toeplitz_coefficients(bands), dtype=torch.float64)
+    start = start / start[0]
+    if bands == 1:
+        return [1.0]
+    tail = start[1:].clone().requires_grad_(True)
+    optimizer = torch.optim.LBFGS([tail], lr=1.0, max_iter=iterations, line_search_fn="strong_wolfe",
+                                  tolerance_grad=1e-12, tolerance_change=1e-15)
+
+    def objective() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = torch.log(_prefix_error(torch.cat([start[:1], tail]), n))
+        loss.backward()
+        return loss
+
+    optimizer.step(objective)
+    found = torch.cat([start[:1], tail.detach()])
+    best = found if bool(torch.isfinite(found).all()) and _prefix_error(found, n) < _prefix_error(start, n) else start
+    return _normalised(best.tolist())
+
+
+class BandedMatrixFactorization(NoiseMechanism):
+    """Banded MF noise for :class:`~fxdp.optim.DPOptimizer` (see the module docstring).
+
+    Args:
+        bands: b, the number of bands (steps over which the noise is correlated); the strategy is then
+            :func:`sqrt_toeplitz_coefficients`.
+        coefficients: ``c_0 .. c_(b-1)`` of a banded Toeplitz ``C`` instead (``c_0 > 0``), e.g. from
+            :func:`optimize_banded_toeplitz`; scaled here to unit column norm.
+
+    The noise is correlated across steps, so its privacy depends on which steps a sample can take part in: the
+    mechanism draws only while it follows a cyclic Poisson loader (:meth:`follow`, which ``make_private`` calls)
+    whose ``partitions >= bands``, and refuses a step whose batch is not the next one of the cycle.
+    """
+
+    name = "banded_mf"
+
+    def __init__(self, bands: Optional[int] = None, *, coefficients: Optional[Sequence[float]] = None):
+        if coefficients is None:
+            if bands is None:
+                raise PrivacySettingError("fxdp: BandedMatrixFactorization needs bands (or coefficients)")
+            coefficients = sqrt_toeplitz_coefficients(bands)
+        coefficients = [float(c) for c in coefficients]
+        if bands is not None and len(coefficients) != bands:
+            raise PrivacySettingError(f"fxdp: BandedMatrixFactorization got bands={bands} and {len(coefficients)} "
+                                      "coefficients; give one of them, or as many coefficients as bands")
+        _check_bands(len(coefficients))
+        if not all(math.isfinite(c) for c in coefficients) or not coefficients[0] > 0:
+            raise PrivacySettingError(f"fxdp: banded MF coefficients must be finite with c_0 > 0 (C must be "
+                                      f"invertible), got {coefficients}")
+        self.coefficients = tuple(_normalised(coefficients))
+        self.bands = len(self.coefficients)
+        self.steps = 0  # noise draws made
+        self._history: List[List[torch.Tensor]] = []  # [w_(t-1), w_(t-2), ...], each one tensor per parameter
+        self._position: Optional[Callable[[], Optional[int]]] = None  # the cycle position of this step's batch
+        self.partitions: Optional[int] = None
+        self.partition_fingerprint: Optional[str] = None  # which sample is in which partition (the loader's)
+        self._offset: Optional[int] = None  # (cycle position - step) mod partitions, the same at every step
+
+    @property
+    def sensitivity(self) -> float:
+        """C's largest column norm: 1 after normalisation (for any number of steps >= 1)."""
+        return max_column_norm(self.coefficients, self.bands)
+
+    def follow(self, loader: Any) -> None:
+        """Follow a cyclic Poisson loader (:class:`fxdp.data.CyclicPoissonDataLoader`): each step's batch must be
+        the next of its cycle (read from ``loader.cycle_position``), and its ``partitions`` at least ``bands``."""
+        partitions = getattr(loader, "partitions", None)
+        if not isinstance(partitions, int) or not hasattr(loader, "cycle_position"):
+            raise PrivacySettingError(
+                f"fxdp: banded MF noise is private (and accounted) only when each sample can take part in one step "
+                f"of every {self.bands} or more; a {type(loader).__name__} does not guarantee that. Train on a "
+                f"fxdp.data.CyclicPoissonDataLoader with partitions >= {self.bands}")
+        self.follow_cycle(lambda: loader.cycle_position, partitions, getattr(loader, "partition_fingerprint", None))
+
+    def follow_cycle(self, position: Callable[[], Optional[int]], partitions: int,
+                     fingerprint: Optional[str] = None) -> None:
+        """:meth:`follow` for any source of batches: ``position()`` is the cycle position (0 .. partitions-1) of the
+        batch of the step about to be noised; ``fingerprint`` names the assignment of samples to partitions."""
+        if not isinstance(partitions, int) or partitions < self.bands:
+            raise PrivacySettingError(
+                f"fxdp: banded MF with {self.bands} bands needs a cyclic loader of at least {self.bands} partitions "
+                f"(a sample's steps must be {self.bands} or more apart, so that they meet disjoint bands of C), got "
+                f"partitions={partitions!r}")
+        if self.partitions is not None and self.partitions != partitions:
+            raise PrivacySettingError(f"fxdp: this banded MF noise followed a cycle of {self.partitions} partitions; "
+                                      f"the loader has {partitions}. Keep the loader's partitions for the whole run")
+        self._position, self.partitions = position, partitions
+        if fingerprint is not None and self.partition_fingerprint is None:
+            self.partition_fingerprint = fingerprint
+        self._fingerprint_now = fingerprint
+
+    def add_noise_(self, outs: List[torch.Tensor], std: float, *, secure_mode: bool = False,
+                   generator: Optional[torch.Generator] = None) -> None:
+        self._check_cycle()
+        if self._history and [tuple(h.shape) for h in self._history[0]] != [tuple(o.shape) for o in outs]:
+            raise StepRefusedError("fxdp: the trainable parameters changed since the banded MF noise began (its "
+                                   "state holds one noise vector per parameter); keep them for the whole run")
+        draws = [torch.zeros_like(out) for out in outs]  # z_t, then w_t in place
+        add_gaussian_noise_all_(draws, 1.0, secure_mode=secure_mode, generator=generator)
+        c = self.coefficients
+        for k, (out, w) in enumerate(zip(outs, draws)):
+            for j, earlier in enumerate(self._history, start=1):
+                w.sub_(earlier[k], alpha=c[j])
+            if c[0] != 1.0:
+                w.div_(c[0])
+            if std != 0:
+                out.add_(w, alpha=std)
+        if self.bands > 1:
+            self._history = [draws] + self._history[:self.bands - 2]
+        self.steps += 1
+
+    def check_step(self) -> None:
+        self._check_cycle()
+
+    def _check_cycle(self) -> None:
+        if self._position is None:
+            raise StepRefusedError(
+                "fxdp: banded MF noise is private (and accounted) only when each sample can take part in one step "
+                f"of every {self.bands} or more: train on a fxdp.data.CyclicPoissonDataLoader and call "
+                "noise_mechanism.follow(loader) before the first step (make_private does)")
+        if self.partition_fingerprint is not None and self._fingerprint_now != self.partition_fingerprint:
+            raise StepRefusedError(
+                "fxdp: the cyclic loader assigns the samples to partitions differently from the one this banded MF "
+                "noise followed before (a resumed run with a fresh loader?): a sample could take part in steps "
+                "closer than the bands allow. Build the loader with the saved assignment "
+                "(CyclicPoissonDataLoader(..., partition_of=old_loader.partition_of))")
+        position = self._position()
+        if position is None:
+            raise StepRefusedError("fxdp: the cyclic loader has handed out no batch for this step; draw the batch "
+                                   "from the loader the banded MF noise follows")
+        offset = (position - self.steps) % self.partitions
+        if self._offset is None:
+            self._offset = offset
+        elif offset != self._offset:
+            raise StepRefusedError(
+                f"fxdp: step {self.steps} of the banded MF noise got a batch at cycle position {position}, and the "
+                f"cycle expects {(self.steps + self._offset) % self.partitions}: a batch was skipped or reused (a "
+                "pass over the loader left early, or a resumed run restarted the loader mid-cycle), so a sample "
+                f"could take part in steps closer than {self.bands} apart. Consume the loader's batches in order, "
+                "one per step, and leave a pass only after a whole number of cycles")
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"coefficients": list(self.coefficients), "steps": self.steps, "offset": self._offset,
+                "partitions": self.partitions, "partition_fingerprint": self.partition_fingerprint,
+                "history": [[t.clone() for t in step] for step in self._history]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if tuple(state["coefficients"]) != self.coefficients:
+            raise ValueError(f"fxdp: the checkpoint's banded MF coefficients {state['coefficients']} differ from "
+                             f"this mechanism's {list(self.coefficients)}; build it with the checkpoint's")
+        if state["partitions"] is not None and self.partitions not in (None, state["partitions"]):
+            raise ValueError(f"fxdp: the checkpoint's banded MF noise followed {state['partitions']} partitions, "
+                             f"this one follows {self.partitions}")
+        self.steps, self._offset = int(state["steps"]), state["offset"]
+        self.partitions = state["partitions"] if self.partitions is None else self.partitions
+        self.partition_fingerprint = state["partition_fingerprint"]
+        self._history = [[t.clone() for t in step] for step in state["history"]]
+
+    def memory_bytes(self) -> int:
+        """Bytes of the kept noise vectors: ``(bands - 1)`` copies of the trainable parameters (in at least
+        float32) once the first ``bands - 1`` steps have run."""
+        return sum(t.numel() * t.element_size() for step in self._history for t in step)
+
+    def __repr__(self) -> str:
+        return f"BandedMatrixFactorization(bands={self.bands}, coefficients={list(self.coefficients)})"
+
+
+def _check_bands(bands: Any) -> None:
+    if isinstance(bands, bool) or not isinstance(bands, int) or bands < 1:
+        raise PrivacySettingError(f"fxdp: bands must be an int >= 1, got {bands!r}")
+
+
+def _normalised(coefficients: Sequence[float]) -> List[float]:
+    norm = math.sqrt(sum(c * c for c in coefficients))
+    return [c / norm for c in coefficients]
+
+
+def _series_inverse(c: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` coefficients of ``1 / c(x)`` (C^-1's Toeplitz coefficients), by Newton's iteration
+    ``g <- g (2 - c g)`` on power series, each product an FFT convolution (differentiable)."""
+    g = (1.0 / c[:1])
+    m = 1
+    while m < n:
+        m = min(2 * m, n)
+        cg = _product(c[:m], g, m)
+        two_minus = -cg
+        two_minus = torch.cat([two_minus[:1] + 2.0, two_minus[1:]])
+        g = _product(g, two_minus, m)
+    return g
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
+    size = 1 << (len(a) + len(b) - 1).bit_length()
+    full = torch.fft.irfft(torch.fft.rfft(a, size) * torch.fft.rfft(b, size), size)
+    return full[:n] if full.numel() >= n else torch.cat([full, full.new_zeros(n - full.numel())])
+
+
+def _prefix_error(c: torch.Tensor, n: int) -> torch.Tensor:
+    """``||A C^-1||_F^2 * sens^2``: A C^-1 is Toeplitz with coefficients the prefix sums ``e_k`` of C^-1's, so its
+    squared Frobenius norm is ``sum_k (n - k) e_k^2``."""
+    e = torch.cumsum(_series_inverse(c, n), 0)
+    weights = torch.arange(n, 0, -1, dtype=c.dtype)
+    return (weights * e * e).sum() * (c[:n] ** 2).sum()
