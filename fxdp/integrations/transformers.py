@@ -41,7 +41,8 @@ from torch.utils.data import DataLoader
 
 from fxdp.diagnostics import ExportShapeError, PrivacySettingError
 from fxdp.per_sample_loss import IGNORE_INDEX, TASKS, per_sample_loss, task_of  # noqa: F401 (re-exported)
-from fxdp.privacy_engine import LABEL_KEYS, PrivacyEngine
+from fxdp.data.example_inputs import LABEL_KEYS
+from fxdp.privacy_engine import PrivacyEngine
 
 @dataclass
 class PrivacyArguments:
