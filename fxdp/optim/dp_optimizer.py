@@ -425,8 +425,10 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         self._stacked = None
         if dropped is not None:  # (their factor C / (inf + eps) would be 0, or NaN: 0 either way)
             factors = {p: c.masked_fill(dropped.to(c.device), 0.0) for p, c in factors.items()}
-        if real < rows:  # the padding rows' factors: 0 (their records are zeros already)
-            factors = {p: torch.cat([c, c.new_zeros(rows - real)]) for p, c in factors.items()}
+        if real < rows:  # the padding rows' factors: 0 (their records are zeros already); one tensor stays one
+            padded: Dict[int, torch.Tensor] = {}
+            factors = {p: padded[id(c)] if id(c) in padded else padded.setdefault(id(c), torch.cat(
+                [c, c.new_zeros(rows - real)])) for p, c in factors.items()}
         self._dropped_samples = dropped is not None
         return factors
 
