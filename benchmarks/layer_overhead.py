@@ -1,8 +1,8 @@
 """What a DP-SGD step costs per layer beyond the arithmetic: a stack of small Linear layers (8 -> 8, batch 2),
 whose kernels take a few microseconds, so that a step's time is mostly the library's own code per layer
 (Python, autograd nodes, hooks). Prints microseconds per layer and step for a plain step, fxdp and every
-Opacus mode that is installed, side by side in one run, taking turns, timed by the thread's CPU time on one
-thread (a busy machine disturbs it less than wall time).
+Opacus mode that is installed, and each one's cost per layer beyond the plain step's, side by side in one run,
+taking turns, timed by the thread's CPU time on one thread (a busy machine disturbs it less than wall time).
 
 Usage: python benchmarks/layer_overhead.py [--layers 20] [--repeats 30]
 """
@@ -56,11 +56,13 @@ def main():
         steps[name] = lambda one=one: [one() for _ in range(STEPS_PER_SAMPLE)]
     ms = models.median_ms(steps, args.repeats, clock=time.thread_time)
     layers = args.layers + 1
-    rows = [[name, f"{t * 1e3 / STEPS_PER_SAMPLE / layers:.0f}", f"{t / ms['plain']:.1f}"] for name, t in ms.items()]
-    rows += [[name, "fails", why] for name, why in failed.items()]
+    per_layer = {name: t * 1e3 / STEPS_PER_SAMPLE / layers for name, t in ms.items()}
+    rows = [[name, f"{us:.0f}", f"{us - per_layer['plain']:.0f}", f"{ms[name] / ms['plain']:.1f}"]
+            for name, us in per_layer.items()]
+    rows += [[name, "fails", "", why] for name, why in failed.items()]
     print(f"{layers} Linear layers (8 -> 8), batch 2, torch {torch.__version__}, 1 thread, CPU time, median of "
           f"{args.repeats} samples of {STEPS_PER_SAMPLE} steps; engines take turns")
-    print(tabulate(rows, headers=["engine", "us per layer and step", "vs plain"], tablefmt="github"))
+    print(tabulate(rows, headers=["engine", "us per layer and step", "beyond plain", "vs plain"], tablefmt="github"))
 
 
 if __name__ == "__main__":
