@@ -64,7 +64,7 @@ def _norms_and_sums(sink, params, factors):
     return norms, sink.clipped_sums(params, factors)
 
 
-def _check(model, x, factors_of, reduction="mean", passes=1, drop=None):
+def _check(model, x, factors_of, reduction="mean", passes=1, drops=()):
     params = [p for p in model.parameters() if p.requires_grad]
     expected = _expected(model, x, passes)
     laned = _record(model, x, reduction, passes)
@@ -74,17 +74,20 @@ def _check(model, x, factors_of, reduction="mean", passes=1, drop=None):
         mp.setattr(lanes, "SMALL", -1)  # no use is small: every layer alone
         alone = _record(model, x, reduction, passes)
     factors = factors_of(params, x.shape[0])
-    if drop is not None:
+    for k, drop in enumerate(drops):  # one tensor for every parameter, as the optimizer drops rows
         for sink in (laned, alone):
             sink.drop_samples(params, drop)
         expected = {p: g.masked_fill(drop.view(-1, *[1] * p.dim()), 0) for p, g in expected.items()}
+        in_lanes = [u for s in laned._segments.values() for u in s.uses if isinstance(u, LaneMember) and u.lane]
+        # the first mask: the lanes drop the rows from their stacks (members stay); another: each member alone
+        assert bool(in_lanes) == (k == 0) and all(u._pending is drop for u in in_lanes)
     results = [_norms_and_sums(sink, params, factors) for sink in (laned, alone)]
     for p in params:
         g = expected[p]
         want_norm = g.flatten(1).pow(2).sum(1)
         want_sum = torch.einsum("n,n...->...", factors[p], g)
         for norms, sums in results:
-            if drop is None:
+            if not drops:
                 torch.testing.assert_close(norms[p], want_norm, rtol=1e-10, atol=1e-12)
             torch.testing.assert_close(sums[p], want_sum, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(results[0][1][p], results[1][1][p], rtol=1e-12, atol=1e-14)
@@ -111,10 +114,32 @@ def test_per_layer_factors_are_formed_alone_and_right():
     _check(DeepNarrow().double(), torch.randn(4, 5, dtype=torch.float64), _per_layer)
 
 
-def test_dropped_samples_leave_their_lanes():
+def test_dropped_samples_are_dropped_by_the_lane_then_by_each_member():
+    """A padded batch's padding rows (one mask for all parameters) are dropped from the lanes' stacks; rows dropped
+    after that (non-finite norms) make each member drop both from its own tensors and be formed alone."""
     torch.manual_seed(2)
-    _check(DeepNarrow().double(), torch.randn(5, 5, dtype=torch.float64), _flat,
-           drop=torch.tensor([False, True, False, False, True]))
+    model, x = DeepNarrow().double(), torch.randn(5, 5, dtype=torch.float64)
+    first, second = torch.tensor([False, False, False, True, True]), torch.tensor([False, True, False, True, True])
+    _check(model, x, _flat, drops=[first])
+    _check(model, x, _flat, drops=[first, second])
+
+
+def test_dropped_rows_holding_inf_and_nan_add_nothing():
+    """The dropped rows are selected out of the stacks: an inf or NaN in them (a padding row's log of 0) does not
+    reach the sums, where a factor of 0 would keep it (0 * inf is NaN)."""
+    torch.manual_seed(3)
+    model = DeepNarrow().double()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    x[3] = float("inf")
+    params = [p for p in model.parameters() if p.requires_grad]
+    sink = _record(model, x)
+    drop = torch.tensor([False, False, False, True])
+    sink.drop_samples(params, drop)
+    c = torch.tensor([0.5, 1.0, 0.25, 0.0], dtype=torch.float64)
+    sums = sink.clipped_sums(params, {p: c for p in params})
+    expected = _expected(model, x[:3])
+    for p in params:
+        torch.testing.assert_close(sums[p], torch.einsum("n,n...->...", c[:3], expected[p]), rtol=1e-10, atol=1e-12)
 
 
 def test_a_layer_used_twice_and_two_backward_passes():

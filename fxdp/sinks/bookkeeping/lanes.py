@@ -8,8 +8,10 @@ stacks, their clipped sums from one ``bmm``, where each layer alone took its own
 numbers (each member's row of the batched result is computed as that member alone would compute it).
 
 Members join a lane as the sink forms their uses (:meth:`Lane.join`); the lane computes on the first request,
-for every member still in it. A member whose rows are dropped (:meth:`~fxdp.sinks.bookkeeping.uses.Use.drop_samples`)
-leaves its lane and is computed alone, from its own tensors. Clipped sums are formed together only for members
+for every member still in it. Rows dropped (:meth:`~fxdp.sinks.bookkeeping.uses.Use.drop_samples`) by one mask for
+every member (a padded batch's padding rows) are selected out of the lane's stacks; rows dropped by another mask
+after that make the member leave its lane and be computed alone, from its own tensors, both masks applied. Clipped
+sums are formed together only for members
 given the very same factors tensor (flat clipping gives every parameter one): :func:`clipped_sums_in_lanes`
 forms them before the sink asks each use, and a use answers from that result when asked with those factors.
 
@@ -50,6 +52,7 @@ class Lane:
         self.values = 0  # elements of the members' tensors
         self._norms: Optional[torch.Tensor] = None
         self._stacks: Optional[Tuple[Tuple[int, ...], tuple]] = None  # (member indices, stacks) while in use
+        self._mask: Optional[torch.Tensor] = None  # rows dropped from the members that took it (take_mask)
 
     @property
     def closed(self) -> bool:
@@ -74,9 +77,18 @@ class Lane:
             self._stacks = (key, self.stacks(members))
         return self._stacks[1]
 
+    def take_mask(self, dropped: torch.Tensor) -> bool:
+        """Whether the lane drops the rows ``dropped`` marks for a member, in its stacks: yes for the first such mask
+        (a padded batch's padding rows, the same tensor for every parameter), and for that mask again."""
+        if self._mask is None:
+            self._mask = dropped
+        return self._mask is dropped
+
     def norms_of(self, use: "LaneMember") -> Optional[torch.Tensor]:
         """``use``'s norms, formed with every member's (read once the backward pass has ended: all have joined);
-        ``None`` where a member is gone already (then each forms its own)."""
+        ``None`` where a member is gone already, or rows were dropped (then each forms its own)."""
+        if self._mask is not None:
+            return None
         if self._norms is None:
             everyone = self.members
             if any(m is None for m in everyone):
@@ -86,8 +98,13 @@ class Lane:
         return self._norms[use.lane_index]
 
     def clipped_sums(self, members: List["LaneMember"], c: torch.Tensor) -> torch.Tensor:
-        """``(len(members), ...)``: each member's clipped sum under the factors ``c`` (one per sample)."""
-        out = self.batched_clipped_sums(self._stacked(members), c)
+        """``(len(members), ...)``: each member's clipped sum under the factors ``c`` (one per sample); with the
+        lane's mask where the members took it (their dropped rows selected out of the stacks: an inf or NaN in them
+        would survive a factor of 0)."""
+        stacks = self._stacked(members)
+        if members[0]._pending is not None:
+            stacks = tuple(t.masked_fill(self._mask.to(t.device).view(1, -1, *[1] * (t.dim() - 2)), 0) for t in stacks)
+        out = self.batched_clipped_sums(stacks, c)
         self._stacks = None  # the sums are the last use of the stacks
         return out
 
@@ -110,8 +127,21 @@ class LaneMember(Use):
     lane: Optional[Lane] = None
     lane_index: int = 0
     _clipped: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (factors, this use's clipped sum under them)
+    _pending: Optional[torch.Tensor] = None  # rows dropped, which the lane drops from its stacks (not from ours yet)
+
+    def _settle(self) -> None:
+        """Leave the lane, the rows it was to drop dropped from this use's own tensors."""
+        pending, self._pending = self._pending, None
+        self.lane, self._clipped = None, None
+        if pending is not None:
+            self._mask_own(pending)
+
+    def _mask_own(self, dropped: torch.Tensor) -> None:
+        super().drop_samples(dropped)  # the use's own class: its tensors' rows zeroed by selection
 
     def squared_norms(self) -> torch.Tensor:
+        if self._pending is not None:
+            self._settle()
         norms = None
         if self.lane is not None and len(self.lane._members) > 1:  # (alone: a stack would only copy it)
             norms = self.lane.norms_of(self)
@@ -121,11 +151,21 @@ class LaneMember(Use):
         formed, self._clipped = self._clipped, None
         if formed is not None and formed[0] is c:
             return formed[1]
+        if self._pending is not None:
+            self._settle()
         return super().clipped_sum(c)
 
+    def grad_samples(self) -> torch.Tensor:
+        if self._pending is not None:
+            self._settle()
+        return super().grad_samples()
+
     def drop_samples(self, dropped: torch.Tensor) -> None:
-        self.lane, self._clipped = None, None  # computed alone from now on, from its own (masked) tensors
-        super().drop_samples(dropped)
+        if self.lane is not None and self._pending is None and self.lane.take_mask(dropped):
+            self._pending, self._clipped = dropped, None  # the lane drops them from its stacks
+            return
+        self._settle()  # computed alone from now on, from its own (masked) tensors
+        self._mask_own(dropped)
 
 
 def clipped_sums_in_lanes(uses: Dict[object, List[tuple]], skip=()) -> None:
@@ -136,7 +176,8 @@ def clipped_sums_in_lanes(uses: Dict[object, List[tuple]], skip=()) -> None:
     for pairs in uses.values():
         for use, c in pairs:
             lane = getattr(use, "lane", None)
-            if lane is not None and id(use) not in skip:
+            # (in a lane that drops rows, the members that took its mask; the others are formed alone)
+            if lane is not None and id(use) not in skip and (lane._mask is None) == (use._pending is None):
                 groups.setdefault((id(lane), id(c)), (lane, c, []))[2].append(use)
     for lane, c, members in groups.values():
         if len(members) < 2:
@@ -206,9 +247,8 @@ class LaneGradSamples(LaneMember, Materialised):
         gs = self.unscaled().reshape(self.batch_size, *self.shape)
         return gs * self.scale if self.scale != 1.0 else gs
 
-    def drop_samples(self, dropped: torch.Tensor) -> None:
+    def _mask_own(self, dropped: torch.Tensor) -> None:
         own = self.unscaled()
-        self.lane, self._clipped = None, None
         self._own = own.masked_fill(dropped.to(own.device).view(-1, *[1] * (own.dim() - 1)), 0)
 
 
