@@ -10,10 +10,10 @@ numbers (each member's row of the batched result is computed as that member alon
 Members join a lane as the sink forms their uses (:meth:`Lane.join`); the lane computes on the first request,
 for every member still in it. Rows dropped (:meth:`~fxdp.sinks.bookkeeping.uses.Use.drop_samples`) by one mask for
 every member (a padded batch's padding rows) are selected out of the lane's stacks; rows dropped by another mask
-after that make the member leave its lane and be computed alone, from its own tensors, both masks applied. Clipped
-sums are formed together only for members
-given the very same factors tensor (flat clipping gives every parameter one): :func:`clipped_sums_in_lanes`
-forms them before the sink asks each use, and a use answers from that result when asked with those factors.
+after that make the member leave its lane and be computed alone, from its own tensors, both masks applied.
+Clipped sums are formed together only for members given the very same factors tensor (flat clipping gives every
+parameter one): :func:`clipped_sums_in_lanes` forms them before the sink asks each use, and a use answers from
+that result when asked with those factors.
 
 Only small uses join (:data:`SMALL`): for large layers one kernel per layer is the cost of the arithmetic, and a
 stack would copy large tensors.
