@@ -22,6 +22,7 @@ from fxdp.compile_option import compile_in_place
 from fxdp.privacy_engine import PrivacyEngine
 from fxdp.sinks.contract import sink_of
 from tests.support.counting_backend import CountingBackend
+from tests.support.private_steps import parameters_after_steps
 
 torch._dynamo = pytest.importorskip("torch._dynamo")
 
@@ -57,16 +58,7 @@ def _train(make, make_x, noise, compile, steps=3):  # noqa: A002 (make_private's
     model = make()
     engine = PrivacyEngine()
     private, optimizer, loader = _private(engine, model, make_x, noise, compile=compile)
-    after = []
-    torch.manual_seed(2)  # the Poisson batches
-    for step, (x, y) in enumerate(loader):
-        if step == steps:
-            break
-        optimizer.zero_grad()
-        F.cross_entropy(private(x), y).backward()
-        optimizer.step()
-        after.append([p.detach().clone() for p in model.parameters()])
-    return after, engine.accountant.history
+    return parameters_after_steps(private, optimizer, loader, model, steps), engine.accountant.history
 
 
 def _assert_same_steps(eager, compiled, **tolerance):

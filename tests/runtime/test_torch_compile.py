@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import fxdp
 from fxdp.privacy_engine import PrivacyEngine
+from tests.support.private_steps import parameters_after_steps
 
 torch._dynamo = pytest.importorskip("torch._dynamo")
 
@@ -58,16 +58,7 @@ def _train(make, make_x, noise, compiled, backend="aot_eager", steps=2):
         noise_multiplier=noise, max_grad_norm=0.5, example_inputs=(make_x(8),),
         noise_generator=torch.Generator().manual_seed(1))
     run = torch.compile(private, backend=backend) if compiled else private
-    after = []
-    torch.manual_seed(2)  # the Poisson batches
-    for step, (x, y) in enumerate(loader):
-        if step == steps:
-            break
-        optimizer.zero_grad()
-        F.cross_entropy(run(x), y).backward()
-        optimizer.step()
-        after.append([p.detach().clone() for p in model.parameters()])
-    return after, engine.accountant.history
+    return parameters_after_steps(run, optimizer, loader, model, steps), engine.accountant.history
 
 
 @pytest.mark.parametrize("name, noise", [("mlp", 0.0), ("mlp", 1.0), ("cnn", 1.0), ("attention", 1.0)])
