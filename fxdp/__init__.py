@@ -15,7 +15,7 @@ then a per-sample engine (fxdp.engines) chosen by fxdp.compiler: the compiled gr
 model as one DP-aware op ("fx+whole-model"), or one that does not compile ("hooks", "ew", "functorch",
 "no_op"). docs/pipeline.md ("Words") lists what each word means.
 What compiled code calls at run time (the DP-aware ops, the guards, the compiled module class) is
-fxdp.runtime; the per-layer per-sample rules and the gradient sinks they feed are fxdp.grad_sample.
+fxdp.runtime; the per-layer per-sample rules are fxdp.grad_sample, the gradient sinks they feed fxdp.sinks.
 
 Training privately: fxdp.PrivacyEngine (fxdp.privacy_engine) combines the compiled model, the DP optimizer
 (fxdp.optim), Poisson sampling (fxdp.data) and the accountant (fxdp.accounting); fxdp.audit measures an

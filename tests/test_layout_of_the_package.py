@@ -1,9 +1,9 @@
-"""The package's shape: every module imports, the import graph has no cycle (between modules, nor between
-packages: ``fxdp.<first component>``), no module is too long, and the one-way import rules of DESIGN.md
-hold through any chain of imports, lazy ones too: diagnostics, layout and accounting reach nothing else in
-fxdp (meta only layout), the front ends no pass, the runtime no pass and no front end, the engines neither
-the compiler nor a pass, the passes no validator (the validators use the passes), the optimizer only the
-gradient-sink contract; and the README reads at a glance."""
+"""The package's shape: every module imports, the import graph has no cycle (between modules, nor between packages:
+``fxdp.<first component>``), no module is too long, and the one-way import rules of the design (DESIGN.md in the
+shared folder beside the repository, not in it) hold through any chain of imports, lazy ones too: diagnostics,
+layout and accounting reach nothing else in fxdp (meta only layout), the front ends no pass, the runtime no pass
+and no front end, the engines neither the compiler nor a pass, the passes no validator (the validators use the
+passes), the optimizer only the gradient-sink contract; and the README reads at a glance."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ itself, so the DP layers here *are* the stock modules: subclasses that keep torc
 parameters and its ``state_dict`` keys (those of Opacus's layers too), trained by the same per-sample rules
 as the stock modules in every engine. Nothing needs replacing: they exist so that imports and
 ``ModuleValidator.fix`` behave as in Opacus. ``SequenceBias`` (a learned step appended to a sequence) is a
-layer of its own, with a per-sample rule in :mod:`fxdp.grad_sample.sequence_bias`.
+layer of its own, without a hand-written rule: the generic rule gives its per-sample gradients.
 
 This package imports nothing from fxdp.
 """

@@ -5,7 +5,8 @@ Write side. In backward, every DP-aware op (a layer in the compiled graph, a hoo
 whole-model op) hands its model's sink one :class:`LayerCapture`: the layer's saved input ``A`` and
 output gradient ``G``, both batch first and for a *summed* loss (the mean's ``1/N`` already undone),
 and a function that materialises the layer's per-sample gradients from them. When the backward pass
-ends the autograd engine calls :meth:`GradientSink.finish` (queued by the first ``add`` of that pass).
+ends the autograd engine calls the sink's ``_publish(task)``, which the first ``add`` of that pass queued
+(:func:`pending_of_this_backward`).
 A sink that forms the parameters' gradients itself (book-keeping) says so (``skips_param_grads``) and
 tells the DP-aware ops, through :meth:`GradientSink.functional_forward`, how to run a layer so that
 backward computes its input gradient only: the runtime reaches every sink through this module alone.
