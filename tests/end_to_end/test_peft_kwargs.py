@@ -210,3 +210,23 @@ def test_a_flag_of_another_value_is_captured_again_and_an_uncapturable_keyword_r
     message = str(info.value)
     assert "this call passes x, double, shift" in message
     assert "make it private with example_inputs= a dict of every keyword your training loop passes" in message
+
+
+def test_a_peft_model_without_task_type_takes_every_input_through_kwargs():
+    """``PeftModel.forward(*args, **kwargs)`` names no input: each keyword is captured by its own name."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16, num_labels=3,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = peft.get_peft_model(transformers.BertForSequenceClassification(config),
+                                peft.LoraConfig(r=4, target_modules=["query", "value"])).double().train()
+    assert type(model) is peft.PeftModel
+    for p in model.parameters():
+        if p.requires_grad:
+            with torch.no_grad():
+                p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(p.numel()))
+    ids, mask, segments, labels = _tensors(3)
+    inputs = {"input_ids": ids, "attention_mask": mask, "token_type_ids": segments}
+    compiled = fxdp.compile_for_dp(model, example_inputs=inputs, loss_reduction="sum")
+    assert fxdp.report(compiled).engine == "fx", str(fxdp.report(compiled))
+    _assert_per_sample_gradients(model, compiled, inputs, labels)
