@@ -91,7 +91,7 @@ def _dropout_p(node) -> float:
 
 _DROPOUTS = (aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default,
              aten.alpha_dropout.default, aten.feature_alpha_dropout.default)
-MODE_GUARD = "fxdp_captured_mode"
+_MODE_GUARD = "fxdp_captured_mode"
 
 
 def _guard_captured_dropout(graph: torch.fx.Graph, model_name: str) -> None:
@@ -105,9 +105,9 @@ def _guard_captured_dropout(graph: torch.fx.Graph, model_name: str) -> None:
     if not sites:
         return
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    graph.owning_module.add_module(MODE_GUARD, CapturedModeGuard(sites, model_name))
+    graph.owning_module.add_module(_MODE_GUARD, CapturedModeGuard(sites, model_name))
     with graph.inserting_after(placeholders[-1] if placeholders else next(iter(graph.nodes))):
-        graph.call_module(MODE_GUARD, ())
+        graph.call_module(_MODE_GUARD, ())
 
 
 def _positional_and_keyword(model: nn.Module, example_inputs) -> Tuple[tuple, Dict[str, Any]]:
@@ -183,7 +183,7 @@ def keywords_named(model: nn.Module, kwargs: Dict[str, Any]):
     keyword-only parameters of its own (and takes no others), calling the model's forward unchanged.
 
     torch.export binds the example inputs to ``forward``'s signature: keywords that land in ``**kwargs`` are
-    bound twice (as the ``kwargs`` dict and by name, torch 2.10), which its dynamic shapes cannot match; named,
+    bound twice (as the ``kwargs`` dict and by name, torch 2.13), which its dynamic shapes cannot match; named,
     each is one input of the graph, with its own name (the graph then takes exactly these keywords: a call with
     others is captured again for them, :func:`fxdp.passes.reanalyse._recapture`). The instance attribute is
     removed after (one of the model's own, as accelerate sets, put back)."""
