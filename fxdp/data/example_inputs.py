@@ -52,7 +52,8 @@ def inputs_from_the_loader(module: nn.Module, data_loader: DataLoader, batch_dim
     """The model's inputs in a batch of the dataset's first samples (:func:`fxdp.data.loader.first_samples_batch`:
     the loader's sampling and the random generators untouched): a dict batch (Hugging Face collators) gives the
     keyword inputs ``forward`` names, its labels left out; a tensor is the input; a tuple or list gives its first
-    item (``for x, y in loader: model(x)``). ``None`` when the batch holds nothing of the kind.
+    item (``for x, y in loader: model(x)``). ``None`` when the batch holds nothing of the kind. A ``forward`` that
+    takes ``**kwargs`` (a peft model's) is given every tensor of a dict batch but its labels.
 
     The loader's collate makes one row per sample of every tensor it puts in a batch: the inputs taken from the
     batch with as many rows at ``batch_dim`` as it has samples are the batched inputs (``batch_inputs``), known
@@ -77,6 +78,10 @@ def inputs_from_the_loader(module: nn.Module, data_loader: DataLoader, batch_dim
     if not isinstance(batch, collections.abc.Mapping) or params is None:
         return None
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    inputs = {k: v for k, v in batch.items() if k in named and k not in LABEL_KEYS}
+    # a forward(**kwargs) (a peft model's) passes on what it does not name: the batch's tensors are what the training
+    # loop's model(**batch) gives it (a call with other keywords is captured again for them)
+    passes_on = any(p.kind is p.VAR_KEYWORD for p in params)
+    inputs = {k: v for k, v in batch.items() if k not in LABEL_KEYS and (
+        k in named or passes_on and isinstance(k, str) and k.isidentifier() and isinstance(v, torch.Tensor))}
     batched = tuple(k for k, v in inputs.items() if per_sample(v))
     return LoaderInputs(inputs, tuple(k for k in batch if k in LABEL_KEYS), batched) if inputs else None

@@ -137,9 +137,12 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: Dict[str, Any], batch
 def capture(model: nn.Module, example_inputs, batch_dim: int = 0) -> torch.fx.GraphModule:
     """``model`` as a GraphModule of ATen ops, captured by ``torch.export`` (non-strict) on
     ``example_inputs``, re-rooted on ``model`` (its parameters and layers are the model's own), with
-    source locations and stock layers folded back. Raises what torch.export raises."""
+    source locations and stock layers folded back. Raises what torch.export raises.
+
+    Keyword inputs that ``forward`` takes through ``**kwargs`` (a peft model passes ``token_type_ids`` on to the
+    model it wraps) become inputs of the graph by their own names (:func:`keywords_named`)."""
     args, kwargs = _positional_and_keyword(model, example_inputs)
-    with _quiet_export():
+    with _quiet_export(), keywords_named(model, kwargs):
         exported = torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs, batch_dim),
                                        strict=False)
     captured = exported.module()
@@ -160,6 +163,69 @@ def capture(model: nn.Module, example_inputs, batch_dim: int = 0) -> torch.fx.Gr
     gm.training = model.training
     gm.recompile()
     return gm
+
+
+def passed_through(forward, kwargs: Dict[str, Any]) -> Tuple[str, ...]:
+    """The keywords of ``kwargs`` that ``forward`` takes through its ``**kwargs`` (it names no parameter for them)."""
+    try:
+        params = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        return ()
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return tuple(k for k in kwargs if k not in named)
+
+
+@contextlib.contextmanager
+def keywords_named(model: nn.Module, kwargs: Dict[str, Any]):
+    """For the duration, ``model.forward`` names the keywords of ``kwargs`` it takes through ``**kwargs`` as
+    keyword-only parameters of its own (and takes no others), calling the model's forward unchanged.
+
+    torch.export binds the example inputs to ``forward``'s signature: keywords that land in ``**kwargs`` are
+    bound twice (as the ``kwargs`` dict and by name, torch 2.13), which its dynamic shapes cannot match; named,
+    each is one input of the graph, with its own name (the graph then takes exactly these keywords: a call with
+    others is captured again for them, :func:`fxdp.passes.reanalyse._recapture`). The instance attribute is
+    removed after (one of the model's own, as accelerate sets, put back)."""
+    extra = passed_through(model.forward, kwargs)
+    if not extra:
+        yield
+        return
+    forward = model.forward
+    signature = inspect.signature(forward)
+    params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in extra]
+
+    def named_forward(*args, **keywords):
+        return forward(*args, **keywords)
+
+    named_forward.__signature__ = signature.replace(parameters=params)
+    had = model.__dict__.get("forward")
+    model.__dict__["forward"] = named_forward
+    try:
+        yield
+    finally:
+        if had is None:
+            del model.__dict__["forward"]
+        else:
+            model.__dict__["forward"] = had
+
+
+def keyword_inputs(forward, args: tuple, kwargs: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The inputs of a call ``forward(*args, **kwargs)`` by name, with those it takes through ``**kwargs`` by their
+    own names (as :func:`capture` takes them); None where a positional input lands in ``*args``."""
+    bound = inspect.signature(forward).bind(*args, **kwargs)
+    named: Dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = bound.signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                return None
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[name] = value
+    return named
 
 
 # torch loggers that report a failing export (its error, which the report shows, says it all)
@@ -209,8 +275,9 @@ def _replace_export_guard(graph: torch.fx.Graph, args, kwargs, batch_dim: int, m
     n = None if first is None else first.shape[batch_dim]
     shapes = [tuple(None if d == batch_dim and s == n else s for d, s in enumerate(x.shape))
               if isinstance(x, torch.Tensor) else None for x in leaves]
+    values = [None if isinstance(x, torch.Tensor) else x for x in leaves]  # (export builds them into the graph)
     graph.owning_module.add_module(_GUARD, ExportShapeGuard([str(p.target) for p in placeholders], shapes, batch_dim,
-                                                            model_name))
+                                                            model_name, values))
     with graph.inserting_after(placeholders[-1]):
         graph.call_module(_GUARD, tuple(placeholders))
 

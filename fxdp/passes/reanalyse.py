@@ -32,7 +32,7 @@ from fxdp.layout import BATCHED, UNBATCHED_LAYOUT, BatchLayout
 from fxdp.diagnostics import (BatchDimAnalysisError, ExportShapeError, FxdpError, ModelChangedError, NotPrivateError,
                               PassReport, Severity)
 from fxdp.diagnostics.report import REPORT_ATTR, refuse_if_not_private
-from fxdp.frontends.export import flat_inputs, symbolic_batch
+from fxdp.frontends.export import flat_inputs, keyword_inputs, symbolic_batch
 from fxdp.sinks.contract import sink_of
 from fxdp.passes.batch_dim import batched_input_names, bind_inputs, propagate_batch_dim
 from fxdp.passes.loss import analyse_loss, trace_criterion
@@ -236,9 +236,17 @@ def _take_place(compiled: torch.fx.GraphModule, cls: type, body: dict) -> None:
 
 
 def _call_inputs(original: nn.Module, args: tuple, kwargs: dict):
-    """The inputs of a call of ``original``, as example inputs."""
-    return (args[0] if len(args) == 1 else tuple(args)) if not kwargs else dict(
-        inspect.signature(original.forward).bind(*args, **kwargs).arguments)
+    """The inputs of a call of ``original``, as example inputs (keywords ``forward`` takes through ``**kwargs`` by
+    their own names, as the capture takes them)."""
+    if not kwargs:
+        return args[0] if len(args) == 1 else tuple(args)
+    named = keyword_inputs(original.forward, args, kwargs)
+    if named is None:
+        raise ExportShapeError(
+            f"fxdp: {type(original).__name__} was called with positional inputs that its forward takes through "
+            f"*args, and keywords ({', '.join(kwargs)}), which fxdp cannot capture together: pass every input by "
+            "keyword, or every input by position")
+    return named
 
 
 def install_guards(gm: torch.fx.GraphModule, analysed: torch.fx.GraphModule, model: nn.Module, example_inputs, *,
@@ -412,14 +420,18 @@ def _capture_again(compiled: torch.fx.GraphModule, reanalysis: GraphReanalysis, 
         shape_guard = getattr(compiled, _INPUT_SHAPES)
         if inputs is not None:
             name, _, shape = shape_guard.mismatch(inputs)
-            given = f"input '{name}' has shape {shape}"
+            given, do = f"input '{name}' has shape {shape}", ("give it inputs of the shapes it was captured for (pad "
+                                                               "every batch to one length, padding='max_length')")
+            if isinstance(shape, str):  # an input that is no tensor, of another value
+                given, do = f"input '{name}' has the {shape}", "give it the value it was captured with"
         else:
             given = f"this call passes {', '.join([*(['positional'] if args else []), *kwargs])}"
+            do = ("call it with the inputs it was captured with, or make it private with example_inputs= a dict of "
+                  "every keyword your training loop passes (make_private / compile_for_dp)")
         raise ExportShapeError(
             f"fxdp: {rep.model} was captured with torch.export for inputs of shapes {shape_guard.describe()}; "
             f"{given}, and captured again for it the model needs the {rep.engine} "
-            f"engine ({rep.fallback_reason or 'not one graph'}), which cannot take the graph's place: give it inputs "
-            "of the shapes it was captured for (pad every batch to one length, padding='max_length')")
+            f"engine ({rep.fallback_reason or 'not one graph'}), which cannot take the graph's place: {do}")
     getattr(new, GUARD_ATTR).reanalysis.captures = reanalysis.captures
     return type(new), dict(new.__dict__)
 

@@ -329,23 +329,35 @@ def forward_call(site) -> int:
 class ExportShapeGuard(nn.Module):
     """Checks at every forward that the inputs have the sizes the captured graph holds: every size of
     every tensor input as in the example inputs, but the batch dimension, which all batched inputs
-    share. (torch.export's own check is a closure that cannot be pickled; this one can.)"""
+    share; and every input that is no tensor (a flag, a number: export builds its value into the graph)
+    the value it was captured with. (torch.export's own check is a closure that cannot be pickled; this one can.)"""
 
     def __init__(self, names: List[str], shapes: List[Optional[Tuple[Optional[int], ...]]], batch_dim: int,
-                 model_name: str):
+                 model_name: str, values: Optional[List[Any]] = None):
         super().__init__()
         self.names, self.shapes, self.batch_dim, self.model_name = names, shapes, batch_dim, model_name
+        self.values = values  # the value of each input that is no tensor (where its shape is None)
 
     def describe(self) -> str:
-        """``input_ids (N, 7), attention_mask (N, 7)``: the shapes the graph runs (N: any batch size)."""
+        """``input_ids (N, 7), attention_mask (N, 7)``: the shapes the graph runs (N: any batch size), and the values
+        it holds of inputs that are no tensor and not None (``flag=True``)."""
+        values = getattr(self, "values", None) or [None] * len(self.shapes)
         return ", ".join(f"{name} {tuple('N' if e is None else e for e in shape)}".replace("'", "")
-                         for name, shape in zip(self.names, self.shapes) if shape is not None)
+                         if shape is not None else f"{name}={_brief(value)}"
+                         for name, shape, value in zip(self.names, self.shapes, values)
+                         if shape is not None or value is not None)
 
-    def mismatch(self, inputs) -> Optional[Tuple[str, tuple, tuple]]:
-        """``(input name, shape the graph holds, shape given)`` of the first input that does not fit; None if all do."""
+    def mismatch(self, inputs) -> Optional[Tuple[str, Any, Any]]:
+        """``(input name, shape the graph holds, shape given)`` of the first input that does not fit; None if all do.
+        For an input that is no tensor, ``(name, "value <captured>", "value <given>")`` where the value differs."""
         batch = None
-        for name, expected, x in zip(self.names, self.shapes, inputs):
-            if expected is None or not isinstance(x, torch.Tensor):
+        values = getattr(self, "values", None) or [None] * len(self.shapes)  # (a guard pickled before values)
+        for name, expected, value, x in zip(self.names, self.shapes, values, inputs):
+            if expected is None:
+                if getattr(self, "values", None) is not None and not _same_value(value, x):
+                    return name, f"value {value!r}", f"value {_brief(x)}"
+                continue
+            if not isinstance(x, torch.Tensor):
                 continue
             fits = x.dim() == len(expected) and all(e is None or e == s for e, s in zip(expected, x.shape))
             if fits and expected[self.batch_dim] is None:
@@ -359,6 +371,11 @@ class ExportShapeGuard(nn.Module):
         found = self.mismatch(inputs)
         if found is not None:
             name, want, shape = found
+            if isinstance(want, str):
+                raise ExportShapeError(
+                    f"fxdp: {self.model_name} was captured with torch.export (torch.fx could not trace it), and the "
+                    f"graph holds the {want} of input '{name}' (no tensor: export built it into the graph), but this "
+                    f"call gives {shape}. Compile again with example_inputs that give it this value.")
             raise ExportShapeError(
                 f"fxdp: {self.model_name} was captured with torch.export (torch.fx could not trace it), and the "
                 f"graph holds the sizes the model's code took from the example inputs: input '{name}' must have "
@@ -370,7 +387,9 @@ class ExportShapeGuard(nn.Module):
 class CapturedModeGuard(nn.Module):
     """Refuses a forward in eval mode of a graph captured in training mode whose dropout is not a layer's
     (the ``dropout_p`` of attention, ``F.dropout(x, p, self.training)``): the capture recorded it switched
-    on, and ``eval()`` cannot switch it off, so the outputs would silently stay dropped out."""
+    on, and ``eval()`` cannot switch it off, so the outputs would silently stay dropped out. (Under
+    ``torch.no_grad()`` the compiled model evaluates with the model it was compiled from instead, and this guard
+    does not run: :meth:`fxdp.runtime.module.CompiledGraphModule._evaluate_with_the_original`.)"""
 
     def __init__(self, sites: List[str], model_name: str):
         super().__init__()
@@ -380,10 +399,30 @@ class CapturedModeGuard(nn.Module):
         if not self.training:
             raise ExportModeError(
                 f"fxdp: {self.model_name} was captured with torch.export in training mode, and its graph keeps "
-                f"dropout on that eval() cannot switch off: {'; '.join(self.sites)}. Evaluate with the model you "
-                "compiled (it shares its parameters with the compiled one), or build it with that dropout at 0.")
+                f"dropout on that eval() cannot switch off: {'; '.join(self.sites)}. Evaluate under torch.no_grad() "
+                "(the compiled model then runs the model you compiled, which shares its parameters), or with the "
+                "model you compiled itself, or build it with that dropout at 0.")
 
 
 __all__ = ["GUARD_ATTR", "AnalysedLayouts", "BatchGuard", "CapturedModeGuard", "ExportShapeGuard", "FrozenUse",
            "Reanalysis", "SymbolicBatch", "batch_size", "batch_size_of", "forward_call",
            "input_signature", "run_eagerly"]
+
+
+def _same_value(captured: Any, given: Any) -> bool:
+    """Whether an input that is no tensor has the value it was captured with (of the same type: True is not 1)."""
+    if captured is given:
+        return True
+    if type(captured) is not type(given) or isinstance(given, torch.Tensor):
+        return False
+    try:
+        return bool(captured == given)
+    except Exception:  # noqa: BLE001  (a value that cannot be compared: not the one captured)
+        return False
+
+
+def _brief(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -23,7 +23,7 @@ from torch import nn
 
 from fxdp.diagnostics import FxdpError, UnsupportedInputError
 from fxdp.sinks.model_methods import OpacusModelMethods
-from fxdp.runtime.guards import GUARD_ATTR, run_eagerly
+from fxdp.runtime.guards import GUARD_ATTR, CapturedModeGuard, run_eagerly
 from fxdp.runtime.loss_probe import LOSS_WATCH_ATTR, plain
 
 
@@ -91,6 +91,8 @@ class CompiledGraphModule(OpacusModelMethods, torch.fx.GraphModule):
         # a model changed since it was compiled (a layer replaced, a parameter unfrozen) is compiled again
         # before its forward runs (fxdp.runtime.structure): the graph's code calls what it was compiled with
         guard = self.__dict__.get(GUARD_ATTR)
+        if not self.training and not torch.is_grad_enabled() and _keeps_dropout_on(self):
+            return self._evaluate_with_the_original(guard, args, kwargs)
         watch = self.__dict__.get(LOSS_WATCH_ATTR)
         if watch is not None and watch.pending is not None:  # a step in progress is probed: the graph gets tensors
             args, kwargs = plain(args, detach=False), plain(kwargs, detach=False)
@@ -106,6 +108,26 @@ class CompiledGraphModule(OpacusModelMethods, torch.fx.GraphModule):
         if watch is not None and guard is not None and watch.wants(self):  # the first step: the loss is judged
             output = watch.probe(self, output, guard.reanalysis, guard.batch_size)
         return output
+
+    def _evaluate_with_the_original(self, guard, args, kwargs):
+        """An evaluation (eval mode, no gradients) of a graph captured in training mode that keeps dropout on
+        (:class:`~fxdp.runtime.guards.CapturedModeGuard`: eval() cannot switch it off) runs the model it was
+        compiled from, which shares its parameters and layers, in eval mode; the compiled model's hooks (labels
+        given to it) still apply. Nothing is trained: no gradient, and no sample reaches the DP step."""
+        original = getattr(getattr(guard, "reanalysis", None), "original", None)
+        if original is None:  # (a copy that dropped it): the graph's guard refuses eval(), saying what to do
+            return super().__call__(*args, **kwargs)
+        # all of it in eval mode: the compiled model's eval() reaches only the layers its graph calls (attention
+        # blocks whose code the graph inlined keep their mode); every mode is put back after
+        modes = [(m, m.training) for m in original.modules()]
+        original.eval()
+        self.__dict__["forward"] = original
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            del self.__dict__["forward"]
+            for m, mode in modes:
+                m.training = mode
 
     # torch.fx saves the code and re-traces it on load, which renames the nodes (the DP-aware ops'
     # sites refer to them by name): the graph itself is saved instead.
@@ -213,6 +235,10 @@ def make_copyable(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         gm.__class__ = impl
         gm.recompile()
     return gm
+
+
+def _keeps_dropout_on(gm: nn.Module) -> bool:
+    return any(isinstance(m, CapturedModeGuard) for m in gm._modules.values())
 
 
 def _refuse_inputs_the_graph_does_not_take(gm: nn.Module, args: tuple, kwargs: dict) -> None:
