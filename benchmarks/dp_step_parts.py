@@ -58,7 +58,8 @@ def step_parts(batch, steps):
         opt.step()
         times.setdefault("optimizer.step()", []).append(time.thread_time() - started)
     for name in ("forward and backward", "optimizer.step()", "  norms read and checked, clip factor included",
-                 "    clip factor", "  clipped sums (the sink's) and noise", "    noise", "  the wrapped optimizer's step"):
+                 "    clip factor", "  clipped sums (the sink's) and noise", "    noise",
+                 "  the wrapped optimizer's step"):
         print(f"{name:50s} {statistics.median(times[name][steps // 6:]) * 1e3:7.3f} ms")
     return len([p for p in model.parameters()])
 
