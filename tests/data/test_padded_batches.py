@@ -57,19 +57,27 @@ class MLP(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
-def train(mode, materialise, padded, *, script=SCRIPT, reduction="mean", log_inputs=False, loss=None,
-          **private):
-    """Parameters after one step per scripted batch, the accountant's history and the batch sizes handed out.
+def private_mlp(padded, *, log_inputs=False, engine=None, **settings):
+    """``(model, private model, optimizer, loader)``: the seeded MLP in float64 made private on the test data set
+    (bound 1.4, noise 0.7 from a seeded generator, batches padded as ``padded`` says), ``settings`` overriding.
     (Most samples' gradient norms lie between 1 and 2: the bound 1.4 clips some and leaves others as they are.)"""
     torch.manual_seed(0)
     model = MLP(log_inputs).double()
-    engine = PrivacyEngine()
-    settings = dict(max_grad_norm=1.4, noise_multiplier=0.7, grad_sample_mode=mode, loss_reduction=reduction,
-                    materialise_grad_sample=materialise)
-    module, optimizer, loader = engine.make_private(
+    defaults = dict(max_grad_norm=1.4, noise_multiplier=0.7, noise_generator=torch.Generator().manual_seed(1))
+    module, optimizer, loader = (engine or PrivacyEngine()).make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-        data_loader=DataLoader(dataset(positive=log_inputs), batch_size=8),
-        noise_generator=torch.Generator().manual_seed(1), padded_batches=padded, **{**settings, **private})
+        data_loader=DataLoader(dataset(positive=log_inputs), batch_size=8), padded_batches=padded,
+        **{**defaults, **settings})
+    return model, module, optimizer, loader
+
+
+def train(mode, materialise, padded, *, script=SCRIPT, reduction="mean", log_inputs=False, loss=None,
+          **private):
+    """Parameters after one step per scripted batch, the accountant's history and the batch sizes handed out."""
+    engine = PrivacyEngine()
+    model, module, optimizer, loader = private_mlp(
+        padded, log_inputs=log_inputs, engine=engine,
+        **{**dict(grad_sample_mode=mode, loss_reduction=reduction, materialise_grad_sample=materialise), **private})
     loss = loss or (lambda out, y, loader: F.cross_entropy(out, y, reduction=reduction))
     sizes = []
     for x, y in scripted(loader, script):
@@ -190,12 +198,7 @@ def test_what_cannot_be_padded_is_refused_by_name():
 
 
 def test_a_model_run_on_other_rows_is_refused():
-    torch.manual_seed(0)
-    model = MLP().double()
-    module, optimizer, loader = PrivacyEngine().make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-        data_loader=DataLoader(dataset(), batch_size=8), noise_multiplier=0.7, max_grad_norm=1.4,
-        padded_batches=16)
+    model, module, optimizer, loader = private_mlp(16)
     x, y = next(iter(scripted(loader, [[3, 7, 11]])))
     F.cross_entropy(module(x[:5]), y[:5]).backward()  # neither the padded batch nor its real rows
     before = [p.detach().clone() for p in model.parameters()]
@@ -206,12 +209,7 @@ def test_a_model_run_on_other_rows_is_refused():
 
 def test_the_real_rows_alone_give_the_same_update():
     plain, *_ = train("fx", False, False, script=[[3, 7, 11]])
-    torch.manual_seed(0)
-    model = MLP().double()
-    module, optimizer, loader = PrivacyEngine().make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-        data_loader=DataLoader(dataset(), batch_size=8), noise_multiplier=0.7, max_grad_norm=1.4,
-        noise_generator=torch.Generator().manual_seed(1), padded_batches=16)
+    model, module, optimizer, loader = private_mlp(16)
     for x, y in scripted(loader, [[3, 7, 11]]):
         real = loader.row_mask
         F.cross_entropy(module(x[real]), y[real]).backward()
@@ -235,12 +233,7 @@ def test_what_padding_does_not_support_yet_is_refused():
 def test_real_rows_per_sample_gradients_are_those_of_the_unpadded_batch(mode):
     grad_samples = []
     for padded in (False, 16):
-        torch.manual_seed(0)
-        model = MLP().double()
-        module, optimizer, loader = PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-            data_loader=DataLoader(dataset(), batch_size=8), noise_multiplier=0.7, max_grad_norm=1.4,
-            grad_sample_mode=mode, materialise_grad_sample=True, padded_batches=padded)
+        model, module, optimizer, loader = private_mlp(padded, grad_sample_mode=mode, materialise_grad_sample=True)
         x, y = next(iter(scripted(loader, [[3, 7, 11]])))
         F.cross_entropy(module(x), y).backward()  # the mean over the 16 rows of the padded batch
         grad_samples.append([p.grad_sample.clone() for p in model.parameters()])
