@@ -342,9 +342,7 @@ def dp_aware_function(site: PerSampleSite, n: int, *args, **kwargs):
     call_fn = (lambda *a, **k: getattr(a[0], fn)(*a[1:], **k)) if isinstance(fn, str) else fn
     out = call_fn(*args, **kwargs)
     leaves, rebuild = _flatten(args, kwargs)
-    param_positions = [
-        i for i, leaf in enumerate(leaves) if isinstance(leaf, nn.Parameter) and leaf.requires_grad
-    ]
+    param_positions = [i for i, leaf in enumerate(leaves) if _trainable_parameter(leaf)]
     outputs = _output_tensors(out)
     if not param_positions or not outputs or not torch.is_grad_enabled():
         return out
