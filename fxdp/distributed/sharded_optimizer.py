@@ -36,9 +36,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fxdp.optim import DPOptimizer
-from fxdp.optim.dp_optimizer import _wide_dtype
+from fxdp.errors import StepRefusedError
 from fxdp.optim.noise import add_gaussian_noise_
-from fxdp.sinks.contract import GradientSink, GradSampleSink, PerSampleError
+from fxdp.sinks.contract import GradientSink, GradSampleSink, PerSampleError, wide_dtype
 
 
 class ShardedSink(GradientSink):
@@ -103,6 +103,9 @@ class ShardedSink(GradientSink):
         sums = self.inner.take_clipped_sums(self._keys(params), self._factors(factors), alpha=alpha)
         return self._rekey(params, sums, "clipped sums")
 
+    def drop_samples(self, params, dropped):
+        self.inner.drop_samples(self._keys(list(params)), dropped)
+
     def clear(self, params):
         self.inner.clear(self._keys(list(params)))
 
@@ -147,16 +150,22 @@ class FullyShardedDPOptimizer(DPOptimizer):
 
         std = self.noise_std
         scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
+        shards = []
+        # Whether a clipped sum of this rank was not finite after samples were dropped (as one process checks,
+        # _check_finite_after_dropping); a tensor, read once after the loop, so the check costs no sync per parameter
+        unfinished = torch.zeros((), dtype=torch.bool)
         for p in params:  # in order: the noise is drawn as one process draws it
             # no sample on this rank (an empty share): the sum is zero, whatever the sink would make of no rows
             seen = p in factors and factors[p].shape[0] > 0
             full = self.sink.take_clipped_sums([p], {p: factors[p]}, alpha=scale).get(p) if seen else None
-            dtype = _wide_dtype(p.dtype)  # as one process forms the sum: at least float32
+            dtype = wide_dtype(p.dtype)  # as one process forms the sum: at least float32
             full = torch.zeros(p.shape, dtype=dtype, device=p.device) if full is None else \
                 full.to(dtype).reshape(p.shape)
             earlier = self._summed.pop(p, None)
             if earlier is not None:
                 full.add_(earlier.view_as(full), alpha=scale)
+            if self._dropped_samples:
+                unfinished |= ~torch.isfinite(full).all().cpu()
             local = p.to_local()
             rows, chunk = local.shape[0], -(-p.shape[0] // self.world_size)
             shard = self._reduce_scatter(full, chunk)[:rows]
@@ -167,10 +176,27 @@ class FullyShardedDPOptimizer(DPOptimizer):
                 start = self.rank * chunk
                 shard += noise[start:start + rows]
                 del noise
-            p.grad = DTensor.from_local(shard.to(p.dtype).contiguous(), p.device_mesh, p.placements, run_check=False,
-                                        shape=p.shape, stride=p.stride())
+            shards.append(shard)
         self.sink.clear(params)
         self._summed.clear()
+        self._refuse_if_any_rank_unfinished(unfinished, params[0].device if params else torch.device("cpu"))
+        for p, shard in zip(params, shards):
+            p.grad = DTensor.from_local(shard.to(p.dtype).contiguous(), p.device_mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
+
+    def _refuse_if_any_rank_unfinished(self, unfinished: torch.Tensor, device: torch.device) -> None:
+        """The check one process runs after dropping samples (:meth:`_check_finite_after_dropping`), made on the
+        rank that dropped them, before its sums are reduce-scattered, and agreed on by every rank (one all-reduce
+        of one value per step): a refused step is refused everywhere, before any gradient is written, and no rank
+        waits for another in a collective it will not reach."""
+        flag = unfinished.to(device=device, dtype=torch.int32).reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        if bool(flag.item()):
+            raise StepRefusedError(
+                f"fxdp: a clipped sum is not finite after the samples with a non-finite per-sample gradient were "
+                f"dropped (on {'this rank' if bool(unfinished) else 'another rank'}, rank {self.rank} of "
+                f"{self.world_size} reporting), so every rank refuses the step. Look for inf/nan in the inputs and the "
+                "loss; this is also a bug in the gradient sink: please report it")
 
     def _reduce_scatter(self, full: torch.Tensor, chunk: int) -> torch.Tensor:
         """The sum over ranks of ``full``, this rank's ``chunk`` rows of dimension 0 (padded with zeros to

@@ -58,7 +58,7 @@ from fxdp.optim.extension_points import OpacusExtensionPoints
 from fxdp.optim.step_checks import StepChecks, stacked_norms
 from fxdp.optim.noise import add_gaussian_noise_all_
 from fxdp.sinks.contract import (LOSS_REDUCTIONS, GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError,
-                                 wide)
+                                 wide, wide_dtype)
 
 CLIPPING_MODES = ("flat", "per_layer")
 _EPS = 1e-6  # in the clip factor C / (norm + eps): a zero gradient gets factor 1, never a division by 0
@@ -487,7 +487,7 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
             # formed in at least float32 (the sinks' sums are), noise included: a half-precision parameter's
             # gradient is rounded once, after the noise (post-processing; see docs/mixed_precision.md)
             grad = sums.pop(p, None)
-            dtype = _wide_dtype(p.dtype)
+            dtype = wide_dtype(p.dtype)
             grad = torch.zeros(p.shape, dtype=dtype, device=p.device) if grad is None else grad.to(dtype).reshape(p.shape)
             earlier = self._summed.pop(p, None)
             if earlier is not None:
@@ -630,12 +630,6 @@ def _positive_bound(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise PrivacySettingError(f"fxdp: {what} must be a finite number > 0, got {value!r}")
     return float(value)
-
-
-def _wide_dtype(dtype: torch.dtype) -> torch.dtype:
-    """At least float32: a half-precision clipped sum or noise is rounded to a few mantissa bits (the sinks' own
-    rule for norms and sums, :func:`fxdp.sinks.contract.wide`, as a dtype)."""
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 class DPPerLayerOptimizer(DPOptimizer):

@@ -369,6 +369,12 @@ def wide(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) or not t.is_floating_point() else t.float()
 
 
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype :func:`wide` gives a floating tensor of ``dtype``: at least float32 (the optimizer forms the private
+    gradient, noise included, in it)."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
 def pending_of_this_backward(sink) -> dict:
     """The dict where ``sink`` keeps what the running backward pass delivered (``sink._pending[task]``).
     The first call of a pass queues ``sink._publish(task)`` for when the autograd engine finishes it.
@@ -410,4 +416,5 @@ def sink_of(model: nn.Module) -> Optional[GradientSink]:
 
 
 __all__: List[str] = ["LayerCapture", "GradientSink", "GradSampleSink", "StepCalls", "batch_size_problem",
-                      "check_grad_sample", "sink_of", "SINK_ATTR", "wide", "PerSampleError", "PrivacySettingError"]
+                      "check_grad_sample", "sink_of", "SINK_ATTR", "wide", "wide_dtype", "PerSampleError",
+                      "PrivacySettingError"]

@@ -461,5 +461,58 @@ def test_opacus_ghost_fsdp_is_the_default_on_a_fully_shard_model_and_other_engin
                                          poisson_sampling=False, grad_sample_mode=mode)
 
 
+def _sharded_with_an_infinite_input(mesh, poisoned_sink=False):
+    """A fully_shard MLP made private, after a backward pass over a batch whose sample 2 has an infinite input (its
+    per-sample gradient is not finite); ``poisoned_sink``: the sink says it dropped that sample's record and did
+    not."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data.distributed import DistributedSampler
+
+    from fxdp.privacy_engine import PrivacyEngine
+
+    model = fully_shard(make_model("mlp"), mesh=mesh) if mesh is not None else make_model("mlp")
+    x, y = (t[:GLOBAL_BATCH].clone() for t in make_dataset("mlp").tensors)
+    x[2, 0] = float("inf")
+    ds = TensorDataset(x, y)
+    loader = DataLoader(ds, batch_size=GLOBAL_BATCH, sampler=DistributedSampler(ds, shuffle=False) if mesh else None)
+    model, opt, _ = PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+                                                 data_loader=loader, noise_multiplier=0.0, max_grad_norm=CLIP,
+                                                 poisson_sampling=False)
+    if poisoned_sink:
+        opt.sink.inner.drop_samples = lambda params, dropped: None
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    return model, opt
+
+
+def test_a_sharded_step_drops_a_non_finite_sample_as_one_process_does(mesh_of_one):
+    from fxdp.errors import NonFiniteSampleWarning
+
+    ends = []
+    for mesh in (mesh_of_one, None):
+        model, opt = _sharded_with_an_infinite_input(mesh)
+        with pytest.warns(NonFiniteSampleWarning, match=r"1 of 8 samples \(first: sample 2\)"):
+            opt.step()
+        ends.append(full_params(model))
+    assert_params_close(ends[0], ends[1])
+    assert all(bool(torch.isfinite(v).all()) for v in ends[0].values())
+
+
+def test_a_sharded_step_runs_the_check_after_dropping_samples_as_one_process_does(mesh_of_one):
+    """FSDP2's step checks, as one process does, that the clipped sums are finite after non-finite samples were
+    dropped (a sink that kept a dropped record), and refuses the step before any gradient is written."""
+    from fxdp.errors import NonFiniteSampleWarning
+
+    model, opt = _sharded_with_an_infinite_input(mesh_of_one, poisoned_sink=True)
+    before = full_params(model)
+    with pytest.warns(NonFiniteSampleWarning, match="1 of 8 samples"), \
+            pytest.raises(RuntimeError, match=r"a clipped sum is not finite after .* dropped \(on this rank, rank 0 "
+                                              r"of 1 reporting\), so every rank refuses the step"):
+        opt.step()
+    assert all(p.grad is None for p in model.parameters())
+    after = full_params(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 if __name__ == "__main__":
     _rank_main(int(sys.argv[1]), sys.argv[2], sys.argv[3])

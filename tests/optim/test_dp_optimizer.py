@@ -643,3 +643,25 @@ def test_a_dropped_sample_adds_nothing_in_every_layer_family(book_kept):
         opt.step()
     for p, e in zip(params, expected):
         torch.testing.assert_close(p.grad, e)
+
+
+def test_a_sink_that_keeps_a_dropped_sample_refuses_the_step_before_anything_moves():
+    """After non-finite samples are dropped, a clipped sum that is still not finite (a sink that said it dropped the
+    record and did not) is refused: the NaN would otherwise reach the noised gradient."""
+    class ForgetsToDrop(GradSampleSink):
+        def drop_samples(self, params, dropped):
+            pass
+
+    model = mlp()
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad_sample = torch.ones(3, *p.shape, dtype=p.dtype)
+    params[2].grad_sample[1, 0, 0] = float("nan")
+    opt = DPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=3,
+                      sink=ForgetsToDrop())
+    with pytest.warns(NonFiniteSampleWarning, match="1 of 3 samples"), \
+            pytest.raises(RuntimeError, match="a clipped sum is not finite after the samples with a non-finite "
+                                              "per-sample gradient were dropped"):
+        opt.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, params))
