@@ -1,7 +1,8 @@
 """``compile_for_dp``: trace, run the passes by name, emit a GraphModule (or fall back, and say why).
 
-This module is the ONE place an engine is chosen (:func:`compile_for_dp`, :func:`wrap_model`); the
-report names it (``fx``, ``fx+whole-model``, ``hooks``, ``ew``, ``functorch``, ``no_op``) and says why.
+This module is the ONE place an engine is chosen (:func:`choose_engine` for :func:`compile_for_dp`;
+:func:`wrap_model`); the report names it (``fx``, ``fx+whole-model``, ``hooks``, ``ew``, ``functorch``,
+``no_op``) and says why.
 """
 
 from __future__ import annotations
@@ -165,72 +166,96 @@ def compile_for_dp(
         raise ValueError(f"batch_dim must be 0 (batch first) or 1 (time major), got {batch_dim!r}")
     model = unwrap_or_refuse(model)
     _refuse_checkpointing(model)
-
     if sink is not None and grad_sample_mode in ("ew", "no_op"):
         raise ValueError(f"fxdp: grad_sample_mode={grad_sample_mode!r} writes p.grad_sample itself and delivers "
                          "nothing to a sink; leave sink=None, or use grad_sample_mode='fx' or 'hooks'")
+
     gm, traced, reports = _analyse(model, example_inputs, batch_dim, strict, batch_inputs)
     refuse_if_not_private(reports)
-    if gm is None or grad_sample_mode != "fx":
-        # an explicit engine is honoured (none of them needs a trace); "fx" falls back to hooks
-        engine = grad_sample_mode if grad_sample_mode != "fx" else "hooks"
-        wrapped = _wrap(model, engine, batch_first=(batch_dim == 0), loss_reduction=loss_reduction, sink=sink)
-        reason = None if gm is None else f"grad_sample_mode={grad_sample_mode!r} was asked for"
-        rep = _make_report(model, traced, reports, engine, reason, notes=_bookkeeping_notes(sink, engine))
-        if gm is None and engine != "hooks":
-            rep = dataclasses.replace(rep, engine=engine, fallback_reason=(
-                f"grad_sample_mode={grad_sample_mode!r} was asked for (and {rep.fallback_reason})"))
-        setattr(wrapped, REPORT_ATTR, rep)
-        return wrapped
+    analysed = copy_graph_module(gm) if gm is not None and grad_sample_mode == "fx" else None  # (reanalyse's)
+    choice = choose_engine(model, gm, traced, reports, grad_sample_mode=grad_sample_mode, strict=strict,
+                           loss_reduction=loss_reduction, batch_dim=batch_dim, sink=sink)
+    compiled = _build(choice, model, traced, loss_reduction=loss_reduction, batch_dim=batch_dim)
 
+    notes = _bookkeeping_notes(choice.sink, choice.engine, choice.graph if choice.engine == "fx" else None)
+    if choice.engine == "fx":
+        notes = ([NO_INPUTS_NOTE] if example_inputs is None else []) + private_parameters_note(model) + notes
+    rep = _make_report(model, traced, reports, choice.engine, choice.reason, notes=notes)
+    if gm is None and choice.engine != "hooks":  # an engine asked for, on a model no front end captured
+        rep = dataclasses.replace(rep, engine=choice.engine, fallback_reason=(
+            f"grad_sample_mode={grad_sample_mode!r} was asked for (and {rep.fallback_reason})"))
+    setattr(compiled, REPORT_ATTR, rep)
+    if choice.engine == "fx":
+        install_guards(compiled, analysed, model, example_inputs, batch_dim=batch_dim, strict=strict,
+                       batch_inputs=batch_inputs, loss_reduction=loss_reduction, compile_again=compile_for_dp)
+    return compiled
+
+
+@dataclasses.dataclass
+class EngineChoice:
+    """What :func:`choose_engine` decided: the engine (``"fx"``, the graph engine; ``WHOLE_MODEL``; or a
+    wrapper's mode: ``"hooks"``, ``"ew"``, ``"functorch"``, ``"no_op"``), why (None on the graph engine), the
+    graph it runs (the graph engine's with its per-sample ops; the whole-model op's) and the sink it delivers to."""
+
+    engine: str
+    reason: Optional[str]
+    graph: Optional[torch.fx.GraphModule]
+    sink: Optional[GradientSink]
+
+
+def choose_engine(model: nn.Module, gm: Optional[torch.fx.GraphModule], traced, reports: List[PassReport], *,
+                  grad_sample_mode: str, strict: bool, loss_reduction: str, batch_dim: int,
+                  sink: Optional[GradientSink]) -> EngineChoice:
+    """The ONE place an engine is chosen for :func:`compile_for_dp`, in this order: an engine asked for
+    (``grad_sample_mode`` other than ``"fx"``) or a model no front end captured (the hooks engine); hooks of the
+    user's the graph would not replay (the hooks engine for backward hooks, else the whole model as one op); then
+    the graph's per-sample pass (run here, it appends its report): ops it cannot handle send the model to the
+    whole-model op (the hooks engine when an input is packed), or raise under ``strict``; else the graph engine."""
+    if gm is None or grad_sample_mode != "fx":  # an explicit engine is honoured (none of them needs a trace)
+        engine = grad_sample_mode if grad_sample_mode != "fx" else "hooks"
+        return EngineChoice(engine, None if gm is None else f"grad_sample_mode={grad_sample_mode!r} was asked for",
+                            None, sink)
     hooked = _user_hooks(model, traced.front_end)
     if hooked:  # the graph would drop the root's hooks and see the layers' hooks twice
         where = f"the model has hooks of yours on {', '.join(hooked)}"
         if any("backward" in h for h in hooked):  # torch.func cannot re-run backward hooks: hooks engine
-            wrapped = _wrap(model, "hooks", batch_first=(batch_dim == 0), loss_reduction=loss_reduction, sink=sink)
-            reason, engine = f"{where}; the hooks engine sees them as the model runs (and checks itself)", "hooks"
-        else:  # the whole model, its hooks included, runs as one op and is re-run per sample
-            wrapped = whole_model_op(model, gm, loss_reduction=loss_reduction, batch_dim=batch_dim,
-                                     sink=sink if sink is not None else GradSampleSink())
-            reason = f"{where}; the whole model runs as one op (with its hooks) under the generic per-sample rule"
-            engine = WHOLE_MODEL
-        setattr(wrapped, REPORT_ATTR, _make_report(model, traced, reports, engine, reason,
-                                                    notes=_bookkeeping_notes(sink, engine)))
-        return wrapped
+            return EngineChoice("hooks", f"{where}; the hooks engine sees them as the model runs (and checks itself)",
+                                None, sink)
+        # the whole model, its hooks included, runs as one op and is re-run per sample
+        return EngineChoice(WHOLE_MODEL, f"{where}; the whole model runs as one op (with its hooks) under the "
+                            "generic per-sample rule", gm, sink if sink is not None else GradSampleSink())
 
-    analysed = copy_graph_module(gm)  # analysed again for new shapes (fxdp.passes.reanalyse)
     sink = sink if sink is not None else GradSampleSink()  # one per compiled model: its DP-aware ops deliver here
     gm = _run("per_sample", insert_per_sample_ops, gm, reports, loss_reduction=loss_reduction, batch_dim=batch_dim,
               sink=sink)
     unsupported = [f for f in reports[-1].findings if f.severity is not Severity.INFO]
-    if unsupported:
-        if strict:
-            raise NotPrivateError(unsupported, "strict=True: fxdp cannot compute per-sample gradients on the graph for:")
-        packed = [n.target for n in gm.graph.nodes if n.op == "placeholder" and _is_packed(n.meta.get(meta.BATCH_LAYOUT))]
-        if packed:  # the whole model re-runs each sample alone: it cannot split such an input into samples
-            wrapped = _wrap(model, "hooks", batch_first=(batch_dim == 0), loss_reduction=loss_reduction, sink=sink)
-            reason = (f"input(s) {', '.join(map(repr, packed))} hold the samples' entries one after another (an "
-                      f"EmbeddingBag's flat indices), and {len(unsupported)} parametrised op(s) the graph engine "
-                      "cannot handle (see per_sample findings); the whole-model engine cannot split such an input "
-                      "into samples, the hooks engine counts one sample per bag (and checks itself)")
-            setattr(wrapped, REPORT_ATTR, _make_report(model, traced, reports, "hooks", reason,
-                                                       notes=_bookkeeping_notes(sink, "hooks")))
-            return wrapped
-        wrapped = whole_model_op(model, gm, loss_reduction=loss_reduction, batch_dim=batch_dim, sink=sink)
-        reason = (f"{len(unsupported)} parametrised op(s) the graph engine cannot handle (see per_sample findings); "
-                  "the whole model runs as one op with the generic per-sample rule")
-        setattr(wrapped, REPORT_ATTR, _make_report(model, traced, reports, WHOLE_MODEL, reason,
-                                                    notes=_bookkeeping_notes(sink, WHOLE_MODEL)))
-        return wrapped
+    if not unsupported:
+        return EngineChoice("fx", None, gm, sink)
+    if strict:
+        raise NotPrivateError(unsupported, "strict=True: fxdp cannot compute per-sample gradients on the graph for:")
+    packed = [n.target for n in gm.graph.nodes if n.op == "placeholder" and _is_packed(n.meta.get(meta.BATCH_LAYOUT))]
+    if packed:  # the whole model re-runs each sample alone: it cannot split such an input into samples
+        return EngineChoice("hooks", (
+            f"input(s) {', '.join(map(repr, packed))} hold the samples' entries one after another (an "
+            f"EmbeddingBag's flat indices), and {len(unsupported)} parametrised op(s) the graph engine "
+            "cannot handle (see per_sample findings); the whole-model engine cannot split such an input "
+            "into samples, the hooks engine counts one sample per bag (and checks itself)"), None, sink)
+    return EngineChoice(WHOLE_MODEL, f"{len(unsupported)} parametrised op(s) the graph engine cannot handle (see "
+                        "per_sample findings); the whole model runs as one op with the generic per-sample rule",
+                        gm, sink)
 
-    notes = ([NO_INPUTS_NOTE] if example_inputs is None else []) + private_parameters_note(model) + \
-        _bookkeeping_notes(sink, "fx", gm)
-    gm = make_copyable(gm)  # deepcopy, pickle and torch.save keep the report, the sink and the hooks
+
+def _build(choice: EngineChoice, model: nn.Module, traced, *, loss_reduction: str, batch_dim: int) -> nn.Module:
+    """The model on the engine ``choice`` names (``traced``: what the front end captured)."""
+    if choice.engine == WHOLE_MODEL:
+        return whole_model_op(model, choice.graph, loss_reduction=loss_reduction, batch_dim=batch_dim,
+                              sink=choice.sink)
+    if choice.engine != "fx":
+        return _wrap(model, choice.engine, batch_first=(batch_dim == 0), loss_reduction=loss_reduction,
+                     sink=choice.sink)
+    gm = make_copyable(choice.graph)  # deepcopy, pickle and torch.save keep the report, the sink and the hooks
     if traced.output_type is not None:  # the graph returns a plain dict: give back the model's own type
         gm.register_forward_hook(OutputType(traced.output_type))
-    setattr(gm, REPORT_ATTR, _make_report(model, traced, reports, notes=notes))
-    install_guards(gm, analysed, model, example_inputs, batch_dim=batch_dim, strict=strict, batch_inputs=batch_inputs,
-                   loss_reduction=loss_reduction, compile_again=compile_for_dp)
     return gm
 
 
