@@ -50,35 +50,7 @@ def get_noise_multiplier(
     the same target gives the same noise multiplier as on Opacus (and the same training). The one returned
     never spends more than the target.
     """
-    if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, (int, float)):
-        raise ValueError(f"target_epsilon must be a number > 0, got {target_epsilon!r}")
-    if not (0 < target_epsilon < math.inf):
-        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
-    delta = check_delta(target_delta)
-    q = check_sample_rate(sample_rate)
-    if q == 0:
-        raise ValueError(
-            "sample_rate is 0: no step ever uses an example, so any noise multiplier spends epsilon = 0; "
-            "there is nothing to calibrate"
-        )
-    if isinstance(epsilon_tolerance, bool) or not isinstance(epsilon_tolerance, (int, float)) \
-            or not 0 < epsilon_tolerance < math.inf:
-        raise ValueError(f"epsilon_tolerance (an absolute tolerance on epsilon) must be a finite number > 0, "
-                         f"got {epsilon_tolerance!r}")
-    if (steps is None) == (epochs is None):
-        raise ValueError(
-            f"give exactly one of steps and epochs (got steps={steps!r}, epochs={epochs!r})"
-        )
-    if epochs is not None:
-        if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not epochs > 0:
-            raise ValueError(f"epochs must be a number > 0, got {epochs!r}")
-        steps = steps_in_epochs(epochs, q)
-        name = f"steps = ceil(epochs / sample_rate) = ceil({epochs} / {q})"
-    else:
-        name = "steps"
-    steps = check_num_steps(steps, name)
-    if steps == 0:
-        raise ValueError(f"{name} is 0: there is no training step to calibrate the noise for")
+    delta, q, steps = _checked_request(target_epsilon, target_delta, sample_rate, steps, epochs, epsilon_tolerance)
     create_accountant(accountant)  # an unknown name or a missing package fails here, once
 
     def epsilon(sigma: float) -> float:
@@ -119,3 +91,38 @@ def get_noise_multiplier(
         f"{target_epsilon} (epsilon jumps from above the target to {eps_high:.6g} at noise_multiplier="
         f"{high:.6g}); use a larger epsilon_tolerance"
     )
+
+
+def _checked_request(target_epsilon, target_delta, sample_rate, steps, epochs, epsilon_tolerance) -> tuple:
+    """:func:`get_noise_multiplier`'s arguments checked: ``(delta, sample_rate, steps)``, the steps counted from
+    ``epochs`` when those are given."""
+    if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, (int, float)):
+        raise ValueError(f"target_epsilon must be a number > 0, got {target_epsilon!r}")
+    if not (0 < target_epsilon < math.inf):
+        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
+    delta = check_delta(target_delta)
+    q = check_sample_rate(sample_rate)
+    if q == 0:
+        raise ValueError(
+            "sample_rate is 0: no step ever uses an example, so any noise multiplier spends epsilon = 0; "
+            "there is nothing to calibrate"
+        )
+    if isinstance(epsilon_tolerance, bool) or not isinstance(epsilon_tolerance, (int, float)) \
+            or not 0 < epsilon_tolerance < math.inf:
+        raise ValueError(f"epsilon_tolerance (an absolute tolerance on epsilon) must be a finite number > 0, "
+                         f"got {epsilon_tolerance!r}")
+    if (steps is None) == (epochs is None):
+        raise ValueError(
+            f"give exactly one of steps and epochs (got steps={steps!r}, epochs={epochs!r})"
+        )
+    if epochs is not None:
+        if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not epochs > 0:
+            raise ValueError(f"epochs must be a number > 0, got {epochs!r}")
+        steps = steps_in_epochs(epochs, q)
+        name = f"steps = ceil(epochs / sample_rate) = ceil({epochs} / {q})"
+    else:
+        name = "steps"
+    steps = check_num_steps(steps, name)
+    if steps == 0:
+        raise ValueError(f"{name} is 0: there is no training step to calibrate the noise for")
+    return delta, q, steps
