@@ -75,7 +75,6 @@ def one_run(
         raise ValueError(f"fxdp.audit: canaries must be a positive int, got {canaries!r}")
     if not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"fxdp.audit: epochs must be a positive int, got {epochs!r}")
-    from fxdp.privacy_engine import PrivacyEngine  # the audit sits on top of the whole training stack
 
     loss_fn = loss_fn or nn.functional.cross_entropy
     g = torch.Generator().manual_seed(seed)
@@ -89,6 +88,39 @@ def one_run(
         canary_set = CanaryInputs.like(train_set, canaries, num_classes=num_classes, generator=g)
         data = ConcatDataset([train_set, Subset(canary_set, members.nonzero().flatten().tolist())])
 
+    engine, step_scores = _train(model, data, members, g, canary=canary, seed=seed, accountant=accountant, lr=lr,
+                                 batch_size=batch_size, noise_multiplier=noise_multiplier,
+                                 max_grad_norm=max_grad_norm, grad_sample_mode=grad_sample_mode, epochs=epochs,
+                                 loss_fn=loss_fn)
+    if step_scores is not None:
+        scores = step_scores.scores()
+    else:
+        per_sample = None if loss_fn is nn.functional.cross_entropy else (
+            lambda out, y: torch.stack([loss_fn(out[i:i + 1], y[i:i + 1]) for i in range(len(y))]))
+        scores = loss_scores(model, canary_set, loss_fn=per_sample)
+    guesses = best_guesses(scores.tolist(), members.tolist(), delta=delta, confidence=confidence, grid=grid)
+    return AuditResult(
+        epsilon_lower=guesses.epsilon_lower,
+        epsilon_claimed=engine.get_epsilon(delta),
+        guesses=guesses.guesses,
+        correct=guesses.correct,
+        canaries=canaries,
+        delta=delta,
+        confidence=confidence,
+        positives=guesses.positives,
+        canary=canary,
+    )
+
+
+def _train(model: nn.Module, data: Dataset, members: torch.Tensor, g: torch.Generator, *, canary: str, seed: int,
+           accountant: str, lr: float, batch_size: int, noise_multiplier: float, max_grad_norm: float,
+           grad_sample_mode: str, epochs: int, loss_fn: Callable) -> tuple:
+    """:func:`one_run`'s training: DP-SGD on ``data`` (gradient canaries, when asked for, in a parameter block of
+    their own, one per canary, in the ``members``), the global RNG seeded by ``seed`` and restored afterwards.
+    Returns the engine (its accountant) and the gradient canaries' scores (None for input canaries)."""
+    from fxdp.privacy_engine import PrivacyEngine  # the audit sits on top of the whole training stack
+
+    canaries = len(members)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # the sampler's and the noise's draws, without touching the caller's RNG
         engine = PrivacyEngine(accountant=accountant)
@@ -99,7 +131,7 @@ def one_run(
             max_grad_norm=max_grad_norm, grad_sample_mode=grad_sample_mode, poisson_sampling=True,
             noise_generator=torch.Generator().manual_seed(seed))
 
-        sink = None
+        sink, step_scores = None, None
         device = next(model.parameters()).device
         if canary == "gradient":
             block = nn.Parameter(torch.zeros(canaries, device=device))
@@ -122,24 +154,7 @@ def one_run(
                     loss_fn(dp_model(inputs.to(device)), labels.to(device)).backward()
                 dp_optimizer.step()
 
-    if sink is not None:
-        scores = step_scores.scores()
-    else:
-        per_sample = None if loss_fn is nn.functional.cross_entropy else (
-            lambda out, y: torch.stack([loss_fn(out[i:i + 1], y[i:i + 1]) for i in range(len(y))]))
-        scores = loss_scores(model, canary_set, loss_fn=per_sample)
-    guesses = best_guesses(scores.tolist(), members.tolist(), delta=delta, confidence=confidence, grid=grid)
-    return AuditResult(
-        epsilon_lower=guesses.epsilon_lower,
-        epsilon_claimed=engine.get_epsilon(delta),
-        guesses=guesses.guesses,
-        correct=guesses.correct,
-        canaries=canaries,
-        delta=delta,
-        confidence=confidence,
-        positives=guesses.positives,
-        canary=canary,
-    )
+    return engine, step_scores
 
 
 __all__ = ["CANARY_KINDS", "one_run"]
