@@ -4,12 +4,17 @@ Per logical step, on every rank (see docs/distributed.md, "FSDP2")::
 
     n_i  = per-sample norms of this rank's samples      complete here: a sample's A and G are on its rank
     c_i  = clip factors                                  no communication (flat or per layer)
-    for each trainable parameter p, in order:
-        S_p   = sum_i c_i g_i(p), full shape            from the sink; this rank's samples only
+    for each trainable parameter p, in order:            (_scaled_sums)
+        S_p   = sum_i c_i g_i(p) / B, full shape        from the sink; this rank's samples only ("mean": B the
+                                                         GLOBAL expected batch size)
         shard = reduce_scatter_sum(S_p)[this rank's rows]     the global clipped sum, this rank's shard
-        shard += (N(0, std^2) drawn for all of p)[this rank's rows]
-        p.grad = shard / B (as a DTensor shard)          ("mean": the GLOBAL expected batch size)
+    for each trainable parameter p, in order:            (_add_noise)
+        shard += (N(0, std^2 / B^2) drawn for all of p)[this rank's rows]
+    p.grad = shard (as a DTensor shard)                  (_set_grads)
     inner_optimizer.step()                               on the shards: optimizer state is sharded too
+
+These are the parts of DPOptimizer's one template of the private gradient (``_write_private_grads``) this class
+overrides; the rest (the clip factors, the checks, the skipped steps' accumulation) is the one-process code.
 
 One parameter's full clipped sum exists at a time (plus its noise). Communication: one reduce-scatter of
 ``p.numel()`` values per trainable parameter (padded to a multiple of the world size on dimension 0, as
@@ -145,16 +150,15 @@ class FullyShardedDPOptimizer(DPOptimizer):
                 raise ValueError(f"fxdp: parameter '{self._name(p)}' is not a DTensor sharded on dimension 0; "
                                  "pass the parameters of the fully_shard model (after fully_shard) to the optimizer")
 
-    def _write_private_grads(self, params: List[nn.Parameter], factors: Dict[nn.Parameter, torch.Tensor]) -> None:
-        from torch.distributed.tensor import DTensor
-
-        std = self.noise_std
-        scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
+    def _scaled_sums(self, params: List[nn.Parameter], factors: Dict[nn.Parameter, torch.Tensor],
+                     scale: float) -> List[torch.Tensor]:
+        """Each parameter's ``scale * S`` over every rank's samples, this rank's shard of it: formed here one
+        parameter at a time (one full-size sum at a time) and reduce-scattered."""
         shards = []
         # Whether a clipped sum of this rank was not finite after samples were dropped (as one process checks,
         # _check_finite_after_dropping); a tensor, read once after the loop, so the check costs no sync per parameter
         unfinished = torch.zeros((), dtype=torch.bool)
-        for p in params:  # in order: the noise is drawn as one process draws it
+        for p in params:
             # no sample on this rank (an empty share): the sum is zero, whatever the sink would make of no rows
             seen = p in factors and factors[p].shape[0] > 0
             full = self.sink.take_clipped_sums([p], {p: factors[p]}, alpha=scale).get(p) if seen else None
@@ -166,23 +170,33 @@ class FullyShardedDPOptimizer(DPOptimizer):
                 full.add_(earlier.view_as(full), alpha=scale)
             if self._dropped_samples:
                 unfinished |= ~torch.isfinite(full).all().cpu()
-            local = p.to_local()
-            rows, chunk = local.shape[0], -(-p.shape[0] // self.world_size)
-            shard = self._reduce_scatter(full, chunk)[:rows]
+            shards.append(self._reduce_scatter(full, self._chunk(p))[:p.to_local().shape[0]])
             del full
-            if std > 0:
-                noise = torch.zeros(p.shape, dtype=dtype, device=p.device)
-                add_gaussian_noise_(noise, std * scale, secure_mode=self.secure_mode, generator=self.generator)
-                start = self.rank * chunk
-                shard += noise[start:start + rows]
-                del noise
-            shards.append(shard)
         self.sink.clear(params)
-        self._summed.clear()
         self._refuse_if_any_rank_unfinished(unfinished, params[0].device if params else torch.device("cpu"))
+        return shards
+
+    def _add_noise(self, params: List[nn.Parameter], shards: List[torch.Tensor], std: float) -> None:
+        """Each parameter's noise drawn whole, in order, as one process draws it; this rank adds its rows."""
+        if std <= 0:
+            return
+        for p, shard in zip(params, shards):
+            noise = torch.zeros(p.shape, dtype=shard.dtype, device=p.device)
+            add_gaussian_noise_(noise, std, secure_mode=self.secure_mode, generator=self.generator)
+            start = self.rank * self._chunk(p)
+            shard += noise[start:start + shard.shape[0]]
+            del noise
+
+    def _set_grads(self, params: List[nn.Parameter], shards: List[torch.Tensor]) -> None:
+        from torch.distributed.tensor import DTensor
+
         for p, shard in zip(params, shards):
             p.grad = DTensor.from_local(shard.to(p.dtype).contiguous(), p.device_mesh, p.placements, run_check=False,
                                         shape=p.shape, stride=p.stride())
+
+    def _chunk(self, p: nn.Parameter) -> int:
+        """The rows of dimension 0 each rank's shard of ``p`` holds (the last ranks' may hold fewer)."""
+        return -(-p.shape[0] // self.world_size)
 
     def _refuse_if_any_rank_unfinished(self, unfinished: torch.Tensor, device: torch.device) -> None:
         """The check one process runs after dropping samples (:meth:`_check_finite_after_dropping`), made on the

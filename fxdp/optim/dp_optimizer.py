@@ -69,7 +69,8 @@ _NEEDS_EXPECTED_BATCH_SIZE = (
     "fxdp: loss_reduction='mean' needs expected_batch_size (the expected number of samples per logical batch: "
     "sample_rate * len(dataset) under Poisson sampling); the gradient is divided by it, not by the actual batch size")
 # what a subclass overrides to form or add the noise its own way (a noise mechanism needs the default path)
-_NOISE_PATH = ("_write_private_grads", "_adds_noise", "_reduce", "_before_update")
+_NOISE_PATH = ("_write_private_grads", "_scaled_sums", "_add_noise", "_set_grads", "_adds_noise", "_reduce",
+               "_before_update")
 _SECURE_WITH_GENERATOR = ("fxdp: secure_mode draws noise from the OS's cryptographic source; a seeded generator "
                           "would make the noise predictable. Pass generator=None")
 
@@ -460,7 +461,11 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
 
     def _write_private_grads(self, params: List[nn.Parameter], factors: Dict[nn.Parameter, torch.Tensor]) -> None:
         """``p.grad = (S + N(0, std^2)) * scale``, S the clipped sum of the logical batch: this physical
-        batch's plus those accumulated by skipped steps.
+        batch's plus those accumulated by skipped steps. The ONE template of the private gradient: every optimizer
+        runs it (one process, DDP, FSDP2, per-layer clipping, AdaClip), each overriding only the part that differs:
+        the sums (:meth:`_scaled_sums`; FSDP2 reduce-scatters them into its shards), the noise
+        (:meth:`_add_noise`; FSDP2 adds its rows), who adds it and the reduction (:meth:`_adds_noise`,
+        :meth:`_reduce`; DDP), how a gradient is written (:meth:`_set_grads`; FSDP2: a DTensor shard).
 
         Written as ``scale * S + N(0, (std * scale)^2)`` into the sum's own buffer: the sink forms each
         scaled sum and frees that layer's inputs and output gradients as it goes (``take_clipped_sums``),
@@ -473,6 +478,16 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         processes is the same sum."""
         std = self.noise_std if self._adds_noise() else 0.0
         scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
+        grads = self._scaled_sums(params, factors, scale)
+        self._add_noise(params, grads, std * scale)
+        self._check_finite_after_dropping(grads)
+        self._set_grads(params, self._reduce(grads))
+        self._summed.clear()
+
+    def _scaled_sums(self, params: List[nn.Parameter], factors: Dict[nn.Parameter, torch.Tensor],
+                     scale: float) -> List[torch.Tensor]:
+        """``scale * S`` for each of ``params``, of its shape, in at least float32 (the noise is added to it):
+        S its clipped sum of this physical batch plus what skipped steps accumulated, zeros where none."""
         # With per-sample gradients materialised (they cost N gradients), the un-noised clipped sum is kept as
         # p.summed_grad until zero_grad(), as Opacus leaves it; book-keeping keeps no second copy of the gradients
         keep_summed = isinstance(self.sink, GradSampleSink)
@@ -488,21 +503,28 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
             # gradient is rounded once, after the noise (post-processing; see docs/mixed_precision.md)
             grad = sums.pop(p, None)
             dtype = wide_dtype(p.dtype)
-            grad = torch.zeros(p.shape, dtype=dtype, device=p.device) if grad is None else grad.to(dtype).reshape(p.shape)
+            grad = torch.zeros(p.shape, dtype=dtype, device=p.device) if grad is None else \
+                grad.to(dtype).reshape(p.shape)
             earlier = self._summed.pop(p, None)
             if earlier is not None:
                 grad.add_(earlier.view_as(grad), alpha=scale)
             if keep_summed:
                 p.summed_grad = (grad / scale).to(p.dtype)
             grads.append(grad)
+        return grads
+
+    def _add_noise(self, params: List[nn.Parameter], grads: List[torch.Tensor], std: float) -> None:
+        """N(0, std^2) added in place to each of ``grads`` (``params``' gradients), in the parameters' order (or as
+        the noise mechanism adds it)."""
         if self.noise_mechanism is not None:  # correlated noise (fxdp.optim.correlated): its state advances each step
-            self.noise_mechanism.add_noise_(grads, std * scale, secure_mode=self.secure_mode, generator=self.generator)
+            self.noise_mechanism.add_noise_(grads, std, secure_mode=self.secure_mode, generator=self.generator)
         elif std > 0:  # in the parameters' order; the large ones' blocks drawn in parallel
-            add_gaussian_noise_all_(grads, std * scale, secure_mode=self.secure_mode, generator=self.generator)
-        self._check_finite_after_dropping(grads)
-        for p, grad in zip(params, self._reduce(grads)):
+            add_gaussian_noise_all_(grads, std, secure_mode=self.secure_mode, generator=self.generator)
+
+    def _set_grads(self, params: List[nn.Parameter], grads: List[torch.Tensor]) -> None:
+        """``p.grad``, in the parameter's dtype."""
+        for p, grad in zip(params, grads):
             p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
-        self._summed.clear()
 
     def _accumulating(self) -> bool:
         """Whether skip steps have accumulated part of a logical batch for the next step."""
