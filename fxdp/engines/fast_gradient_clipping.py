@@ -28,7 +28,7 @@ from fxdp.engines.hooks import GradSampleHooks, GradSampleModule
 from fxdp.runtime.guards import GUARD_ATTR
 from fxdp.runtime.loss_probe import add_loss_report, plain, warn_of
 from fxdp.sinks.bookkeeping import BookkeepingSink
-from fxdp.sinks.contract import SINK_ATTR, sink_of
+from fxdp.sinks.contract import SINK_ATTR, clip_factor, sink_of
 
 
 class _FastGradientClipping:
@@ -55,7 +55,7 @@ class _FastGradientClipping:
 
     def get_clipping_coef(self) -> torch.Tensor:
         """Each sample's clip factor ``min(1, max_grad_norm / norm)``, shape ``(N,)``."""
-        return (self.max_grad_norm / (self.get_norm_sample() + 1e-6)).clamp(max=1.0)
+        return clip_factor(self.max_grad_norm, self.get_norm_sample())
 
 
 class GradSampleModuleFastGradientClipping(_FastGradientClipping, GradSampleModule):

@@ -58,10 +58,9 @@ from fxdp.optim.extension_points import OpacusExtensionPoints
 from fxdp.optim.step_checks import StepChecks, stacked_norms
 from fxdp.optim.noise import add_gaussian_noise_all_
 from fxdp.sinks.contract import (LOSS_REDUCTIONS, GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError,
-                                 wide, wide_dtype)
+                                 clip_factor, wide, wide_dtype)
 
 CLIPPING_MODES = ("flat", "per_layer")
-_EPS = 1e-6  # in the clip factor C / (norm + eps): a zero gradient gets factor 1, never a division by 0
 # Opacus's DPOptimizer extension points. The default step forms the clipped, noised gradient in one pass
 # (_write_private_grads); a subclass overriding one of them steps through them instead (_step_through_overrides).
 _OPACUS_EXTENSION_POINTS = ("pre_step", "clip_and_accumulate", "add_noise", "scale_grad")
@@ -451,12 +450,12 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         """One factor per sample and parameter (flat clipping: one tensor for all, so a sink can form their sums
         together)."""
         if self.clipping == "per_layer":
-            return {p: (self._bound(p) / (wide(sq).sqrt() + _EPS)).clamp(max=1.0) for p, sq in norms.items()}
+            return {p: clip_factor(self._bound(p), wide(sq).sqrt()) for p, sq in norms.items()}
         device = next(iter(norms.values())).device
         kept = getattr(self, "_stacked", None)  # the (P, N) stack _factors formed of these very norms
         stacked = kept[1] if kept is not None and kept[0] is norms else stacked_norms(norms)
         total = stacked.sum(0) if stacked is not None else sum(wide(sq).to(device) for sq in norms.values())
-        factor = (self._max_grad_norm / (total.sqrt() + _EPS)).clamp(max=1.0)
+        factor = clip_factor(self._max_grad_norm, total.sqrt())
         return {p: factor.to(sq.device) for p, sq in norms.items()}
 
     def _write_private_grads(self, params: List[nn.Parameter], factors: Dict[nn.Parameter, torch.Tensor]) -> None:

@@ -369,6 +369,15 @@ def wide(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) or not t.is_floating_point() else t.float()
 
 
+CLIP_EPS = 1e-6  # in the clip factor C / (norm + eps): a zero gradient gets factor 1, never a division by 0
+
+
+def clip_factor(bound, norm: torch.Tensor) -> torch.Tensor:
+    """The clip factor ``min(1, bound / (norm + 1e-6))`` of per-sample gradients of norms ``norm`` (the one
+    formula: the DP optimizer's and Opacus's fast-gradient-clipping wrapper's)."""
+    return (bound / (norm + CLIP_EPS)).clamp(max=1.0)
+
+
 def wide_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype :func:`wide` gives a floating tensor of ``dtype``: at least float32 (the optimizer forms the private
     gradient, noise included, in it)."""
@@ -416,5 +425,5 @@ def sink_of(model: nn.Module) -> Optional[GradientSink]:
 
 
 __all__: List[str] = ["LayerCapture", "GradientSink", "GradSampleSink", "StepCalls", "batch_size_problem",
-                      "check_grad_sample", "sink_of", "SINK_ATTR", "wide", "wide_dtype", "PerSampleError",
+                      "check_grad_sample", "sink_of", "SINK_ATTR", "wide", "wide_dtype", "clip_factor", "PerSampleError",
                       "PrivacySettingError"]
