@@ -330,6 +330,13 @@ def _version() -> str:
         return fxdp.__version__
 
 
+def _cmd_layers(args: argparse.Namespace) -> int:
+    from fxdp.supported import layers_table
+
+    print(layers_table(), end="")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="fxdp", description="Compile PyTorch models for differentially private training (DP-SGD).")
@@ -358,6 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="strict mode: passes raise on problems instead of reporting them (exit 1)")
     p.add_argument("--seed", type=int, default=0, help="random seed for the weights and inputs (default 0)")
     p.set_defaults(func=_cmd_inspect, command_parser=p)
+
+    p = commands.add_parser("layers", help="print the layers fxdp has a per-sample rule, book-keeping plan or "
+                                           "batch rule for",
+                            description="Print, as Markdown, every layer class fxdp's three registries name: "
+                                        "per-sample rules, book-keeping plans, batch rules (docs/layers.md).")
+    p.set_defaults(func=_cmd_layers, command_parser=p)
 
     p = commands.add_parser("audit", help="audit a private training run on digits: epsilon lower bound vs claim",
                             description=audit_command.DESCRIPTION, epilog=f"example: {audit_command.EXAMPLE}")
