@@ -13,8 +13,8 @@ SOURCE = "fxdp.source"
 
 #: Where the batch sits in the node's output (written by the batch_dim pass): a
 #: :class:`fxdp.layout.BatchLayout`, a tuple of them for tuple outputs, or ``None`` for values that are
-#: not tensors. (The key keeps its first name, ``"fxdp.batch_dim"``.)
-BATCH_LAYOUT = "fxdp.batch_dim"
+#: not tensors.
+BATCH_LAYOUT = "fxdp.batch_layout"
 
 #: Fake tensor (or tuple of them) of the node's output, written by the batch_dim pass.
 FAKE_VALUE = "fxdp.fake_value"
