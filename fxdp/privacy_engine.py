@@ -22,7 +22,6 @@ accountant's history, so a resumed run never forgets the privacy it already spen
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -35,30 +34,22 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxdp.accounting import create_accountant, get_noise_multiplier, steps_in_epochs
-from fxdp.compile_option import check_compile_is_possible, compile_in_place, compile_options
-from fxdp.compiler import attach_hooks, compile_for_dp
+from fxdp.compile_option import check_compile_is_possible, compile_options
 from fxdp.correlated_noise import (check_correlated_noise, correlated_accountant, correlated_noise_multiplier,
                                    cyclic_loader)
 from fxdp.diagnostics import AlreadyPrivateError, location_of_caller
-from fxdp.diagnostics.report import REPORT_ATTR
 from fxdp.data import DPDataLoader
-from fxdp.data.example_inputs import inputs_from_the_loader
 from fxdp.data.loader import loader_options
 from fxdp.data.padding import check_padding_supported, padded_batches_for
-from fxdp.distributed import (DPDistributedDataParallel, DistributedDPOptimizer, bucket_bytes_of, check_poisson_group,
-                              global_batch_size, split_data_parallel, wrap_like)
-from fxdp.distributed.fsdp import (DPFullyShardedModule, check_sharded_mode, fsdp_forward_hooks_off, report_sharding,
-                                  sharding_plan_of)
-from fxdp.distributed.sharded_optimizer import FullyShardedDPOptimizer
+from fxdp.distributed import (DPDistributedDataParallel, check_poisson_group, global_batch_size, split_data_parallel,
+                              wrap_like)
+from fxdp.distributed.fsdp import DPFullyShardedModule, sharding_plan_of
 from fxdp.engines import DPLossFastGradientClipping
-from fxdp.optim import AdaClipDPOptimizer, DPOptimizer
+from fxdp.optim import DPOptimizer
 from fxdp.optim.correlated import noise_mechanism_from
 from fxdp.optim.noise import secure_seed
-from fxdp.model_labels import labels_outside_the_graph
-from fxdp.frontends.fx import trace
+from fxdp.preparation import prepare_model, prepare_optimizer
 from fxdp.runtime.loss_probe import batch_probe_of  # the first batch's labels followed into the loss
-from fxdp.sinks.bookkeeping import BookkeepingSink
-from fxdp.sinks.contract import sink_of
 from fxdp.validators import ModuleValidator
 
 # checkpoint keys
@@ -188,24 +179,19 @@ class PrivacyEngine:
         """
         compile_with = compile_options(compile)  # None: not compiled
         sharded = sharding_plan_of(module)  # FSDP2 (fully_shard): its plan; FSDP1 is refused with the reason
-        if grad_sample_mode == "ghost_fsdp":  # Opacus's name: book-keeping on a fully_shard model
-            if sharded is None:
-                raise ValueError("fxdp: grad_sample_mode='ghost_fsdp' is for a model sharded with "
-                                 "torch.distributed.fsdp.fully_shard; for this model use 'ghost' or the default 'fx'")
-            grad_sample_mode = "fx"
-        if grad_sample_mode == "ghost":
-            grad_sample_mode = "fx"
+        grad_sample_mode = _engine_mode(grad_sample_mode, sharded)
+        across_processes = sharded is not None or isinstance(module, DistributedDataParallel)
         padded_batches = padded_batches_for(padded_batches, compiled=compile_with is not None,
                                             poisson_sampling=poisson_sampling, criterion=criterion is not None)
         if padded_batches is not False:
             check_padding_supported(poisson_sampling=poisson_sampling, criterion=criterion is not None,
-                                    across_processes=sharded is not None or isinstance(module, DistributedDataParallel))
+                                    across_processes=across_processes)
         _check_types(module, optimizer, data_loader)
         mechanism = noise_mechanism_from(optimizer_kwargs.get("noise_mechanism"))
         if mechanism is not None:  # correlated noise: its sampling and accounting (fxdp/correlated_noise.py)
             check_correlated_noise(mechanism, accountant=self.accountant, accountant_name=self.accountant_name,
                                    poisson_sampling=poisson_sampling, padded_batches=padded_batches,
-                                   across_processes=sharded is not None or isinstance(module, DistributedDataParallel))
+                                   across_processes=across_processes)
         _check_optimizer_params_in_module(module, optimizer)
         self._check_not_private_elsewhere(module)
         steps_per_epoch = _check_fixed_batch_accounting(fixed_batch_accounting, poisson_sampling, data_loader, module)
@@ -213,78 +199,26 @@ class PrivacyEngine:
         if compile_with is not None:
             check_compile_is_possible(grad_sample_mode=grad_sample_mode, wrap_model=wrap_model,
                                       data_parallel=ddp is not None, sharded=sharded is not None)
-        bookkept = grad_sample_mode == "fx" and not materialise_grad_sample
-        if sharded is not None:  # FSDP runs the model; the hooks engine sits on its layers (fxdp/distributed/fsdp.py)
-            check_sharded_mode(grad_sample_mode, wrap_model)
-            with fsdp_forward_hooks_off(module):  # the analysis traces the model: FSDP must not see it
-                compiled = attach_hooks(module, batch_dim=0 if batch_first else 1, loss_reduction=loss_reduction,
-                                        sink=BookkeepingSink() if bookkept else None, verify=False)
-            report_sharding(compiled, sharded, bookkept)
-        elif not wrap_model:
-            if ddp is not None:
-                raise ValueError("fxdp: wrap_model=False with a DistributedDataParallel model is not supported: "
-                                 "pass wrap_model=True (the default) and call the model make_private returns")
-            if grad_sample_mode not in ("fx", "hooks"):
-                raise ValueError(f"fxdp: wrap_model=False puts the hooks engine on the model itself; "
-                                 f"grad_sample_mode={grad_sample_mode!r} needs its wrapper: pass wrap_model=True")
-            bookkept = not materialise_grad_sample and grad_sample_mode == "fx"
-            compiled = attach_hooks(module, batch_dim=0 if batch_first else 1, loss_reduction=loss_reduction,
-                                    sink=BookkeepingSink() if bookkept else None)
-        else:
-            from_loader = None
-            if example_inputs is None and grad_sample_mode == "fx" and not trace(module).ok:
-                from_loader = inputs_from_the_loader(module, data_loader, 0 if batch_first else 1)
-                if from_loader is not None:
-                    example_inputs = from_loader.inputs
-                    batch_inputs = batch_inputs if batch_inputs is not None else from_loader.batch_inputs or None
-            compiled = compile_for_dp(module, example_inputs, batch_dim=0 if batch_first else 1,
-                                      loss_reduction=loss_reduction, grad_sample_mode=grad_sample_mode,
-                                      sink=BookkeepingSink() if bookkept else None, batch_inputs=batch_inputs)
-            task = labels_outside_the_graph(compiled, module, example_inputs, loss_reduction)
-            if from_loader is not None:
-                from_loader.mark(compiled, task)
-            if compile_with is not None:  # before the optimizer, loader and claim: a refusal leaves nothing behind
-                compiled = compile_in_place(compiled, compile_with)
+
+        compiled = prepare_model(module, data_loader, grad_sample_mode=grad_sample_mode, sharded=sharded, ddp=ddp,
+                                 wrap_model=wrap_model, materialise_grad_sample=materialise_grad_sample,
+                                 batch_first=batch_first, loss_reduction=loss_reduction,
+                                 example_inputs=example_inputs, batch_inputs=batch_inputs, compile_with=compile_with)
         self._originals[compiled] = module
         data_loader, sample_rate, expected_batch_size = self._prepare_data(
             data_loader, poisson_sampling, ddp if sharded is None else sharded, padded_batches=padded_batches,
             batch_first=batch_first, mechanism=mechanism)
-        optimizer_class, across_ranks = DPOptimizer, dict(optimizer_kwargs)
-        if clipping == "adaptive":
-            if ddp is not None or sharded is not None:
-                raise ValueError("fxdp: clipping='adaptive' is for one process (its unclipped count is not "
-                                 "combined across processes yet); use clipping='flat' with DDP")
-            optimizer_class, clipping = AdaClipDPOptimizer, "flat"
-        if ddp is not None:
-            optimizer_class = DistributedDPOptimizer
-            across_ranks.update(process_group=ddp.process_group, bucket_bytes=bucket_bytes_of(ddp))
-        if sharded is not None:
-            optimizer_class = FullyShardedDPOptimizer
-            across_ranks.update(plan=sharded)
-        dp_optimizer = optimizer_class(
-            optimizer,
-            noise_multiplier=noise_multiplier,
-            max_grad_norm=max_grad_norm,
-            expected_batch_size=expected_batch_size,
-            loss_reduction=loss_reduction,
-            clipping=clipping,
-            sink=sink_of(compiled),
-            secure_mode=self.secure_mode,
-            generator=noise_generator,
-            param_names={p: name for name, p in module.named_parameters()},
-            **across_ranks,
-        )
+        dp_optimizer = prepare_optimizer(
+            optimizer, compiled, module, clipping=clipping, ddp=ddp, sharded=sharded, optimizer_kwargs=optimizer_kwargs,
+            noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
+            loss_reduction=loss_reduction, secure_mode=self.secure_mode, generator=noise_generator)
         if not wrap_model:
             dp_optimizer.attached_hooks = compiled  # the hooks live as long as the optimizer that reads them
-        if fixed_batch_accounting == "per_epoch":
-            data_loader = _EpochsCounted(data_loader)
-            dp_optimizer.attach_step_hook(self._per_epoch_accountant_hook(data_loader, steps_per_epoch))
-        else:
-            self._poisson_figure_for_fixed_batches |= not poisson_sampling
-            dp_optimizer.attach_step_hook(self._accountant_hook(sample_rate))
-        if mechanism is not None:
-            self.accountant = correlated_accountant(mechanism, data_loader)
+        data_loader = self._prepare_accountant(dp_optimizer, data_loader, fixed_batch_accounting=fixed_batch_accounting,
+                                               poisson_sampling=poisson_sampling, sample_rate=sample_rate,
+                                               steps_per_epoch=steps_per_epoch, mechanism=mechanism)
         self._claim(module)
+
         if isinstance(data_loader, DPDataLoader):  # a step then knows how many batches it covers, and empty ones
             data_loader.batch_observer = dp_optimizer.observe_batch
             data_loader.batch_probe = batch_probe_of(compiled) if ddp is None and sharded is None else None
@@ -401,6 +335,21 @@ class PrivacyEngine:
         if ddp is not None:  # a DistributedSampler's share per rank: the global batch is world_size of them
             return data_loader, 1.0 / len(data_loader), global_batch_size(data_loader, ddp.process_group)
         return data_loader, 1.0 / len(data_loader), data_loader.batch_size
+
+    def _prepare_accountant(self, dp_optimizer: DPOptimizer, data_loader: DataLoader, *, fixed_batch_accounting: str,
+                            poisson_sampling: bool, sample_rate: float, steps_per_epoch: Optional[int],
+                            mechanism: Any) -> DataLoader:
+        """Every step of ``dp_optimizer`` recorded by the accountant, as ``fixed_batch_accounting`` and the noise
+        mechanism say; returns the loader (counting its epochs for ``"per_epoch"``)."""
+        if fixed_batch_accounting == "per_epoch":
+            data_loader = _EpochsCounted(data_loader)
+            dp_optimizer.attach_step_hook(self._per_epoch_accountant_hook(data_loader, steps_per_epoch))
+        else:
+            self._poisson_figure_for_fixed_batches |= not poisson_sampling
+            dp_optimizer.attach_step_hook(self._accountant_hook(sample_rate))
+        if mechanism is not None:
+            self.accountant = correlated_accountant(mechanism, data_loader)
+        return data_loader
 
     def _accountant_hook(self, sample_rate: float):
         def step_accountant(optimizer: DPOptimizer) -> None:
@@ -522,6 +471,17 @@ class PrivacyEngine:
         if module not in self._originals and isinstance(module, (DistributedDataParallel, DPDistributedDataParallel)):
             module = module.module  # the names of the model inside, as a single process saves them
         return self._originals.get(module, module)
+
+
+def _engine_mode(grad_sample_mode: str, sharded: Any) -> str:
+    """Opacus's names of the default mode: ``"ghost"`` (book-keeping, which the default does) and ``"ghost_fsdp"``
+    (the same on a ``fully_shard`` model, refused for any other)."""
+    if grad_sample_mode == "ghost_fsdp":
+        if sharded is None:
+            raise ValueError("fxdp: grad_sample_mode='ghost_fsdp' is for a model sharded with "
+                             "torch.distributed.fsdp.fully_shard; for this model use 'ghost' or the default 'fx'")
+        return "fx"
+    return "fx" if grad_sample_mode == "ghost" else grad_sample_mode
 
 
 def _check_types(module, optimizer, data_loader) -> None:

@@ -266,8 +266,6 @@ MAX_FUNCTION_LINES = 80
 # The functions still longer, each with why; the list may only shrink (a function that is no longer too long must
 # leave it, so that it cannot grow back unnoticed).
 LONG_FUNCTIONS = {
-    "fxdp.privacy_engine.make_private": "Opacus's signature and its checks, engine and optimizer chosen inline; "
-                                        "to be read as prepare model, loader, optimizer, accountant (issue 37)",
     "fxdp.passes.batch_rules.indexing.index_layout": "one case per indexing form (int, slice, None, Ellipsis, "
                                                      "tensor), each a few lines; to be split by form",
     "fxdp.passes.per_sample.insert_per_sample_ops": "the per-sample pass over every node kind in one loop; to be "
