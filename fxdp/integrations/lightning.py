@@ -26,7 +26,8 @@ Refused with :class:`~fxdp.diagnostics.PrivacySettingError` at ``setup``, before
 ``accumulate_grad_batches != 1`` (one Poisson batch is one private step), precisions other than ``"32-true"`` and
 ``"64-true"`` (mixed precision's loss scaling and casts are not verified with fxdp's clipping here),
 manual optimization (``automatic_optimization = False``: Lightning's optimizer wrapper keeps its own copy of the
-optimizer's attributes, so the DP optimizer's ``zero_grad`` would not reach it), ``gradient_clip_val`` (it would clip the batch's gradient; DP-SGD clips each sample's, to ``max_grad_norm``), several
+optimizer's attributes, so the DP optimizer's ``zero_grad`` would not reach it), ``gradient_clip_val`` (it would
+clip the batch's gradient; DP-SGD clips each sample's, to ``max_grad_norm``), several
 processes or devices, ``overfit_batches``, more than one optimizer, learning-rate schedulers returned by
 ``configure_optimizers`` (not wired to the DP optimizer yet), and training data given to ``fit(train_dataloaders=...)``
 (the callback must replace the loader; give it through ``train_dataloader`` or a datamodule). At the start of every
@@ -192,7 +193,8 @@ class DPCallback(pl.Callback):
             epochs = self.epochs if self.epochs is not None else pl_module.trainer.max_epochs
             if epochs is None or epochs < 1:
                 raise PrivacySettingError("fxdp: DPCallback(target_epsilon=...) needs the number of epochs to "
-                                          "calibrate the noise to: set Trainer(max_epochs=...) or DPCallback(epochs=...)")
+                                          "calibrate the noise to: set Trainer(max_epochs=...) or "
+                                          "DPCallback(epochs=...)")
             private = self.privacy_engine.make_private_with_epsilon(
                 target_epsilon=self.target_epsilon, target_delta=self.delta, epochs=epochs, **settings)
         _, self.optimizer, self.data_loader = private
