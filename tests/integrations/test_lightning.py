@@ -109,11 +109,23 @@ def independent_epsilon(sigma: float, rate: float, steps: int, delta: float) -> 
     return accountant.get_epsilon(delta)
 
 
+class Validated(Classifier):
+    """Validation (in eval mode, without gradients) between the training epochs, and before them (sanity check)."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def val_dataloader(self):
+        return DataLoader(dataset(5), batch_size=5)
+
+
 def test_every_step_is_the_clipped_sum_of_the_batch_lightning_trained():
-    module = Classifier()
+    module = Validated()
     reference = copy.deepcopy(module.net)
     callback = DPCallback(max_grad_norm=CLIP, noise_multiplier=0.0, target_delta=1e-3)
-    trainer(callback, max_epochs=3).fit(module)
+    trainer(callback, max_epochs=3, num_sanity_val_steps=1).fit(module)
+    assert "val_loss" in module.trainer.callback_metrics
     steps = 3 * math.ceil(N / BATCH)
     assert len(module.batches) == steps == callback.optimizer.steps
     sizes = [x.shape[0] for x, _ in module.batches]
@@ -131,10 +143,9 @@ def test_an_empty_poisson_batch_is_a_noise_only_step():
     torch.manual_seed(5)
     module = Classifier(dataset(3))
     reference = copy.deepcopy(module.net)
-    module.data, module_batch = dataset(3), 1
 
     def loader():
-        return DataLoader(module.data, batch_size=module_batch)
+        return DataLoader(module.data, batch_size=1)
     module.train_dataloader = loader
     callback = DPCallback(max_grad_norm=CLIP, noise_multiplier=0.0, target_delta=1e-3)
     trainer(callback, max_epochs=6).fit(module)
