@@ -36,6 +36,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping bound C")
     parser.add_argument("--target-epsilon", type=float, default=3.0)
     parser.add_argument("--delta", type=float, default=1e-5)
+    parser.add_argument("--accountant", default="pld", choices=["pld", "rdp"],
+                        help="pld: privacy-loss distributions, the tightest bound (the default); rdp: Renyi DP")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-subset", type=int, default=None, help="train on the first N training samples only")
     parser.add_argument("--checkpoint", metavar="PATH", default=None, help="save Lightning's checkpoint at the end")
@@ -93,7 +95,8 @@ def main(argv: Optional[List[str]] = None) -> List[tuple]:
     from fxdp.integrations.lightning import DPCallback
 
     torch.manual_seed(args.seed)
-    privacy = DPCallback(max_grad_norm=args.max_grad_norm, target_epsilon=args.target_epsilon, target_delta=args.delta)
+    privacy = DPCallback(max_grad_norm=args.max_grad_norm, target_epsilon=args.target_epsilon, target_delta=args.delta,
+                         accountant=args.accountant)
     printer = PrintEpochs(privacy, args.delta)
     trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, callbacks=[privacy, printer],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,

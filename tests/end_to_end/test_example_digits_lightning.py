@@ -30,7 +30,7 @@ def example():
 
 def test_a_short_run_prints_accuracy_and_epsilon_and_writes_its_checkpoint(example, capsys, tmp_path):
     checkpoint = tmp_path / "two_epochs.ckpt"
-    common = ["--train-subset", "120", "--batch-size", "30", "--target-epsilon", "3.0"]
+    common = ["--train-subset", "120", "--batch-size", "30", "--target-epsilon", "3.0", "--accountant", "rdp"]
     history = example.main(["--epochs", "2", "--checkpoint", str(checkpoint)] + common)
     out = capsys.readouterr().out
     assert "epoch   1   test accuracy" in out and "epoch   2   test accuracy" in out
