@@ -99,6 +99,11 @@ class DPCallback(pl.Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
+        if self.optimizer is not None:
+            raise PrivacySettingError(
+                "fxdp: this DPCallback has made a fit private already; a second trainer.fit with it would wrap the "
+                "module a second time. To train on, save a checkpoint (trainer.save_checkpoint) and fit with a new "
+                "DPCallback and ckpt_path=...: the accountant's history travels in the checkpoint")
         _refuse_what_is_not_private(trainer)
         if not pl_module.automatic_optimization:
             raise PrivacySettingError(

@@ -102,6 +102,18 @@ def test_one_process_equals_the_plain_loop_and_the_clipped_sum():
     assert noisy_engine.accountant.history == [(1.3, BATCH / N, EPOCHS * N // BATCH)]
 
 
+def test_a_target_epsilon_is_met_over_the_epochs():
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = make_model()
+    engine = fxdp.PrivacyEngine(accountant="rdp")
+    private, optimizer, loader = make_private(
+        accelerator, engine, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        data_loader=DataLoader(dataset(), batch_size=BATCH), target_epsilon=2.0, target_delta=1e-3, epochs=EPOCHS,
+        max_grad_norm=CLIP)
+    train(private, optimizer, loader, accelerator.backward)
+    assert len(engine.accountant) == EPOCHS * N // BATCH and 0.99 * 2.0 <= engine.get_epsilon(1e-3) <= 2.0
+
+
 def test_fxdps_loader_through_accelerator_prepare_is_refused_at_the_first_step():
     """accelerator.prepare rebuilds the Poisson loader as a DataLoaderShard, which no longer tells the optimizer its
     batches: the DP optimizer refuses the step, before anything moves."""

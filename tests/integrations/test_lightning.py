@@ -195,6 +195,17 @@ def test_a_checkpoint_keeps_the_accountant_and_a_resumed_fit_counts_on_from_it(t
     assert resumed.get_epsilon() == pytest.approx(independent_epsilon(1.1, 1 / per_epoch, 3 * per_epoch, 1e-3))
 
 
+def test_a_second_fit_with_the_same_callback_is_refused_and_says_how_to_train_on():
+    callback = DPCallback(max_grad_norm=1.0, noise_multiplier=1.0, target_delta=1e-3, accountant="rdp")
+    module = Classifier()
+    trainer(callback, max_epochs=1).fit(module)
+    after = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(PrivacySettingError, match="has made a fit private already.*fit with a new DPCallback and ckpt"):
+        trainer(callback, max_epochs=2).fit(module)
+    assert all(torch.equal(a, p) for a, p in zip(after, module.parameters()))
+    assert len(callback.privacy_engine.accountant) == 3
+
+
 def test_resuming_from_a_checkpoint_without_the_accountant_is_refused(tmp_path):
     plain = pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                        enable_model_summary=False)
