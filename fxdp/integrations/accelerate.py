@@ -28,7 +28,8 @@
 ``target_epsilon``) on it, with the loader sharded across processes as Accelerate shards it (each process's
 ``batch_size`` is its share: the expected global batch is ``batch_size * num_processes``), then
 ``accelerator.prepare_optimizer`` on the DP optimizer (so ``accelerator.backward``, ``optimizer.step`` and
-``zero_grad`` go through Accelerate as usual). Refused with :class:`~fxdp.diagnostics.PrivacySettingError` before
+``zero_grad`` go through Accelerate as usual), and registers the accountant for checkpointing, so that
+``accelerator.save_state`` / ``load_state`` carry its history with the model and the DP optimizer. Refused with :class:`~fxdp.diagnostics.PrivacySettingError` before
 anything moves: ``gradient_accumulation_steps != 1`` (Accelerate would skip the DP optimizer's steps: one Poisson batch
 is one private step), mixed precision (not verified with fxdp's clipping here), and distributed types other than one
 process and DDP (FSDP, DeepSpeed, ...: fxdp's own FSDP support is ``fully_shard``, docs/distributed.md).
@@ -73,6 +74,7 @@ def make_private(accelerator: "accelerate.Accelerator", privacy_engine: PrivacyE
     else:
         model, dp_optimizer, loader = privacy_engine.make_private(
             module=model, optimizer=optimizer, data_loader=data_loader, **settings)
+    accelerator.register_for_checkpointing(privacy_engine.accountant)  # save_state / load_state carry its history
     return model, accelerator.prepare_optimizer(dp_optimizer), loader
 
 

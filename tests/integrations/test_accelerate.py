@@ -114,6 +114,24 @@ def test_a_target_epsilon_is_met_over_the_epochs():
     assert len(engine.accountant) == EPOCHS * N // BATCH and 0.99 * 2.0 <= engine.get_epsilon(1e-3) <= 2.0
 
 
+def test_save_state_and_load_state_carry_the_accountant_the_model_and_the_optimizer(tmp_path):
+    first = accelerate.Accelerator(cpu=True)
+    trained, trained_optimizer, engine, _ = run_with_accelerate(first, noise_multiplier=1.3)
+    first.save_state(str(tmp_path / "state"))
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = make_model()
+    again = fxdp.PrivacyEngine()
+    _, optimizer, _ = make_private(
+        accelerator, again, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        data_loader=DataLoader(dataset(), batch_size=BATCH), noise_multiplier=1.3, max_grad_norm=CLIP)
+    assert len(again.accountant) == 0
+    accelerator.load_state(str(tmp_path / "state"))
+    assert again.accountant.history == engine.accountant.history == [(1.3, BATCH / N, EPOCHS * N // BATCH)]
+    assert optimizer.optimizer.steps == trained_optimizer.optimizer.steps == EPOCHS * N // BATCH
+    for p, q in zip(model.parameters(), trained.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_fxdps_loader_through_accelerator_prepare_is_refused_at_the_first_step():
     """accelerator.prepare rebuilds the Poisson loader as a DataLoaderShard, which no longer tells the optimizer its
     batches: the DP optimizer refuses the step, before anything moves."""
