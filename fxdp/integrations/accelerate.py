@@ -30,9 +30,10 @@
 ``accelerator.prepare_optimizer`` on the DP optimizer (so ``accelerator.backward``, ``optimizer.step`` and
 ``zero_grad`` go through Accelerate as usual), and registers the accountant for checkpointing, so that
 ``accelerator.save_state`` / ``load_state`` carry its history with the model and the DP optimizer. Refused with
-:class:`~fxdp.diagnostics.PrivacySettingError` before anything moves: ``gradient_accumulation_steps != 1`` (Accelerate would skip the DP optimizer's steps: one Poisson batch
-is one private step), mixed precision (not verified with fxdp's clipping here), and distributed types other than one
-process and DDP (FSDP, DeepSpeed, ...: fxdp's own FSDP support is ``fully_shard``, docs/distributed.md).
+:class:`~fxdp.diagnostics.PrivacySettingError` before anything moves: ``gradient_accumulation_steps != 1``
+(Accelerate would skip the DP optimizer's steps: one Poisson batch is one private step), mixed precision (not verified
+with fxdp's clipping here), and distributed types other than one process and DDP (FSDP, DeepSpeed, ...: fxdp's own
+FSDP support is ``fully_shard``, docs/distributed.md).
 """
 
 from __future__ import annotations
