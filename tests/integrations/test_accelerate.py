@@ -8,7 +8,6 @@ launched as tests/distributed/test_two_ranks.py launches its ranks."""
 
 from __future__ import annotations
 
-import copy
 import datetime
 import os
 import sys
