@@ -43,6 +43,7 @@ from fxdp.passes.reanalyse import NO_INPUTS_NOTE, install_guards
 from fxdp.passes.validate import validate_graph
 from fxdp.validators import ModuleValidator  # the module rules the validate pass applies
 from fxdp.frontends.fx import trace
+from fxdp.graphs.engine import compile_graph_model, is_graph_model
 from fxdp.runtime.module import OutputType, copy_graph_module, make_copyable
 from fxdp.sinks.bookkeeping import BookkeepingSink, describe_plans, plan_graph
 from fxdp.sinks.contract import GradientSink, GradSampleSink, check_loss_reduction
@@ -165,6 +166,8 @@ def compile_for_dp(
         raise ValueError(f"batch_dim must be 0 (batch first) or 1 (time major), got {batch_dim!r}")
     model = unwrap_or_refuse(model)
     _refuse_checkpointing(model)
+    if grad_sample_mode in ("fx", "hooks") and is_graph_model(model):  # one sample, one graph (fxdp/graphs)
+        return compile_graph_model(model, batch_dim=batch_dim, loss_reduction=loss_reduction, sink=sink)
 
     if sink is not None and grad_sample_mode in ("ew", "no_op"):
         raise ValueError(f"fxdp: grad_sample_mode={grad_sample_mode!r} writes p.grad_sample itself and delivers "

@@ -32,6 +32,7 @@ from torch import nn
 
 from fxdp.diagnostics import SampleMixingError, UnsupportedModuleError
 from fxdp.diagnostics.findings import Finding, Kind, Severity
+from fxdp.diagnostics.report import GRAPHS, REPORT_ATTR, CompileReport
 from fxdp.engines.base import GradSampleModuleBase, trainable_own_params
 from fxdp.graphs.layout import EDGE_ROW_NAMES, GraphBatch, check_graph_batch, graph_batch_of
 from fxdp.graphs.rules import segment_linear, segment_sum
@@ -327,3 +328,19 @@ def _cut_call(layout: GraphBatch, bound: Dict[str, Any], k: int) -> Dict[str, An
         else:
             out[name] = value
     return out
+
+
+def compile_graph_model(model: nn.Module, *, batch_dim: int = 0, loss_reduction: str = "mean",
+                        sink: Optional[GradientSink] = None) -> GraphGradSampleModule:
+    """What ``compile_for_dp`` (modes ``"fx"`` and ``"hooks"``) returns for a model with PyG message-passing layers:
+    the graphs engine around it, its report saying why (torch.fx cannot trace PyG's message passing, and the
+    samples are segments of the node rows, not rows)."""
+    if batch_dim != 0:
+        raise ValueError("fxdp (graphs engine): a batch of graphs holds its nodes in dimension 0; pass batch_dim=0")
+    wrapped = GraphGradSampleModule(model, loss_reduction=loss_reduction, sink=sink)
+    reason = ("the model has PyTorch Geometric message-passing layers: one sample is one graph, its nodes a segment "
+              "of dimension 0 given by the batch vector; the graphs engine computes per-graph gradients by segment "
+              "(docs/graphs.md)")
+    notes = tuple(f"'{name}': {rule}" for name, rule in wrapped.rules.items())
+    setattr(wrapped, REPORT_ATTR, CompileReport(type(model).__name__, False, (), reason, None, GRAPHS, notes))
+    return wrapped
