@@ -2,7 +2,7 @@
 per-sample-gradient-by-loop baseline (each graph run alone, its gradient clipped, the sum noised: what a user could
 do without fxdp), side by side in one run: a GIN on 32 graphs of 20 to 40 nodes.
 
-    pip install -e ".[graphs]" && python benchmarks/graphs_step_speed.py --repeats 20
+    pip install -e ".[graphs]" && python benchmarks/graphs_step_speed.py --repeats 20 --threads 1
 
 Prints the median time of each step and the ratios to the plain step. Machine and torch version: say them beside
 any figure you quote.
@@ -44,20 +44,26 @@ def batch_of_graphs(count=32, generator=None):
     return Batch.from_data_list(graphs), graphs
 
 
-def median_time(step, repeats):
-    step()  # warm-up (the graphs engine's first-batch self-check included)
-    times = []
+def median_times(steps, repeats):
+    """Each step once per round, the rounds interleaved (a busy machine slows all of them alike): the medians."""
+    for step in steps:
+        step()  # warm-up (the graphs engine's first-batch self-check included)
+    times = [[] for _ in steps]
     for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for step, kept in zip(steps, times):
+            start = time.perf_counter()
+            step()
+            kept.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     batch, graphs = batch_of_graphs(generator=torch.Generator().manual_seed(0))
     plain = GIN()
@@ -96,11 +102,9 @@ def main():
             p.grad = (t + torch.randn_like(t)) / len(singles)
         loop_opt.step()
 
-    plain_t = median_time(plain_step, args.repeats)
-    dp_t = median_time(dp_step, args.repeats)
-    loop_t = median_time(loop_step, args.repeats)
+    plain_t, dp_t, loop_t = median_times([plain_step, dp_step, loop_step], args.repeats)
     print(f"GIN (2 GINConv, hidden 64), {len(graphs)} graphs of 20-40 nodes ({batch.num_nodes} nodes), "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats} steps")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats} interleaved rounds")
     print("| step | ms | / plain |")
     print("|---|---|---|")
     for name, t in [("plain (non-private)", plain_t), ("fxdp graphs engine (DP)", dp_t),

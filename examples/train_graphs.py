@@ -3,10 +3,10 @@
     pip install -e ".[graphs]" && python examples/train_graphs.py
 
 The data set is generated here (nothing is downloaded): graphs of 10 to 30 nodes, half of them rings (every node
-of degree 2), half random graphs with twice as many edges (degrees vary around 4); node features are noise. A GIN (two GINConv
-layers, mean pooling, a linear head) tells the two apart. ``make_private_with_epsilon`` chooses the graphs engine
-for the model (its report says so) and a Poisson sampler of graphs for the loader; each graph's gradient is clipped
-alone, as DP-SGD needs for graph-level privacy. Prints the test accuracy and the ε spent after every epoch.
+of degree 2), half random graphs with twice as many edges (degrees vary around 4); node features are noise. A GIN
+(two GINConv layers, mean pooling, a linear head) tells the two apart. ``make_private_with_epsilon`` chooses the
+graphs engine for the model (its report says so) and a Poisson sampler of graphs for the loader; each graph's
+gradient is clipped alone, as DP-SGD needs for graph-level privacy. Prints the test accuracy and the ε spent after every epoch.
 """
 
 from __future__ import annotations

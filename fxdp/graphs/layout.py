@@ -95,7 +95,9 @@ class GraphBatch:
         return slice(int(self.ptr[k]), int(self.ptr[k + 1]))
 
     def edges_of_graph(self, k: int) -> torch.Tensor:
-        return self.graph_of_node[self.edge_index[0]] == k if self.num_edges else self.edge_index.new_zeros(0, dtype=torch.bool)
+        if not self.num_edges:
+            return self.edge_index.new_zeros(0, dtype=torch.bool)
+        return self.graph_of_node[self.edge_index[0]] == k
 
     def cut(self, value: Any, k: int, edge_rows: bool = False) -> Any:
         """Graph ``k``'s rows of an input: node rows, the edges (re-indexed), or edge rows; others as they are."""
@@ -133,7 +135,8 @@ def graph_batch_of(model: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]) 
     """The batch of graphs in a forward call's inputs: a PyG ``Batch`` passed whole, or tensors passed by the names
     PyG's models use (``edge_index`` and ``batch``); checked (:func:`check_graph_batch`)."""
     model_name = type(model).__name__
-    for where, value in [*((("arg", i), a) for i, a in enumerate(args)), *((("kwarg", n), v) for n, v in kwargs.items())]:
+    inputs = [*((("arg", i), a) for i, a in enumerate(args)), *((("kwarg", n), v) for n, v in kwargs.items())]
+    for where, value in inputs:
         if _is_pyg_data(value):
             batch = getattr(value, "batch", None)
             if batch is None:  # a single Data: one graph

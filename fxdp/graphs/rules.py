@@ -22,18 +22,16 @@ def segment_offsets(graph_of_row: torch.Tensor, num_graphs: int) -> torch.Tensor
 def padded_by_segment(rows: torch.Tensor, graph_of_row: torch.Tensor, num_graphs: int) -> torch.Tensor:
     """``rows`` (R, d), their graphs sorted, as (G, L, d): graph k's rows first, zeros after (L: the most rows)."""
     ptr = segment_offsets(graph_of_row, num_graphs)
-    longest = int((ptr[1:] - ptr[:-1]).max()) if num_graphs else 0
-    out = rows.new_zeros((num_graphs, longest, rows.shape[1]))
-    if rows.shape[0]:
-        position = torch.arange(rows.shape[0], device=rows.device) - ptr[graph_of_row]
-        out[graph_of_row, position] = rows
-    return out
+    if num_graphs == 0:
+        return rows.new_zeros((0, 0, rows.shape[1]))
+    counts = (ptr[1:] - ptr[:-1]).tolist()
+    return torch.nn.utils.rnn.pad_sequence(list(torch.split(rows, counts)), batch_first=True)
 
 
 def segment_sum(rows: torch.Tensor, graph_of_row: torch.Tensor, num_graphs: int) -> torch.Tensor:
-    """Per graph, the sum of its rows: (G, *rows.shape[1:])."""
-    out = rows.new_zeros((num_graphs, *rows.shape[1:]))
-    return out.index_add_(0, graph_of_row, rows)
+    """Per graph, the sum of its rows (sorted by graph): (G, *rows.shape[1:])."""
+    return padded_by_segment(rows.reshape(rows.shape[0], -1), graph_of_row, num_graphs).sum(1).reshape(
+        num_graphs, *rows.shape[1:])
 
 
 def segment_linear(activations: torch.Tensor, backprops: torch.Tensor, graph_of_row: torch.Tensor,
@@ -41,4 +39,4 @@ def segment_linear(activations: torch.Tensor, backprops: torch.Tensor, graph_of_
     """Per-graph gradients of ``y = x Wᵀ + b`` applied row by row: ``(G, out, in)`` and ``(G, out)``."""
     a = padded_by_segment(activations, graph_of_row, num_graphs)
     g = padded_by_segment(backprops, graph_of_row, num_graphs)
-    return torch.bmm(g.transpose(1, 2), a), segment_sum(backprops, graph_of_row, num_graphs)
+    return torch.bmm(g.transpose(1, 2), a), g.sum(1)
