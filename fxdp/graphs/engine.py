@@ -10,8 +10,10 @@ dimension 0 given by the ``batch`` vector, not rows. Which rule covers which par
   being node rows or graph rows (after pooling);
 - GCNConv's own ``bias`` (added to each node row last): the per-graph sum of the output gradient's rows;
 - any other parameter of a message-passing layer itself (GATConv's attention vectors and bias, GINConv's trainable
-  ``eps``): the layer re-run on each graph's nodes and edges alone, in backward, with that graph's rows of the
-  output gradient (exact, as no edge crosses graphs; costs one small forward and backward per graph);
+  ``eps``), and the parameters of a row-wise torch.nn layer (:data:`ROW_WISE`: LayerNorm, GroupNorm, Embedding, ...,
+  on node or graph rows): the layer re-run on each graph's nodes and edges (rows) alone, in backward, with that
+  graph's rows of the output gradient (exact, as no edge crosses graphs; costs one small forward and backward per
+  graph);
 - a trainable parameter anywhere else is refused when the wrapper is built, naming its module.
 
 Checked on every forward call: the batch vector, that no edge of the input nor of any message-passing layer's
@@ -62,6 +64,16 @@ def is_row_linear(module: nn.Module) -> bool:
     return False
 
 
+#: torch.nn layers that compute each row of their output from the same row of their input alone (on (rows, features)
+#: inputs): their per-graph gradients come from the rule that re-runs a layer on each graph's rows
+ROW_WISE = tuple(getattr(nn, n) for n in ("LayerNorm", "GroupNorm", "Embedding", "PReLU", "RMSNorm") if hasattr(nn, n))
+
+
+def is_row_wise(module: nn.Module) -> bool:
+    """One of :data:`ROW_WISE`, or a subclass that keeps its forward."""
+    return any(isinstance(module, t) and type(module).forward is t.forward for t in ROW_WISE)
+
+
 def _first_tensor(output: Any) -> Optional[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return output
@@ -103,8 +115,8 @@ class GraphGradSampleModule(GradSampleModuleBase):
                 self._refuse_cached(name, module)
                 self._hook(name, module, self._bias_capture, "per-graph sum of rows (bias)")
                 covered.update(own)
-            elif is_message_passing(module):
-                problem = self._alone_problem(module)
+            elif is_message_passing(module) or is_row_wise(module):
+                problem = self._alone_problem(module) if is_message_passing(module) else None
                 if problem:
                     refused.append(UnsupportedModuleError(problem[0], module_name=name, module_type=type(module),
                                                           fix=problem[1]))
@@ -117,9 +129,9 @@ class GraphGradSampleModule(GradSampleModuleBase):
                 module = self._module.get_submodule(owner) if owner else self._module
                 refused.append(UnsupportedModuleError(
                     "the graphs engine has no per-graph rule for this layer's parameters (it knows row-wise linear "
-                    "layers and PyG's message-passing layers)", module_name=owner or "<model>",
+                    "layers, PyG's message-passing layers and row-wise torch.nn layers such as LayerNorm)", module_name=owner or "<model>",
                     module_type=type(module), fix="freeze it (requires_grad_(False)), or use nn.Linear layers or "
-                    "PyG convolutions (GCNConv, GINConv, GATConv, SAGEConv, GraphConv) in its place"))
+                    "PyG convolutions (GCNConv, GINConv, GATConv, SAGEConv, GraphConv) and nn.LayerNorm in its place"))
                 covered.update(trainable_own_params(module))
         if refused:
             self.remove_hooks()
@@ -226,14 +238,34 @@ class GraphGradSampleModule(GradSampleModuleBase):
         out.register_hook(on_grad)
 
     def _alone_capture(self, name, mod, args, kwargs, out) -> None:
-        layout = self._layout
-        layout.rows_to_graphs(out.shape[0], f"layer '{name}' ({type(mod).__name__})")  # node rows (or refused)
-        bound = _bound(mod, args, kwargs)
-        if isinstance(bound.get("x"), (tuple, list)):
-            raise UnsupportedModuleError("got a pair of node tensors (a bipartite graph); the graphs engine takes "
-                                         "one node tensor", module_name=name, module_type=type(mod))
+        layout, where = self._layout, f"layer '{name}' ({type(mod).__name__})"
+        graph_of_row = layout.rows_to_graphs(out.shape[0], where)  # node rows or graph rows (or refused)
+        node_rows = graph_of_row is layout.graph_of_node
+        if not node_rows and is_message_passing(mod):
+            raise UnsupportedModuleError("ran on graph rows; a message-passing layer takes node rows",
+                                         module_name=name, module_type=type(mod))
+        if is_message_passing(mod):
+            bound = _bound(mod, args, kwargs)
+            if isinstance(bound.get("x"), (tuple, list)):
+                raise UnsupportedModuleError("got a pair of node tensors (a bipartite graph); the graphs engine takes "
+                                             "one node tensor", module_name=name, module_type=type(mod))
+        else:  # a row-wise layer: its tensor arguments with the output's rows are cut like them
+            bound = _bound(mod, args, kwargs)
+            if any(isinstance(v, torch.Tensor) and (v.dim() == 0 or v.shape[0] != out.shape[0])
+                   for v in bound.values()):
+                raise UnsupportedModuleError(f"got an input without the output's {out.shape[0]} rows; the graphs "
+                                             "engine cuts a row-wise layer's inputs by rows", module_name=name,
+                                             module_type=type(mod))
         params = trainable_own_params(mod)
         detached = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in bound.items()}
+
+        def rows_of(k: int) -> slice:
+            return layout.node_slice(k) if node_rows else slice(k, k + 1)
+
+        def call_of(k: int) -> Dict[str, Any]:
+            if is_message_passing(mod):
+                return _cut_call(layout, detached, k)
+            return {n: v[rows_of(k)] if isinstance(v, torch.Tensor) else v for n, v in detached.items()}
 
         def on_grad(grad):
             g = self._scaled(grad, layout).detach()
@@ -241,10 +273,10 @@ class GraphGradSampleModule(GradSampleModuleBase):
             def grad_samples():
                 rows = []
                 for k in range(layout.num_graphs):
-                    inputs = _cut_call(layout, detached, k)
+                    inputs = call_of(k)
                     with torch.enable_grad(), self._recompute():
                         out_k = _first_tensor(mod(**inputs))
-                        grads = torch.autograd.grad(out_k, params, g[layout.node_slice(k)], allow_unused=True)
+                        grads = torch.autograd.grad(out_k, params, g[rows_of(k)], allow_unused=True)
                     rows.append([torch.zeros_like(p) if d is None else d for p, d in zip(params, grads)])
                 return {p: (torch.stack([r[i] for r in rows]) if rows else p.new_zeros((0, *p.shape)))
                         for i, p in enumerate(params)}
@@ -285,6 +317,8 @@ class GraphGradSampleModule(GradSampleModuleBase):
                     a = torch.zeros_like(p) if a is None else a
                     mine = rows.get(p)
                     tol = dict(rtol=1e-6, atol=1e-9) if p.dtype == torch.float64 else dict(rtol=1e-3, atol=1e-5)
+                    if mine is None and not a.any():  # a parameter this output does not use
+                        continue
                     if mine is None or not torch.allclose(mine[k], a, **tol):
                         self._refuse_mixing(n, k, mine, a)
         finally:

@@ -122,14 +122,44 @@ def test_an_unsorted_batch_vector_is_refused():
         fxdp.compile_for_dp(Net("gcn", "mean").double())(batch.x, batch.edge_index, batch.batch.flip(0))
 
 
-def test_a_layer_without_a_rule_is_refused_naming_it():
-    class WithNorm(Net):
+def test_row_wise_layers_on_node_and_graph_rows():
+    class Normed(Net):
+        def __init__(self):
+            super().__init__("gin", "mean")
+            self.types = nn.Embedding(4, 3)
+            self.node_norm, self.group_norm = nn.LayerNorm(6), nn.GroupNorm(2, 6)
+            self.graph_norm = nn.LayerNorm(6)
+
+        def forward(self, x, edge_index, batch):
+            h = x + self.types((x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long())  # a node type from its features
+            h = torch.tanh(self.conv2(torch.tanh(self.conv1(h, edge_index)), edge_index))
+            h = self.group_norm(self.node_norm(h))
+            return self.head(self.graph_norm(self.pool(h, batch)))
+
+    torch.manual_seed(2)
+    model, data = Normed().double(), graphs()
+    batch = Batch.from_data_list(data)
+    dp = fxdp.compile_for_dp(model, loss_reduction="sum")
+    nn.functional.cross_entropy(dp(batch.x, batch.edge_index, batch.batch), batch.y, reduction="sum").backward()
+    assert {dp.rules[n] for n in ("types", "node_norm", "group_norm", "graph_norm")} == {
+        "the layer re-run on each graph alone"}
+    for k, d in enumerate(data):
+        for p, e in zip(model.parameters(), alone(model, d, "sum")):
+            e = torch.zeros_like(p) if e is None else e
+            torch.testing.assert_close(p.grad_sample[k], e, rtol=1e-9, atol=1e-12)
+
+
+def test_a_parameter_without_a_rule_is_refused_naming_its_module():
+    class Scaled(Net):
         def __init__(self):
             super().__init__("gcn", "mean")
-            self.norm = nn.LayerNorm(6)
+            self.temperature = nn.Parameter(torch.ones(()))
 
-    with pytest.raises(UnsupportedModuleError, match=r"`norm` \(nn.LayerNorm\).*no per-graph rule"):
-        fxdp.compile_for_dp(WithNorm())
+        def forward(self, x, edge_index, batch):
+            return super().forward(x, edge_index, batch) / self.temperature
+
+    with pytest.raises(UnsupportedModuleError, match=r"`<model>` \(Scaled\).*no per-graph rule.*How to fix: freeze"):
+        fxdp.compile_for_dp(Scaled())
 
 
 def test_attention_dropout_is_refused():
