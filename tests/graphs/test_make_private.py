@@ -43,6 +43,8 @@ def test_one_dp_step_equals_the_clipped_sum_of_each_graph_alone():
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
         data_loader=DataLoader(data, batch_size=8), noise_multiplier=0.0, max_grad_norm=clip)
     assert isinstance(loader, DPGraphDataLoader) and fxdp.report(dp_model).engine == "graphs"
+    assert "engine: graphs" in str(fxdp.report(dp_model)) and "'conv.nn.0': per-graph sum of rows" in str(
+        fxdp.report(dp_model))
     batch = next(b for b in loader if b.num_graphs >= 2)
     optimizer.zero_grad()
     nn.functional.cross_entropy(dp_model(batch.x, batch.edge_index, batch.batch), batch.y).backward()
