@@ -36,6 +36,7 @@ from fxdp.diagnostics import SampleMixingError, UnsupportedModuleError
 from fxdp.diagnostics.findings import Finding, Kind, Severity
 from fxdp.diagnostics.report import GRAPHS, REPORT_ATTR, CompileReport
 from fxdp.engines.base import GradSampleModuleBase, trainable_own_params
+from fxdp.engines.selfcheck import forward_location
 from fxdp.graphs.layout import EDGE_ROW_NAMES, GraphBatch, check_graph_batch, graph_batch_of
 from fxdp.graphs.rules import segment_linear, segment_sum
 from fxdp.sinks.contract import SINK_ATTR, GradientSink, LayerCapture
@@ -96,6 +97,8 @@ class GraphGradSampleModule(GradSampleModuleBase):
         self._collected: Optional[Dict[nn.Parameter, torch.Tensor]] = None  # the self-check's rows, not the sink's
         self._handles: List[Any] = []
         self.rules: Dict[str, str] = {}  # module name -> the rule that covers its parameters
+        self._location = forward_location(model)
+        self._named = type(model).__name__ + (f" (forward at {self._location})" if self._location else "")
         self._plan()
 
     # -- which rule covers which parameter ------------------------------------------------------------------------
@@ -129,8 +132,8 @@ class GraphGradSampleModule(GradSampleModuleBase):
                 module = self._module.get_submodule(owner) if owner else self._module
                 refused.append(UnsupportedModuleError(
                     "the graphs engine has no per-graph rule for this layer's parameters (it knows row-wise linear "
-                    "layers, PyG's message-passing layers and row-wise torch.nn layers such as LayerNorm)", module_name=owner or "<model>",
-                    module_type=type(module), fix="freeze it (requires_grad_(False)), or use nn.Linear layers or "
+                    "layers, PyG's message-passing layers and row-wise torch.nn layers such as LayerNorm)",
+                    module_name=owner or "<model>", module_type=type(module), fix="freeze it (requires_grad_(False)), or use nn.Linear layers or "
                     "PyG convolutions (GCNConv, GINConv, GATConv, SAGEConv, GraphConv) and nn.LayerNorm in its place"))
                 covered.update(trainable_own_params(module))
         if refused:
@@ -176,7 +179,8 @@ class GraphGradSampleModule(GradSampleModuleBase):
             edge_index = _bound(mod, args, kwargs).get("edge_index")
             if isinstance(edge_index, torch.Tensor) and edge_index is not self._layout.edge_index:
                 check_graph_batch(GraphBatch(self._layout.graph_of_node, edge_index, self._layout.num_graphs,
-                                             self._layout.ptr, (), {}), f"layer '{name}' ({type(mod).__name__})")
+                                             self._layout.ptr, (), {}),
+                                  f"layer '{name}' ({type(mod).__name__}) of {self._named}")
         return pre_hook
 
     def remove_hooks(self) -> None:
@@ -187,7 +191,7 @@ class GraphGradSampleModule(GradSampleModuleBase):
     # -- forward ----------------------------------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
-        layout = graph_batch_of(self._module, args, kwargs)
+        layout = graph_batch_of(self._module, args, kwargs, self._named)
         if self.verify and self.verification is None and layout.num_graphs >= 2 and torch.is_grad_enabled():
             self._self_check(layout)
         self.forward_calls += 1
@@ -196,7 +200,7 @@ class GraphGradSampleModule(GradSampleModuleBase):
             output = self._module(*args, **kwargs)
         finally:
             self._layout = None
-        layout.check_output(output, type(self._module).__name__)
+        layout.check_output(output, self._named)
         return output
 
     # -- captures -----------------------------------------------------------------------------------------------
@@ -302,7 +306,7 @@ class GraphGradSampleModule(GradSampleModuleBase):
         self._collected, self._layout = {}, layout
         try:
             out = _first_tensor(self._module(*layout.args, **layout.kwargs))
-            layout.check_output(out, type(self._module).__name__)
+            layout.check_output(out, self._named)
             weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1234), dtype=out.dtype)
             torch.autograd.grad((out * weights.to(out.device)).sum(), [p for _, p in named], allow_unused=True)
             rows, self._collected, self._layout = self._collected, None, None
@@ -332,7 +336,7 @@ class GraphGradSampleModule(GradSampleModuleBase):
         finding = Finding("self-check", name, "parameter", Kind.MIXES_SAMPLES, Severity.ERROR,
                           f"graph {k}'s gradient in the batch differs from its gradient run alone ({diff})",
                           "keep every op per graph: no normalisation or pooling over the whole batch, no reordering "
-                          "of nodes, edges inside graphs; pool with the batch vector")
+                          "of nodes, edges inside graphs; pool with the batch vector", self._location)
         raise SampleMixingError([finding], f"fxdp (graphs engine): {type(self._module).__name__} mixes graphs: "
                                            "a graph's gradient depends on the other graphs of its batch")
 

@@ -131,10 +131,11 @@ class GraphBatch:
         return args, kwargs
 
 
-def graph_batch_of(model: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]) -> GraphBatch:
+def graph_batch_of(model: torch.nn.Module, args: tuple, kwargs: Dict[str, Any],
+                   model_name: Optional[str] = None) -> GraphBatch:
     """The batch of graphs in a forward call's inputs: a PyG ``Batch`` passed whole, or tensors passed by the names
     PyG's models use (``edge_index`` and ``batch``); checked (:func:`check_graph_batch`)."""
-    model_name = type(model).__name__
+    model_name = model_name or type(model).__name__  # (the engine adds where forward is defined)
     inputs = [*((("arg", i), a) for i, a in enumerate(args)), *((("kwarg", n), v) for n, v in kwargs.items())]
     for where, value in inputs:
         if _is_pyg_data(value):

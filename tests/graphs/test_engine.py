@@ -101,7 +101,9 @@ def test_an_edge_across_graphs_is_refused_naming_the_graphs():
     batch = Batch.from_data_list(graphs())
     edge_index = torch.cat([batch.edge_index, torch.tensor([[0], [6]])], 1)  # node 0 (graph 0) -> node 6 (graph 1)
     dp = fxdp.compile_for_dp(model)
-    with pytest.raises(PerSampleError, match=r"joins graph 0 to graph 1 \(1 edge\(s\) cross graphs\)"):
+    added = batch.edge_index.shape[1]  # the index of the edge added last
+    with pytest.raises(PerSampleError, match=rf"Net \(forward at .*test_engine.py:\d+.*\)'s input: edge {added} "
+                                             r"\(0 -> 6\) joins graph 0 to graph 1 \(1 edge\(s\) cross graphs\)"):
         dp(batch.x, edge_index, batch.batch)
 
 

@@ -81,16 +81,22 @@ def test_poisson_batches_of_graphs_and_an_empty_one():
     assert empty.num_graphs == 0 and empty.x.shape == (0, 3) and empty.edge_index.shape == (2, 0)
 
 
-def test_a_step_on_an_empty_batch_adds_noise_only():
+@pytest.mark.parametrize("forward", [False, True])
+def test_a_step_on_an_empty_batch_adds_noise_only(forward):
     torch.manual_seed(0)
     model = GIN().double()
     before = [p.detach().clone() for p in model.parameters()]
-    _, optimizer, loader = fxdp.PrivacyEngine().make_private(
+    dp_model, optimizer, loader = fxdp.PrivacyEngine().make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
         data_loader=DataLoader(dataset(), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0)
     batch = loader.collate_fn([])  # the empty draw, as the loader hands it out
     assert batch.num_graphs == 0
     optimizer.observe_batch(empty=True, new_epoch=True)
     optimizer.zero_grad()
+    if forward:  # the model runs on it too: no graph, no row out, no per-graph gradient
+        out = dp_model(batch.x, batch.edge_index, batch.batch)
+        assert out.shape == (0, 2)
+        nn.functional.cross_entropy(out, batch.y, reduction="sum").backward()
     optimizer.step()
-    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    after = list(model.parameters())
+    assert all(not torch.equal(a, p) and torch.isfinite(p).all() for a, p in zip(before, after))
