@@ -133,8 +133,9 @@ class GraphGradSampleModule(GradSampleModuleBase):
                 refused.append(UnsupportedModuleError(
                     "the graphs engine has no per-graph rule for this layer's parameters (it knows row-wise linear "
                     "layers, PyG's message-passing layers and row-wise torch.nn layers such as LayerNorm)",
-                    module_name=owner or "<model>", module_type=type(module), fix="freeze it (requires_grad_(False)), or use nn.Linear layers or "
-                    "PyG convolutions (GCNConv, GINConv, GATConv, SAGEConv, GraphConv) and nn.LayerNorm in its place"))
+                    module_name=owner or "<model>", module_type=type(module),
+                    fix="freeze it (requires_grad_(False)), or use nn.Linear layers or PyG convolutions (GCNConv, "
+                        "GINConv, GATConv, SAGEConv, GraphConv) and nn.LayerNorm in its place"))
                 covered.update(trainable_own_params(module))
         if refused:
             self.remove_hooks()
