@@ -27,6 +27,7 @@ batch) is refused with :class:`~fxdp.errors.SampleMixingError`.
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -110,13 +111,13 @@ class GraphGradSampleModule(GradSampleModuleBase):
                 self._handles.append(module.register_forward_pre_hook(self._edges_hook(name), with_kwargs=True))
             own = trainable_own_params(module)
             if is_row_linear(module):
-                self._hook(name, module, self._linear_capture, "per-graph sum of rows (linear)")
+                self._hook(name, module, GraphGradSampleModule._linear_capture, "per-graph sum of rows (linear)")
                 covered.update(own)
             elif not own:
                 continue
             elif _from_pyg(module, "GCNConv") and [p is module.bias for p in own] == [True]:
                 self._refuse_cached(name, module)
-                self._hook(name, module, self._bias_capture, "per-graph sum of rows (bias)")
+                self._hook(name, module, GraphGradSampleModule._bias_capture, "per-graph sum of rows (bias)")
                 covered.update(own)
             elif is_message_passing(module) or is_row_wise(module):
                 problem = self._alone_problem(module) if is_message_passing(module) else None
@@ -124,7 +125,7 @@ class GraphGradSampleModule(GradSampleModuleBase):
                     refused.append(UnsupportedModuleError(problem[0], module_name=name, module_type=type(module),
                                                           fix=problem[1]))
                     continue
-                self._hook(name, module, self._alone_capture, "the layer re-run on each graph alone")
+                self._hook(name, module, GraphGradSampleModule._alone_capture, "the layer re-run on each graph alone")
                 covered.update(own)
         for name, p in self._module.named_parameters():
             if p.requires_grad and p not in covered and not refused:
@@ -161,33 +162,46 @@ class GraphGradSampleModule(GradSampleModuleBase):
                                          module_name=name, module_type=type(module), fix="build it with cached=False")
 
     def _hook(self, name: str, module: nn.Module, capture, rule: str) -> None:
+        """A forward hook on ``module`` that calls ``capture(self, ...)`` while this wrapper runs the model. The hooks
+        hold the wrapper weakly: the model does not keep a wrapper alive, and a hook whose wrapper is gone (or that
+        is not running the model) does nothing."""
         self.rules[name or "<model>"] = rule
+        owner = weakref.ref(self)
 
         def forward_hook(mod, args, kwargs, output):
-            if self._recomputing or self._layout is None or not torch.is_grad_enabled():
+            me = owner()
+            if me is None or me._recomputing or me._layout is None or not torch.is_grad_enabled():
                 return
             out = _first_tensor(output)
             if out is None or not out.requires_grad:
                 return
-            capture(name, mod, args, kwargs, out)
+            capture(me, name, mod, args, kwargs, out)
 
         self._handles.append(module.register_forward_hook(forward_hook, with_kwargs=True))
 
     def _edges_hook(self, name: str):
+        owner = weakref.ref(self)
+
         def pre_hook(mod, args, kwargs):
-            if self._layout is None or self._recomputing:
+            me = owner()
+            if me is None or me._layout is None or me._recomputing:
                 return
-            edge_index = _bound(mod, args, kwargs).get("edge_index")
-            if isinstance(edge_index, torch.Tensor) and edge_index is not self._layout.edge_index:
-                check_graph_batch(GraphBatch(self._layout.graph_of_node, edge_index, self._layout.num_graphs,
-                                             self._layout.ptr, (), {}),
-                                  f"layer '{name}' ({type(mod).__name__}) of {self._named}")
+            edge_index, layout = _bound(mod, args, kwargs).get("edge_index"), me._layout
+            if isinstance(edge_index, torch.Tensor) and edge_index is not layout.edge_index:
+                check_graph_batch(GraphBatch(layout.graph_of_node, edge_index, layout.num_graphs, layout.ptr, (), {}),
+                                  f"layer '{name}' ({type(mod).__name__}) of {me._named}")
         return pre_hook
 
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+    def __del__(self):
+        try:
+            self.remove_hooks()
+        except Exception:  # (interpreter shutdown)
+            pass
 
     # -- forward ----------------------------------------------------------------------------------------------
 

@@ -208,3 +208,16 @@ def test_inputs_without_the_batch_vector_are_refused():
     batch = Batch.from_data_list(graphs())
     with pytest.raises(fxdp.errors.UnsupportedInputError, match="no tensor named 'edge_index' nor 'batch'"):
         fxdp.compile_for_dp(NoBatch())(batch.x, batch.edge_index)
+
+
+def test_the_hooks_leave_with_the_wrapper():
+    import gc
+    import weakref
+
+    model = Net("gcn", "mean").double()
+    dp = fxdp.compile_for_dp(model)
+    gone = weakref.ref(dp)
+    del dp
+    gc.collect()
+    assert gone() is None
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
