@@ -98,6 +98,7 @@ class GraphGradSampleModule(GradSampleModuleBase):
         self._collected: Optional[Dict[nn.Parameter, torch.Tensor]] = None  # the self-check's rows, not the sink's
         self._handles: List[Any] = []
         self.rules: Dict[str, str] = {}  # module name -> the rule that covers its parameters
+        self._row_kinds: Dict[str, str] = {}  # layer -> "node" or "graph": its rows on the verified batch
         self._location = forward_location(model)
         self._named = type(model).__name__ + (f" (forward at {self._location})" if self._location else "")
         self._plan()
@@ -220,6 +221,14 @@ class GraphGradSampleModule(GradSampleModuleBase):
 
     # -- captures -----------------------------------------------------------------------------------------------
 
+    def _rows(self, name: str, layout: GraphBatch, rows: int, where: str) -> torch.Tensor:
+        """The graph of each row a layer sees; their kind (node or graph rows) is recorded on the verified batch
+        and held to on every later one (a batch of one graph needs neither: all its rows are its own)."""
+        graph_of_row, kind = layout.rows_to_graphs(rows, where, self._row_kinds.get(name))
+        if self._collected is not None:
+            self._row_kinds[name] = kind
+        return graph_of_row
+
     def _scaled(self, grad: torch.Tensor, layout: GraphBatch) -> torch.Tensor:
         """The output gradient of the summed loss (a mean over graphs carries 1/G)."""
         if self._collected is None and self.loss_reduction == "mean":
@@ -232,7 +241,7 @@ class GraphGradSampleModule(GradSampleModuleBase):
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise UnsupportedModuleError(f"saw an input of shape {getattr(x, 'shape', None)}; the graphs engine "
                                          "takes (rows, features) inputs", module_name=name, module_type=type(mod))
-        graph_of_row, a = layout.rows_to_graphs(x.shape[0], where), x.detach()
+        graph_of_row, a = self._rows(name, layout, x.shape[0], where), x.detach()
         params = [p for p in (mod.weight, mod.bias) if p is not None and p.requires_grad]
 
         def on_grad(grad):
@@ -247,7 +256,7 @@ class GraphGradSampleModule(GradSampleModuleBase):
 
     def _bias_capture(self, name, mod, args, kwargs, out) -> None:
         layout = self._layout
-        graph_of_row = layout.rows_to_graphs(out.shape[0], f"layer '{name}' ({type(mod).__name__})")
+        graph_of_row = self._rows(name, layout, out.shape[0], f"layer '{name}' ({type(mod).__name__})")
 
         def on_grad(grad):
             g = self._scaled(grad, layout).detach()
@@ -258,7 +267,7 @@ class GraphGradSampleModule(GradSampleModuleBase):
 
     def _alone_capture(self, name, mod, args, kwargs, out) -> None:
         layout, where = self._layout, f"layer '{name}' ({type(mod).__name__})"
-        graph_of_row = layout.rows_to_graphs(out.shape[0], where)  # node rows or graph rows (or refused)
+        graph_of_row = self._rows(name, layout, out.shape[0], where)  # node rows or graph rows (or refused)
         node_rows = graph_of_row is layout.graph_of_node
         if not node_rows and is_message_passing(mod):
             raise UnsupportedModuleError("ran on graph rows; a message-passing layer takes node rows",

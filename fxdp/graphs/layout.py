@@ -57,25 +57,38 @@ class GraphBatch:
     def num_edges(self) -> int:
         return int(self.edge_index.shape[1])
 
-    def rows_to_graphs(self, rows: int, where: str) -> torch.Tensor:
-        """The graph of each of ``rows`` rows of a tensor a row-wise layer sees: node rows (``batch``) or graph rows
-        (one per graph, after pooling). Refused where it is neither, or both with different maps."""
-        node_rows, graph_rows = rows == self.num_nodes, rows == self.num_graphs
+    def rows_to_graphs(self, rows: int, where: str, expected: Optional[str] = None) -> Tuple[torch.Tensor, str]:
+        """The graph of each of ``rows`` rows of a tensor a row-wise layer sees, and their kind: ``"node"`` rows
+        (``batch``) or ``"graph"`` rows (one per graph, after pooling). ``expected``: the kind the layer's rows had on
+        the verified batch (the engine records it), which must fit this batch too. Without it, rows that could be
+        read two ways with different graphs (as many rows as nodes and as graphs, or as nodes and as edges) are
+        refused, as are rows that are neither."""
+        kinds = [k for k, n in (("node", self.num_nodes), ("graph", self.num_graphs)) if rows == n]
         arange = torch.arange(self.num_graphs, device=self.graph_of_node.device)
-        if node_rows and graph_rows and not torch.equal(self.graph_of_node, arange):
+        maps = {"node": self.graph_of_node, "graph": arange}
+        if expected is not None:
+            if expected not in kinds:
+                raise PerSampleError(
+                    f"fxdp (graphs engine): {where} saw {rows} rows, but {expected} rows on the batch the engine "
+                    f"verified, and this batch has {self.num_nodes} nodes and {self.num_graphs} graphs: which graph "
+                    "each row belongs to is not known; give every layer the same kind of rows on every batch")
+            return maps[expected], expected
+        if not kinds:
             raise PerSampleError(
-                f"fxdp (graphs engine): {where} saw {rows} rows, which is both the batch's number of nodes and of "
-                "graphs, so the rows cannot be told apart as nodes or graphs; batch graphs so that the two differ "
-                "(e.g. any graph with two nodes or more)")
-        if node_rows:
-            return self.graph_of_node
-        if graph_rows:
-            return arange
-        raise PerSampleError(
-            f"fxdp (graphs engine): {where} saw {rows} rows, but the batch has {self.num_nodes} nodes and "
-            f"{self.num_graphs} graphs ({self.num_edges} edges): its rows are neither node rows nor graph rows, so "
-            "which graph each row belongs to is not known (edge-feature layers, e.g. GATConv(edge_dim=...), are not "
-            "supported yet); compute it from node or graph rows")
+                f"fxdp (graphs engine): {where} saw {rows} rows, but the batch has {self.num_nodes} nodes and "
+                f"{self.num_graphs} graphs ({self.num_edges} edges): its rows are neither node rows nor graph rows, so "
+                "which graph each row belongs to is not known (edge-feature layers, e.g. GATConv(edge_dim=...), are "
+                "not supported yet); compute it from node or graph rows")
+        readings = [maps[k] for k in kinds]
+        if kinds[0] == "node" and rows == self.num_edges:
+            readings.append(self.graph_of_node[self.edge_index[0]])
+        if any(not torch.equal(r, readings[0]) for r in readings[1:]):
+            raise PerSampleError(
+                f"fxdp (graphs engine): {where} saw {rows} rows, which is the batch's number of nodes and also of "
+                f"{'graphs' if len(kinds) > 1 else 'edges'}, with different graphs at some rows, so which graph each "
+                "row belongs to cannot be told on this batch, the one the engine verifies the model on (its first "
+                "of two graphs or more); start training on a batch where the counts differ")
+        return readings[0], kinds[0]
 
     def check_output(self, output: Any, model_name: str) -> None:
         """Pooling is per graph: the model's (first) output has one row per graph."""

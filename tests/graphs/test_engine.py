@@ -221,3 +221,33 @@ def test_the_hooks_leave_with_the_wrapper():
     gc.collect()
     assert gone() is None
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_rows_that_could_be_nodes_or_edges_are_refused():
+    # 2 + 3 nodes, 3 + 2 edges: 5 rows could be nodes or edges, and row 2 would be graph 0's edge but graph 1's node
+    data = [Data(x=torch.randn(2, 3, dtype=torch.float64), edge_index=torch.tensor([[0, 1, 0], [1, 0, 0]]),
+                 y=torch.tensor([0])),
+            Data(x=torch.randn(3, 3, dtype=torch.float64), edge_index=torch.tensor([[0, 1], [1, 2]]),
+                 y=torch.tensor([1]))]
+    batch = Batch.from_data_list(data)
+    with pytest.raises(PerSampleError, match="number of nodes and also of edges, with different graphs"):
+        fxdp.compile_for_dp(Net("gcn", "mean").double())(batch.x, batch.edge_index, batch.batch)
+
+
+def test_after_the_verified_batch_each_layer_keeps_its_kind_of_rows():
+    torch.manual_seed(3)
+    model = Net("gcn", "mean").double()
+    dp = fxdp.compile_for_dp(model, loss_reduction="sum")
+    first = Batch.from_data_list(graphs())
+    dp(first.x, first.edge_index, first.batch)  # verified: conv layers on node rows, the head on graph rows
+    # as many edges as nodes now: node rows still, known from the verified batch
+    data = [Data(x=torch.randn(2, 3, dtype=torch.float64), edge_index=torch.tensor([[0, 1, 0], [1, 0, 0]]),
+                 y=torch.tensor([0])),
+            Data(x=torch.randn(3, 3, dtype=torch.float64), edge_index=torch.tensor([[0, 1], [1, 2]]),
+                 y=torch.tensor([1]))]
+    batch = Batch.from_data_list(data)
+    model.zero_grad()
+    nn.functional.cross_entropy(dp(batch.x, batch.edge_index, batch.batch), batch.y, reduction="sum").backward()
+    for k, d in enumerate(data):
+        for p, e in zip(model.parameters(), alone(model, d, "sum")):
+            torch.testing.assert_close(p.grad_sample[k], e, rtol=1e-9, atol=1e-12)
