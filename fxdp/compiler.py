@@ -44,6 +44,7 @@ from fxdp.passes.reanalyse import NO_INPUTS_NOTE, install_guards
 from fxdp.passes.validate import validate_graph
 from fxdp.validators import ModuleValidator  # the module rules the validate pass applies
 from fxdp.frontends.fx import trace
+from fxdp.graphs.engine import compile_graph_model, is_graph_model
 from fxdp.runtime.module import OutputType, copy_graph_module, make_copyable
 from fxdp.sinks.bookkeeping import BookkeepingSink, describe_plans, plan_graph
 from fxdp.sinks.contract import GradientSink, GradSampleSink, check_loss_reduction
@@ -166,6 +167,9 @@ def compile_for_dp(
         raise ValueError(f"batch_dim must be 0 (batch first) or 1 (time major), got {batch_dim!r}")
     model = unwrap_or_refuse(model)
     _refuse_checkpointing(model)
+    if grad_sample_mode in ("fx", "hooks") and is_graph_model(model):  # one sample, one graph (fxdp/graphs): no
+        # trace (torch.fx cannot trace PyG's message passing); the graphs engine, with its report
+        return compile_graph_model(model, batch_dim=batch_dim, loss_reduction=loss_reduction, sink=sink)
     if sink is not None and grad_sample_mode in ("ew", "no_op"):
         raise ValueError(f"fxdp: grad_sample_mode={grad_sample_mode!r} writes p.grad_sample itself and delivers "
                          "nothing to a sink; leave sink=None, or use grad_sample_mode='fx' or 'hooks'")
@@ -210,7 +214,9 @@ def choose_engine(model: nn.Module, gm: Optional[torch.fx.GraphModule], traced, 
     (``grad_sample_mode`` other than ``"fx"``) or a model no front end captured (the hooks engine); hooks of the
     user's the graph would not replay (the hooks engine for backward hooks, else the whole model as one op); then
     the graph's per-sample pass (run here, it appends its report): ops it cannot handle send the model to the
-    whole-model op (the hooks engine when an input is packed), or raise under ``strict``; else the graph engine."""
+    whole-model op (the hooks engine when an input is packed), or raise under ``strict``; else the graph engine.
+    (A model with PyTorch Geometric message-passing layers does not get here: :func:`compile_for_dp` gives it the
+    graphs engine before any trace, :mod:`fxdp.graphs`.)"""
     if gm is None or grad_sample_mode != "fx":  # an explicit engine is honoured (none of them needs a trace)
         engine = grad_sample_mode if grad_sample_mode != "fx" else "hooks"
         return EngineChoice(engine, None if gm is None else f"grad_sample_mode={grad_sample_mode!r} was asked for",

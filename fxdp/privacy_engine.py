@@ -39,6 +39,7 @@ from fxdp.correlated_noise import (check_correlated_noise, correlated_accountant
                                    cyclic_loader)
 from fxdp.diagnostics import AlreadyPrivateError, location_of_caller
 from fxdp.data import DPDataLoader
+from fxdp.graphs.loader import DPGraphDataLoader, is_graph_loader
 from fxdp.data.loader import loader_options
 from fxdp.data.padding import check_padding_supported, padded_batches_for
 from fxdp.distributed import (DPDistributedDataParallel, check_poisson_group, global_batch_size, split_data_parallel,
@@ -327,7 +328,8 @@ class PrivacyEngine:
                 return cyclic_loader(data_loader, mechanism, generator, batch_first)
             if ddp is not None:  # one shared mask over the global dataset, each rank its share
                 check_poisson_group(ddp.process_group)
-            dp_loader = DPDataLoader.from_data_loader(data_loader, generator=generator, distributed=ddp is not None,
+            loader_class = DPGraphDataLoader if is_graph_loader(data_loader) else DPDataLoader  # PyG: fxdp/graphs
+            dp_loader = loader_class.from_data_loader(data_loader, generator=generator, distributed=ddp is not None,
                                                       padded_batches=padded_batches, batch_first=batch_first)
             sample_rate = dp_loader.sample_rate
             # rounded, not truncated: 49 samples at rate 1/49 expect 1 (int(49 * (1 / 49)) is 0)

@@ -25,8 +25,11 @@ GRAD_SAMPLE_MODES = ("fx", "hooks", "ew", "functorch", "no_op")
 #: runs as one DP-aware op with the generic rule (an op the per_sample pass cannot handle).
 WHOLE_MODEL = "fx+whole-model"
 
+#: The engine of a model with PyTorch Geometric message-passing layers: one sample is one graph (fxdp/graphs).
+GRAPHS = "graphs"
+
 #: The per-sample engines a report can name.
-ENGINES = GRAD_SAMPLE_MODES + (WHOLE_MODEL,)
+ENGINES = GRAD_SAMPLE_MODES + (WHOLE_MODEL, GRAPHS)
 
 
 @dataclass(frozen=True)
@@ -76,11 +79,13 @@ class CompileReport:
                 lines.append(f"front end: {self.front_end}, because {self.front_end_reason}")
         elif self.traced:
             lines.append(f"traced: yes (torch.fx); engine: {self.engine}")
+        elif self.engine == GRAPHS:
+            lines.append("traced: no; engine: graphs (GraphGradSampleModule, one sample per graph)")
         else:
             lines.append("traced: no, falling back to the hooks engine (GradSampleModule)")
         if self.fallback_reason:
             where = f" at {self.fallback_location}" if self.fallback_location else ""
-            lines.append(f"fallback reason{where}: {self.fallback_reason}")
+            lines.append(f"{'engine' if self.engine == GRAPHS else 'fallback'} reason{where}: {self.fallback_reason}")
         lines.extend(self.notes)
         if self.passes:
             summary = [
