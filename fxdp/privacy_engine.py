@@ -56,7 +56,7 @@ from fxdp.optim.correlated import noise_mechanism_from
 from fxdp.optim.noise import secure_seed
 from fxdp.optim.user_level import UserLevelDPOptimizer
 from fxdp.data.users import UserLevelDataLoader
-from fxdp.user_level import check_user_level
+from fxdp.user_level import check_user_level, unit_of_the_accountant, unit_of_the_checkpoint
 from fxdp.model_labels import labels_outside_the_graph
 from fxdp.frontends.fx import trace
 from fxdp.runtime.loss_probe import batch_probe_of  # the first batch's labels followed into the loss
@@ -68,6 +68,7 @@ from fxdp.validators import ModuleValidator
 MODULE_KEY = "module_state_dict"
 OPTIMIZER_KEY = "optimizer_state_dict"
 ACCOUNTANT_KEY = "privacy_accountant_state_dict"
+PRIVACY_UNIT_KEY = "privacy_unit"  # "example" or "user": what the accountant's ε is for
 SCHEDULER_KEYS = {"noise_scheduler": "noise_scheduler_state_dict",
                   "grad_clip_scheduler": "grad_clip_scheduler_state_dict"}
 
@@ -101,6 +102,7 @@ class PrivacyEngine:
         self.secure_mode = secure_mode
         # compiled model -> the model it was compiled from, so checkpoints hold the plain model's names
         self._originals: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
+        self.privacy_unit = "example"  # what one ε is for: a record, or a user with all their records (make_private)
         self._poisson_figure_for_fixed_batches = False  # a make_private(poisson_sampling=False) accounts so
         self._warned_poisson_figure = False
 
@@ -204,6 +206,7 @@ class PrivacyEngine:
             mechanism=optimizer_kwargs.get("noise_mechanism"), fixed_batch_accounting=fixed_batch_accounting,
             wrap_model=wrap_model)
         padded_batches = False if by_user else padded_batches
+        self.privacy_unit = unit_of_the_accountant(self.privacy_unit, privacy_unit, len(self.accountant))
         compile_with = compile_options(compile)  # None: not compiled
         sharded = sharding_plan_of(module)  # FSDP2 (fully_shard): its plan; FSDP1 is refused with the reason
         if grad_sample_mode == "ghost_fsdp":  # Opacus's name: book-keeping on a fully_shard model
@@ -390,7 +393,8 @@ class PrivacyEngine:
 
     def get_epsilon(self, delta: float) -> float:
         """The ε spent so far at ``delta``, by the accountant (every logical step made private by this
-        PrivacyEngine, and those restored from a checkpoint).
+        PrivacyEngine, and those restored from a checkpoint), for one unit of :attr:`privacy_unit`: a record
+        (``"example"``, the default) or a user with all their records (``make_private(privacy_unit="user")``).
 
         The accountant analyses Poisson sampling. For a model made private with
         ``poisson_sampling=False`` and the default ``fixed_batch_accounting="poisson"``, the figure is
@@ -495,6 +499,7 @@ class PrivacyEngine:
         sharded = isinstance(module, DPFullyShardedModule)  # whole tensors gathered: every rank calls, rank 0 writes
         checkpoint[MODULE_KEY] = module.full_state_dict() if sharded else self._plain(module).state_dict()
         checkpoint[ACCOUNTANT_KEY] = self.accountant.state_dict()
+        checkpoint[PRIVACY_UNIT_KEY] = self.privacy_unit
         if optimizer is not None:
             checkpoint[OPTIMIZER_KEY] = optimizer.state_dict()
         for name, scheduler in (("noise_scheduler", noise_scheduler), ("grad_clip_scheduler", grad_clip_scheduler)):
@@ -532,6 +537,8 @@ class PrivacyEngine:
             module.load_full_state_dict(checkpoint.pop(MODULE_KEY))
         else:
             self._plain(module).load_state_dict(checkpoint.pop(MODULE_KEY))
+        self.privacy_unit = unit_of_the_checkpoint(self.privacy_unit, checkpoint.pop(PRIVACY_UNIT_KEY, "example"),
+                                                   path, made_private=len(self._originals) > 0)
         self.accountant.load_state_dict(checkpoint.pop(ACCOUNTANT_KEY))
         optimizer_state = checkpoint.pop(OPTIMIZER_KEY, None)
         if optimizer is not None:

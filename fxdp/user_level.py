@@ -42,3 +42,27 @@ def check_user_level(*, privacy_unit: str, user_ids: Any, max_records_per_user: 
     if bad:
         raise ValueError("fxdp: privacy_unit='user' does not support " + "; ".join(bad) + " yet")
     return True
+
+
+def unit_of_the_accountant(current: str, asked: str, steps: int) -> str:
+    """The engine's unit after a ``make_private`` asking for ``asked``: one accountant holds the steps of one unit
+    (its ε is for a record, or for a user), so a PrivacyEngine whose accountant recorded steps of another unit
+    refuses."""
+    if steps and asked != current:
+        raise ValueError(f"fxdp: this PrivacyEngine's accountant holds {steps} steps accounted with "
+                         f"privacy_unit={current!r}; its ε cannot also be for privacy_unit={asked!r}. Use a new "
+                         "PrivacyEngine for training with another unit of privacy")
+    return asked
+
+
+def unit_of_the_checkpoint(current: str, saved: str, path: Any, *, made_private: bool) -> str:
+    """The unit a checkpoint's accountant history was recorded for, which the engine takes on loading it; an
+    engine that made a model private with another unit refuses (its steps would be added to a history of the
+    other unit, and the ε would hold for neither)."""
+    if saved not in ("example", "user"):
+        raise ValueError(f"fxdp: {path} says its ε is for privacy_unit={saved!r}, which fxdp does not know")
+    if made_private and saved != current:
+        raise ValueError(f"fxdp: {path} holds an accountant history for privacy_unit={saved!r}, and this "
+                         f"PrivacyEngine trains with privacy_unit={current!r}. Call make_private with "
+                         f"privacy_unit={saved!r} to continue that training")
+    return saved

@@ -113,7 +113,8 @@ class UserLevelDPOptimizer(DPOptimizer):
         self._check_every_gradient_is_per_sample(params, norms, rows)
         per_user = self.sink.grouped_squared_norms(list(norms), groups, num_users)
         inverse = 1.0 / counts.to(torch.float64)  # the average of the user's records
-        weights = {p: (wide(sq).to(device).clamp(min=0) * inverse.to(wide(sq).dtype) ** 2) for p, sq in per_user.items()}
+        # ||g_u||^2 = ||sum_{i in u} g_i||^2 / k_u^2
+        weights = {p: wide(sq).to(device).clamp(min=0) * inverse.to(wide(sq).dtype) ** 2 for p, sq in per_user.items()}
         if self.clipping == "per_layer":
             factors = {p: (self._bound(p) / (sq.sqrt() + _EPS)).clamp(max=1.0) for p, sq in weights.items()}
         else:
