@@ -199,16 +199,16 @@ class PrivacyEngine:
         ``1 / len(data_loader)``, up to k records each, each user's averaged gradient clipped to C as one unit
         (:mod:`fxdp.user_level`, docs/user_level.md).
         """
+        compile_with = compile_options(compile)  # None: not compiled
+        sharded = sharding_plan_of(module)  # FSDP2 (fully_shard): its plan; FSDP1 is refused with the reason
         by_user = check_user_level(
             privacy_unit=privacy_unit, user_ids=user_ids, max_records_per_user=max_records_per_user,
             poisson_sampling=poisson_sampling, clipping=clipping, padded_batches=padded_batches, criterion=criterion,
-            across_processes=sharding_plan_of(module) is not None or isinstance(module, DistributedDataParallel),
+            across_processes=sharded is not None or isinstance(module, DistributedDataParallel),
             mechanism=optimizer_kwargs.get("noise_mechanism"), fixed_batch_accounting=fixed_batch_accounting,
             wrap_model=wrap_model)
         padded_batches = False if by_user else padded_batches
-        self.privacy_unit = unit_of_the_accountant(self.privacy_unit, privacy_unit, len(self.accountant))
-        compile_with = compile_options(compile)  # None: not compiled
-        sharded = sharding_plan_of(module)  # FSDP2 (fully_shard): its plan; FSDP1 is refused with the reason
+        unit = unit_of_the_accountant(self.privacy_unit, privacy_unit, len(self.accountant))  # set once it is private
         if grad_sample_mode == "ghost_fsdp":  # Opacus's name: book-keeping on a fully_shard model
             if sharded is None:
                 raise ValueError("fxdp: grad_sample_mode='ghost_fsdp' is for a model sharded with "
@@ -313,6 +313,7 @@ class PrivacyEngine:
         if mechanism is not None:
             self.accountant = correlated_accountant(mechanism, data_loader)
         self._claim(module)
+        self.privacy_unit = unit
         if isinstance(data_loader, DPDataLoader):  # a step then knows how many batches it covers, and empty ones
             data_loader.batch_observer = dp_optimizer.observe_batch
             data_loader.batch_probe = batch_probe_of(compiled) if ddp is None and sharded is None else None

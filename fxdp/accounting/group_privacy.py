@@ -3,8 +3,8 @@ unit trained for was the record), for contrast with user-level accounting (docs/
 
 An (ε, δ)-DP mechanism for one record is ``(k ε, k e^{(k-1) ε} δ)``-DP for a group of ``k`` records (the standard
 group-privacy property, applied to add/remove neighbours k times). :func:`group_privacy_epsilon` asks the
-accountant for ε at several smaller ``δ'`` and returns the smallest ``k ε(δ')`` with ``k e^{(k-1) ε(δ')} δ' <= δ``:
-a valid bound, and a loose one — which is the point of the comparison: it grows faster than linearly in k."""
+accountant for ε at several smaller ``δ'`` and returns the smallest ``k ε(δ')`` with
+``k e^{(k-1) ε(δ')} δ' <= δ``: a valid bound, and a loose one — which is the point of the comparison: it grows faster than linearly in k."""
 
 from __future__ import annotations
 

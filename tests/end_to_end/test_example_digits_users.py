@@ -31,7 +31,8 @@ def test_synthetic_users_have_1_to_50_records(example):
 def test_short_run_prints_user_level_epsilon_accuracy_and_group_contrast(example, capsys):
     result = example.main(["--epochs", "2", "--train-subset", "300", "--target-epsilon", "4", "--accountant", "rdp"])
     out = capsys.readouterr().out
-    assert f"300 training records of {result['users']} users (1-50 records each, the largest {result['largest']})" in out
+    users, largest = result["users"], result["largest"]
+    assert f"300 training records of {users} users (1-50 records each, the largest {largest})" in out
     assert "users sampled at rate q = 0.5000, up to 16 records each" in out
     assert 4.0 - 0.01 <= result["epsilon"] <= 4.0
     assert f"final: test accuracy {100 * result['accuracy']:.1f}% at user-level epsilon {result['epsilon']:.2f}" in out
