@@ -96,8 +96,8 @@ def _reference(model, x, R):
     return torch.stack(rows)
 
 
-def _users():
-    return torch.repeat_interleave(torch.arange(len(COUNTS)), torch.tensor(COUNTS))
+def _users(counts=COUNTS):
+    return torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
 
 
 CASES = [(kind, engine) for kind in MODELS
@@ -109,14 +109,25 @@ CASES = [(kind, engine) for kind in MODELS
 @pytest.mark.parametrize("kind, engine", CASES)
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 def test_each_user_adds_their_clipped_average(kind, engine, clipping):
+    _check_users(kind, engine, clipping, COUNTS)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("engine", ["fx", "fx-ghost"])
+def test_users_of_one_size(kind, engine):
+    """Users of one size, their records together: book-keeping reads each user's concatenation as a view."""
+    _check_users(kind, engine, "flat", [3, 3, 3, 3])
+
+
+def _check_users(kind, engine, clipping, counts):
     model = _model(kind)
-    n = sum(COUNTS)
+    n = sum(counts)
     x = _inputs(kind, n)
     with torch.no_grad():
         R = torch.randn(model(x[:1]).shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     reference = _reference(copy.deepcopy(model), x, R)  # (N, P) float64
-    groups = _users()
-    averages = torch.stack([reference[groups == u].mean(0) for u in range(len(COUNTS))])  # (U, P)
+    groups = _users(counts)
+    averages = torch.stack([reference[groups == u].mean(0) for u in range(len(counts))])  # (U, P)
     params = list(model.parameters())
     sizes = [p.numel() for p in params]
     if clipping == "flat":
@@ -134,10 +145,10 @@ def test_each_user_adds_their_clipped_average(kind, engine, clipping):
     optimizer = UserLevelDPOptimizer(torch.optim.SGD(params, lr=1.0), noise_multiplier=0.0, max_grad_norm=C,
                                      expected_batch_size=None, loss_reduction="sum", clipping=clipping, sink=sink)
     optimizer.expect_observed_batches()
-    optimizer.observe_batch(empty=False, users=torch.tensor(COUNTS))
+    optimizer.observe_batch(empty=False, users=torch.tensor(counts))
     (wrapped(x) * R).sum().backward()
     factors = optimizer._factors(params)
-    for u in range(len(COUNTS)):
+    for u in range(len(counts)):
         rows = groups == u
         part = torch.cat([(factors[p][rows].to(torch.float64)[:, None] * reference[rows].split(sizes, 1)[k]).sum(0)
                           for k, p in enumerate(params)])
