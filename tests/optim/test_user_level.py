@@ -55,16 +55,28 @@ class Conv(nn.Module):
         return self.fc(torch.relu(self.conv(x)).flatten(1))
 
 
+class Tied(nn.Module):
+    """One weight in two uses (the embedding table and the output layer): the tied path, materialised per user."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(20, 8), nn.Linear(8, 20)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.emb(tokens)).mean(1))
+
+
 def _inputs(kind: str, n: int):
     g = torch.Generator().manual_seed(3)
     if kind == "mlp":
         return torch.randn(n, 6, generator=g, dtype=torch.float64)
-    if kind == "sequence":
+    if kind in ("sequence", "tied"):
         return torch.randint(0, 20, (n, 5), generator=g)
     return torch.randn(n, 2, 8, generator=g, dtype=torch.float64)
 
 
-MODELS = {"mlp": MLP, "sequence": Sequence, "conv": Conv}
+MODELS = {"mlp": MLP, "sequence": Sequence, "conv": Conv, "tied": Tied}
 
 
 def _model(kind: str) -> nn.Module:
