@@ -150,3 +150,25 @@ def test_options_it_cannot_take_are_refused():
                             padded_batches=True)
     with pytest.raises(ValueError, match="max_records_per_user must be an int >= 1, got 0"):
         UserLevelDataLoader(dataset, user_ids=[0, 0, 1, 1], max_records_per_user=0, sample_rate=0.5)
+
+
+def test_with_worker_processes_each_batch_is_told_with_its_own_users():
+    """Workers load batches ahead of the one handed out: the users told are still those of the batch handed out."""
+    x = torch.arange(40, dtype=torch.float32).reshape(40, 1)
+    ids = [i % 9 for i in range(40)]  # 9 users of 4 or 5 records
+    loader = UserLevelDataLoader(TensorDataset(x), user_ids=ids, max_records_per_user=3, sample_rate=0.4, steps=12,
+                                 generator=torch.Generator().manual_seed(1), num_workers=2)
+    told = []
+    loader.batch_observer = lambda *, empty, new_epoch=False, users=None: told.append(users)
+    for (batch,) in loader:
+        owners = [ids[int(v)] for v in batch.flatten()]
+        users = told[-1]
+        assert int(users.sum()) == len(owners)
+        start = 0
+        for c in users.tolist():
+            assert len(set(owners[start:start + c])) == 1
+            start += c
+        # the next user's records are another user's
+        starts = torch.cumsum(users, 0)[:-1].tolist()
+        assert all(owners[s - 1] != owners[s] for s in starts)
+    assert len(told) == 12
