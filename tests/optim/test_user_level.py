@@ -67,16 +67,39 @@ class Tied(nn.Module):
         return self.head(torch.tanh(self.emb(tokens)).mean(1))
 
 
+class Wide(nn.Module):
+    """A Linear wide enough that a user's Gram products cost less than their gradient (the ghost form)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 64), nn.Linear(64, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Recurrent(nn.Module):
+    """An LSTM (its two projections share one time-major G) on an Embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lstm, self.fc = nn.Embedding(20, 8), nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        _, (h, _) = self.lstm(self.emb(tokens))
+        return self.fc(h[-1])
+
+
 def _inputs(kind: str, n: int):
     g = torch.Generator().manual_seed(3)
-    if kind == "mlp":
+    if kind in ("mlp", "wide"):
         return torch.randn(n, 6, generator=g, dtype=torch.float64)
-    if kind in ("sequence", "tied"):
+    if kind in ("sequence", "tied", "recurrent"):
         return torch.randint(0, 20, (n, 5), generator=g)
     return torch.randn(n, 2, 8, generator=g, dtype=torch.float64)
 
 
-MODELS = {"mlp": MLP, "sequence": Sequence, "conv": Conv, "tied": Tied}
+MODELS = {"mlp": MLP, "sequence": Sequence, "conv": Conv, "tied": Tied, "wide": Wide, "recurrent": Recurrent}
 
 
 def _model(kind: str) -> nn.Module:
@@ -115,7 +138,8 @@ def _users(counts=COUNTS):
 CASES = [(kind, engine) for kind in MODELS
          for engine in ("fx", "fx-ghost", "fx-per_sample", "fx-materialise", "hooks", "hooks-bookkeeping",
                         "functorch", "ew")
-         if not (engine == "ew" and kind != "mlp")]  # (ExpandedWeights: no Embedding or LayerNorm rows here)
+         if not (engine == "ew" and kind not in ("mlp", "wide"))  # (ExpandedWeights: no Embedding or LayerNorm)
+         and not (kind == "recurrent" and engine in ("functorch", "ew"))]
 
 
 @pytest.mark.parametrize("kind, engine", CASES)
