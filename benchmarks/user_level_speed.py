@@ -39,6 +39,7 @@ from dp_step_speed import BATCH, CLIP, LR, NOISE, plain_step  # noqa: E402
 import fxdp  # noqa: E402
 from fxdp.optim import DPOptimizer, UserLevelDPOptimizer  # noqa: E402
 from fxdp.sinks.bookkeeping import BookkeepingSink  # noqa: E402
+from fxdp.sinks.contract import sink_of  # noqa: E402
 
 
 def example_step(model, x, y, per_user: int, materialised: bool = False) -> Callable[[], None]:
@@ -62,7 +63,7 @@ def user_step(model, x, y, per_user: int, materialised: bool = False) -> Callabl
     counts = torch.full((users,), per_user, dtype=torch.long)
     counts[-1] += len(x) - users * per_user  # (the last user takes the rest)
     opt = UserLevelDPOptimizer(torch.optim.SGD(model.parameters(), lr=LR), noise_multiplier=NOISE,
-                               max_grad_norm=CLIP, expected_batch_size=users, sink=fxdp.sinks.contract.sink_of(dp_model))
+                               max_grad_norm=CLIP, expected_batch_size=users, sink=sink_of(dp_model))
 
     def step():
         opt.zero_grad()
