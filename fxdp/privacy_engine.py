@@ -534,13 +534,14 @@ class PrivacyEngine:
             if scheduler is not None and SCHEDULER_KEYS[name] not in checkpoint:
                 raise ValueError(f"fxdp: {path} holds no {name} state (it was saved without {name}=); call "
                                  f"load_checkpoint without {name}, or save it too")
+        unit = unit_of_the_checkpoint(self.privacy_unit, checkpoint.pop(PRIVACY_UNIT_KEY, "example"), path,
+                                      made_private=len(self._originals) > 0)  # (before anything is loaded)
         if isinstance(module, DPFullyShardedModule):
             module.load_full_state_dict(checkpoint.pop(MODULE_KEY))
         else:
             self._plain(module).load_state_dict(checkpoint.pop(MODULE_KEY))
-        self.privacy_unit = unit_of_the_checkpoint(self.privacy_unit, checkpoint.pop(PRIVACY_UNIT_KEY, "example"),
-                                                   path, made_private=len(self._originals) > 0)
         self.accountant.load_state_dict(checkpoint.pop(ACCOUNTANT_KEY))
+        self.privacy_unit = unit
         optimizer_state = checkpoint.pop(OPTIMIZER_KEY, None)
         if optimizer is not None:
             optimizer.load_state_dict(optimizer_state)

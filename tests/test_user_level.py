@@ -97,9 +97,11 @@ def test_the_checkpoint_says_which_unit_its_epsilon_is_for(tmp_path):
     other, other_optimizer, _ = example_level.make_private(module=other, optimizer=other_optimizer,
                                                            data_loader=other_loader, noise_multiplier=1.0,
                                                            max_grad_norm=1.0)
+    before = [p.detach().clone() for p in other.parameters()]
     with pytest.raises(ValueError, match="holds an accountant history for privacy_unit='user', and this "
                                          "PrivacyEngine trains with privacy_unit='example'"):
         example_level.load_checkpoint(path=path, module=other)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))  # refused before anything was loaded
 
 
 def test_one_accountant_holds_one_unit():
