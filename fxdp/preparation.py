@@ -21,6 +21,7 @@ from fxdp.distributed.sharded_optimizer import FullyShardedDPOptimizer
 from fxdp.frontends.fx import trace
 from fxdp.model_labels import labels_outside_the_graph
 from fxdp.optim import AdaClipDPOptimizer, DPOptimizer
+from fxdp.optim.user_level import UserLevelDPOptimizer
 from fxdp.sinks.bookkeeping import BookkeepingSink
 from fxdp.sinks.contract import sink_of
 
@@ -70,13 +71,14 @@ def prepare_model(module: nn.Module, data_loader: DataLoader, *, grad_sample_mod
 
 
 def prepare_optimizer(optimizer: Optimizer, compiled: nn.Module, module: nn.Module, *, clipping: str,
-                      ddp: Optional[DistributedDataParallel], sharded: Any, optimizer_kwargs: Dict[str, Any],
-                      **settings: Any) -> DPOptimizer:
+                      ddp: Optional[DistributedDataParallel], sharded: Any, by_user: bool,
+                      optimizer_kwargs: Dict[str, Any], **settings: Any) -> DPOptimizer:
     """The DP optimizer around ``optimizer``, reading ``compiled``'s gradient sink: where ``make_private`` chooses
     its class (:class:`AdaClipDPOptimizer` for ``clipping="adaptive"``, one process only;
     :class:`DistributedDPOptimizer` across DDP processes; :class:`FullyShardedDPOptimizer` for ``fully_shard``;
-    else :class:`DPOptimizer`). ``settings``: the DP optimizer's arguments (noise multiplier, bound, ...)."""
-    optimizer_class, kwargs = DPOptimizer, dict(optimizer_kwargs)
+    :class:`UserLevelDPOptimizer` for ``by_user``, user-level privacy, one process only; else
+    :class:`DPOptimizer`). ``settings``: the DP optimizer's arguments (noise multiplier, bound, ...)."""
+    optimizer_class, kwargs = UserLevelDPOptimizer if by_user else DPOptimizer, dict(optimizer_kwargs)
     if clipping == "adaptive":
         if ddp is not None or sharded is not None:
             raise ValueError("fxdp: clipping='adaptive' is for one process (its unclipped count is not "

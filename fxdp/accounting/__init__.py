@@ -10,6 +10,7 @@ target ε needs.
 - :class:`PRVAccountant` (``"prv"``): the PLD accountant under Opacus's name.
 - :class:`CyclicPoissonBandedMFAccountant`: banded matrix-factorization noise amplified by cyclic Poisson
   sampling (:mod:`fxdp.accounting.banded_mf`), through ``dp-accounting``'s PLD.
+- :func:`group_privacy_epsilon`: an example-level history's ε for a group of k records (user-level contrast).
 - :func:`create_accountant` by name (:func:`register_accountant` adds one), :func:`get_noise_multiplier` for
   calibration.
 
@@ -22,6 +23,7 @@ from fxdp.accounting.accountant import Accountant
 from fxdp.accounting.banded_mf import CyclicPoissonBandedMFAccountant
 from fxdp.accounting.calibration import get_noise_multiplier, steps_in_epochs
 from fxdp.accounting.gdp import GDPAccountant
+from fxdp.accounting.group_privacy import group_privacy_epsilon
 from fxdp.accounting.pld import PLDAccountant, PRVAccountant
 from fxdp.accounting.rdp import DEFAULT_ORDERS, RDPAccountant, compute_rdp, epsilon_from_rdp
 from fxdp.accounting.registry import ACCOUNTANTS, create_accountant, register_accountant
@@ -44,5 +46,6 @@ __all__ = [
     "registry",
     "epsilon_from_rdp",
     "get_noise_multiplier",
+    "group_privacy_epsilon",
     "steps_in_epochs",
 ]

@@ -5,6 +5,7 @@ clipping bound (:mod:`fxdp.optim.schedulers`)."""
 from fxdp.optim.adaclip import AdaClipDPOptimizer
 from fxdp.optim.dp_optimizer import CLIPPING_MODES, DPOptimizer, DPPerLayerOptimizer
 from fxdp.optim.noise import add_gaussian_noise_, add_gaussian_noise_all_, gaussian_noise, secure_standard_normal
+from fxdp.optim.user_level import UserLevelDPOptimizer
 from fxdp.optim.schedulers import (ExponentialGradClip, ExponentialNoise, LambdaGradClip, LambdaNoise, StepGradClip,
                                    StepNoise)
 
@@ -17,5 +18,5 @@ class DPOptimizerFastGradientClipping(DPOptimizer):
 
 __all__ = ["AdaClipDPOptimizer", "CLIPPING_MODES", "DPOptimizer", "DPOptimizerFastGradientClipping",
            "DPPerLayerOptimizer", "ExponentialGradClip", "ExponentialNoise", "LambdaGradClip", "LambdaNoise",
-           "StepGradClip", "StepNoise", "add_gaussian_noise_", "add_gaussian_noise_all_", "gaussian_noise",
-           "secure_standard_normal"]
+           "StepGradClip", "StepNoise", "UserLevelDPOptimizer", "add_gaussian_noise_", "add_gaussian_noise_all_",
+           "gaussian_noise", "secure_standard_normal"]

@@ -143,6 +143,23 @@ class GradientSink(abc.ABC):
         self.clear(params)
         return {p: s * alpha for p, s in sums.items()}  # new tensors, whatever clipped_sums hands out
 
+    def grouped_squared_norms(self, params: Iterable[nn.Parameter], groups: torch.Tensor,
+                              num_groups: int) -> Dict[nn.Parameter, torch.Tensor]:
+        """``||sum_{i: groups[i] == u} g_i(p)||^2`` for every group ``u < num_groups``, shape ``(num_groups,)``, of
+        each of ``params`` with records: the squared norm of the summed gradient of a group of samples (user-level
+        privacy: a user's records, :mod:`fxdp.optim.user_level`). ``groups``: a long ``(N,)`` tensor, one group
+        per sample. Exact, never an approximation: this default forms each group's summed gradient with
+        :meth:`clipped_sums` (factor 1 on the group's samples, 0 elsewhere), one call per group; a sink with a
+        cheaper exact form overrides it."""
+        params, out = list(params), {}
+        for u in range(num_groups):
+            members = (groups == u)
+            factors = {p: members.to(torch.float32) for p in params}
+            for p, s in self.clipped_sums(params, factors).items():
+                sq = wide(s).reshape(-1).pow(2).sum().reshape(1)
+                out[p] = sq if p not in out else torch.cat([out[p], sq.to(out[p].device)])
+        return out
+
     def drop_samples(self, params: Iterable[nn.Parameter], dropped: torch.Tensor) -> None:
         """Zero what was recorded for the samples ``dropped`` marks (a bool ``(N,)``), so that their clipped sums
         are 0: the optimizer drops a sample whose per-sample gradient is not finite. A sink that cannot raises
@@ -334,6 +351,18 @@ class GradSampleSink(GradientSink):
             if p in factors and getattr(p, "grad_sample", None) is not None:
                 gs = wide(p.grad_sample)
                 out[p] = torch.tensordot(factors[p].to(gs.dtype), gs, dims=1)
+        return out
+
+    def grouped_squared_norms(self, params, groups, num_groups):
+        """The rows of each group added up (``index_add``), then their squared norms."""
+        self._step.check_readable()
+        out = {}
+        for p in params:
+            gs = getattr(p, "grad_sample", None)
+            if gs is not None:
+                rows = wide(gs.reshape(gs.shape[0], p.numel()))
+                summed = rows.new_zeros((num_groups, rows.shape[1])).index_add_(0, groups.to(rows.device), rows)
+                out[p] = summed.pow(2).sum(1)
         return out
 
     def drop_samples(self, params, dropped):

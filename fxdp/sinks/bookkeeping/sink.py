@@ -24,6 +24,7 @@ from fxdp.sinks.bookkeeping.registry import Captured, LayerPlan, find_bookkeepin
 from fxdp.sinks.bookkeeping.shared import (clipped_sums_of_shared_g, ghost_groups, shared_ghost_norms,
                                            shared_input_ghost_norms)
 from fxdp.sinks.bookkeeping.tied import tied_squared_norms
+from fxdp.sinks.bookkeeping.users import grouped_squared_norms
 from fxdp.sinks.bookkeeping.uses import Materialised, Segment, Use, memory_key, same_batch
 from fxdp.sinks.contract import (GradientSink, LayerCapture, StepCalls, batch_size_problem, check_grad_sample,
                                  pending_of_this_backward, wide)
@@ -200,6 +201,14 @@ class BookkeepingSink(GradientSink):
         self._step.check_readable()
         # a ghost norm <A Aᵀ, G Gᵀ> of a gradient near 0 can round below 0 (its square root would be NaN)
         return {p: self._segments[p].norms.clamp(min=0) for p in params if p in self._segments}
+
+    def grouped_squared_norms(self, params, groups, num_groups):
+        """Exact per-group norms: Gram products over each group's block where the record allows, else its
+        per-sample gradients summed per group (:mod:`~fxdp.sinks.bookkeeping.users`)."""
+        self._step.check_readable()
+        with torch.no_grad():
+            return {p: grouped_squared_norms(self._segments[p], groups, num_groups).clamp(min=0)
+                    for p in params if p in self._segments}
 
     def clipped_sums(self, params, factors):
         params = list(params)
