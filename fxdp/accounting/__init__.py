@@ -10,6 +10,8 @@ target ε needs.
 - :class:`PRVAccountant` (``"prv"``): the PLD accountant under Opacus's name.
 - :class:`CyclicPoissonBandedMFAccountant`: banded matrix-factorization noise amplified by cyclic Poisson
   sampling (:mod:`fxdp.accounting.banded_mf`), through ``dp-accounting``'s PLD.
+- :class:`MinSeparationBLTAccountant`: BLT noise under min-separation participation, without amplification
+  (:mod:`fxdp.accounting.blt`).
 - :func:`create_accountant` by name (:func:`register_accountant` adds one), :func:`get_noise_multiplier` for
   calibration.
 
@@ -20,6 +22,7 @@ This package is pure math and imports nothing from the rest of fxdp.
 from fxdp.accounting import registry
 from fxdp.accounting.accountant import Accountant
 from fxdp.accounting.banded_mf import CyclicPoissonBandedMFAccountant
+from fxdp.accounting.blt import MinSeparationBLTAccountant, blt_noise_multiplier
 from fxdp.accounting.calibration import get_noise_multiplier, steps_in_epochs
 from fxdp.accounting.gdp import GDPAccountant
 from fxdp.accounting.pld import PLDAccountant, PRVAccountant
@@ -32,6 +35,7 @@ __all__ = [
     "ACCOUNTANTS",
     "Accountant",
     "CyclicPoissonBandedMFAccountant",
+    "MinSeparationBLTAccountant",
     "DEFAULT_ORDERS",
     "GDPAccountant",
     "GaussianAccountant",
@@ -43,6 +47,7 @@ __all__ = [
     "register_accountant",
     "registry",
     "epsilon_from_rdp",
+    "blt_noise_multiplier",
     "get_noise_multiplier",
     "steps_in_epochs",
 ]
