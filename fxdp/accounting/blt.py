@@ -54,7 +54,8 @@ class MinSeparationBLTAccountant(Accountant):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if partitions < min_separation:
             raise ValueError(f"BLT noise planned for a minimum separation of {min_separation} steps is accounted "
-                             f"only for a cyclic loader of at least {min_separation} partitions, got partitions={partitions}")
+                             f"only for a cyclic loader of at least {min_separation} partitions, got "
+                             f"partitions={partitions}")
         if isinstance(sensitivity, bool) or not isinstance(sensitivity, (int, float)) or not (
                 0 < sensitivity < math.inf):
             raise ValueError(f"sensitivity must be a finite number > 0, got {sensitivity!r}")
