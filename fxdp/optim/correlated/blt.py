@@ -32,6 +32,7 @@ prefix sums, or its largest term, per unit of sensitivity under the pattern, L-B
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -87,13 +88,24 @@ def optimize_blt(buffers: int, n: int, *, min_separation: Optional[int] = None, 
     steps and ``min_separation`` (default ``n``: one participation). L-BFGS in float64 over parameters that keep
     ``theta`` in (0, 1), ``omega > 0`` and ``sum(omega) < 1`` (where the sensitivity above holds), from a few
     starts of decays spread between ``1 - n^(-1/(d+1))`` and ``1 - 1/n``; the best found is returned (a local
-    optimum; deterministic)."""
+    optimum; deterministic). Cached in the process: the same arguments return the same strategy without
+    optimising again (:func:`optimize_blt_cache_info`)."""
     if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
         raise PrivacySettingError(f"fxdp: buffers must be an int >= 1, got {buffers!r}")
     _check_plan(n, min_separation)
     if error not in ERRORS:
         raise ValueError(f"fxdp: error must be one of {ERRORS}, got {error!r}")
-    b = min_separation or n
+    theta, omega = _optimize_blt(buffers, n, min_separation or n, error, iterations)
+    return list(theta), list(omega)
+
+
+def optimize_blt_cache_info() -> Any:
+    """Hits and misses of :func:`optimize_blt`'s cache (``functools.lru_cache``'s ``cache_info()``)."""
+    return _optimize_blt.cache_info()
+
+
+@functools.lru_cache(maxsize=64)
+def _optimize_blt(buffers: int, n: int, b: int, error: str, iterations: int) -> Tuple[Tuple[float, ...], ...]:
     best: Optional[Tuple[float, torch.Tensor, torch.Tensor]] = None
     for total_scale in (0.5, 0.8, 0.3):
         spread = torch.arange(1, buffers + 1, dtype=torch.float64) / (buffers + 1)
@@ -125,7 +137,7 @@ def optimize_blt(buffers: int, n: int, *, min_separation: Optional[int] = None, 
     if best is None:
         raise RuntimeError(f"fxdp: optimize_blt found no finite strategy for buffers={buffers}, n={n}")
     order = torch.argsort(best[1], descending=True)
-    return best[1][order].tolist(), best[2][order].tolist()
+    return tuple(best[1][order].tolist()), tuple(best[2][order].tolist())
 
 
 def check_blt(theta: Any, omega: Any, n: int, min_separation: Optional[int]) -> None:

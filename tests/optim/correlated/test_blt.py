@@ -134,3 +134,14 @@ def test_refusals_name_what_to_do():
     run(mechanism, 4)
     with pytest.raises(StepRefusedError, match="planned .* for 4 steps and all have run"):
         run(mechanism, 1)
+
+
+def test_optimised_strategies_are_cached_and_not_shared_mutably():
+    from fxdp.optim.correlated.blt import optimize_blt_cache_info
+
+    first = optimize_blt(1, 40, min_separation=10)
+    hits = optimize_blt_cache_info().hits
+    second = optimize_blt(1, 40, min_separation=10)
+    assert optimize_blt_cache_info().hits == hits + 1 and second == first
+    second[0].append(0.5)
+    assert len(optimize_blt(1, 40, min_separation=10)[0]) == 1
