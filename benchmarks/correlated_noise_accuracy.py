@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import platform
 import statistics
 import sys
@@ -35,19 +34,8 @@ def load_example():
     return module
 
 
-def prefix_sum_error(mechanism, steps: int) -> float:
-    """The strategy's expected total squared error of the prefix sums per unit of sensitivity and noise."""
-    from fxdp.optim.correlated import BandedMatrixFactorization, BufferedLinearToeplitz, expected_prefix_sum_error
-
-    if mechanism is None:
-        return steps * (steps + 1) / 2
-    if isinstance(mechanism, BufferedLinearToeplitz):
-        return mechanism.expected_prefix_sum_error()
-    assert isinstance(mechanism, BandedMatrixFactorization)
-    return expected_prefix_sum_error(mechanism.coefficients, steps)
-
-
 def run(example, noise: str, epsilon: float, seed: int, extra):
+    from fxdp.optim.correlated import prefix_sum_rmse
     from fxdp.privacy_engine import PrivacyEngine
 
     args = example.parse_args(["--noise", noise, "--target-epsilon", str(epsilon), "--seed", str(seed),
@@ -63,7 +51,7 @@ def run(example, noise: str, epsilon: float, seed: int, extra):
     history = example.train(args, engine, progress=False, on_private=on_private,
                             example_inputs=torch.zeros(2, 1, 8, 8))
     _, accuracy, spent = history[-1]
-    rmse = seen["sigma"] * math.sqrt(prefix_sum_error(seen["mechanism"], seen["steps"]) / seen["steps"])
+    rmse = prefix_sum_rmse(seen["mechanism"], seen["sigma"], seen["steps"])
     return accuracy, spent, seen["sigma"], rmse
 
 

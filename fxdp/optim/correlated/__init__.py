@@ -11,8 +11,10 @@ from fxdp.optim.correlated.banded import (BandedMatrixFactorization, banded_toep
 from fxdp.optim.correlated.blt import (BufferedLinearToeplitz, blt_prefix_sum_error, blt_toeplitz_coefficients,
                                        min_separation_sensitivity, optimize_blt)
 from fxdp.optim.correlated.mechanism import GAUSSIAN, NoiseMechanism, noise_mechanism_from
+from fxdp.optim.correlated.report import error_report, prefix_sum_error, prefix_sum_rmse
 
 __all__ = ["BandedMatrixFactorization", "BufferedLinearToeplitz", "blt_prefix_sum_error", "blt_toeplitz_coefficients",
-           "min_separation_sensitivity", "optimize_blt", "GAUSSIAN", "NoiseMechanism", "banded_toeplitz_matrix",
+           "min_separation_sensitivity", "optimize_blt", "error_report", "prefix_sum_error", "prefix_sum_rmse",
+           "GAUSSIAN", "NoiseMechanism", "banded_toeplitz_matrix",
            "expected_prefix_sum_error", "max_column_norm", "noise_mechanism_from", "optimize_banded_toeplitz",
            "sqrt_toeplitz_coefficients"]
