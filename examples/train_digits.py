@@ -111,6 +111,19 @@ def noise_mechanism_for(args: argparse.Namespace, batches_per_epoch: int):
                                             min_separation=batches_per_epoch)
 
 
+def expected_error_against_dp_sgd(args: argparse.Namespace, optimizer, batches_per_epoch: int) -> str:
+    """The expected error of the correlated noise against DP-SGD's at the same epsilon and number of steps (DP-SGD
+    with Poisson sampling at rate 1 / batches per epoch), before training."""
+    from fxdp.accounting import get_noise_multiplier
+    from fxdp.optim.correlated import error_report
+
+    steps = args.epochs * batches_per_epoch
+    dp_sgd = get_noise_multiplier(target_epsilon=args.target_epsilon, target_delta=args.delta,
+                                  sample_rate=1 / batches_per_epoch, steps=steps, accountant="pld")
+    return error_report([("gaussian", None, dp_sgd), (args.noise, optimizer.noise_mechanism,
+                                                      optimizer.noise_multiplier)], steps)
+
+
 def make_model() -> nn.Module:
     """A small convolutional network for 8x8 digits (GroupNorm, not BatchNorm: batch norm mixes the
     samples of a batch, which DP-SGD cannot allow)."""
@@ -252,6 +265,8 @@ def main(argv: Optional[List[str]] = None) -> List[tuple]:
         print(f"training on {len(loader.dataset)} digits: {sampling} at rate {loader.sample_rate:.4f} "
               f"({len(loader)} batches per epoch), clipping at C = {optimizer.max_grad_norm}, "
               f"noise multiplier {optimizer.noise_multiplier:.3f}")
+        if args.noise != "gaussian" and args.noise_multiplier is None:
+            print(expected_error_against_dp_sgd(args, optimizer, len(loader)))
 
     def log(epoch, accuracy, epsilon):
         print(f"epoch {epoch:3d}   test accuracy {100 * accuracy:5.1f}%   epsilon {epsilon:.2f} (delta {args.delta:g})")

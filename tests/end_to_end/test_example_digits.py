@@ -79,6 +79,10 @@ def test_correlated_noise_runs_at_the_target_epsilon(example, capsys, noise, sam
                             "--noise", noise, "--bands", "4", "--buffers", "2"])
     out = capsys.readouterr().out
     assert f"training on 120 digits: {sampling}" in out
+    assert "expected error of the noise over 12 steps (prefix-sum RMSE, units of the clipping bound)" in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.split()[:1] in (["gaussian"],
+                                                                                                 [noise])}
+    assert rows["gaussian"][-1] == "1.00" and float(rows[noise][0]) > 0
     (_, _, eps1), _, (_, accuracy, eps3) = history
     assert 0 < eps1 <= eps3 and 0.99 * 3.0 <= eps3 <= 3.0
     assert f"final: test accuracy {100 * accuracy:.1f}% at epsilon {eps3:.2f}, delta 1e-05" in out
