@@ -86,10 +86,10 @@ def optimize_blt(buffers: int, n: int, *, min_separation: Optional[int] = None, 
                  iterations: int = 300) -> Tuple[List[float], List[float]]:
     """``(theta, omega)`` of a BLT with ``buffers`` buffers minimising :func:`blt_prefix_sum_error` for ``n``
     steps and ``min_separation`` (default ``n``: one participation). L-BFGS in float64 over parameters that keep
-    ``theta`` in (0, 1), ``omega > 0`` and ``sum(omega) < 1`` (where the sensitivity above holds), from a few
-    starts of decays spread between ``1 - n^(-1/(d+1))`` and ``1 - 1/n``; the best found is returned (a local
-    optimum; deterministic). Cached in the process: the same arguments return the same strategy without
-    optimising again (:func:`optimize_blt_cache_info`)."""
+    ``theta`` in (0, 1), ``omega >= 0`` and ``sum(omega) < 1`` (where the sensitivity above holds), from three
+    starts (``sum(omega)`` 0.5, 0.8, 0.3, split equally; decays spread between ``1 - n^(-2/(d+1))`` and
+    ``1 - 1/n``); the best found is returned (a local optimum; deterministic). Cached in the process: the same
+    arguments return the same strategy without optimising again (:func:`optimize_blt_cache_info`)."""
     if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
         raise PrivacySettingError(f"fxdp: buffers must be an int >= 1, got {buffers!r}")
     _check_plan(n, min_separation)
@@ -117,7 +117,9 @@ def _optimize_blt(buffers: int, n: int, b: int, error: str, iterations: int) -> 
                                       line_search_fn="strong_wolfe", tolerance_grad=1e-12, tolerance_change=1e-15)
 
         def parameters() -> Tuple[torch.Tensor, torch.Tensor]:
-            return torch.sigmoid(raw_theta), torch.sigmoid(raw_total) * torch.softmax(raw_share, 0)
+            # (theta kept below 1 in float64, where a saturated sigmoid would round to 1)
+            theta = torch.sigmoid(raw_theta).clamp(max=1 - 1e-12)
+            return theta, torch.sigmoid(raw_total) * torch.softmax(raw_share, 0)
 
         def objective() -> torch.Tensor:
             optimizer.zero_grad()
