@@ -10,6 +10,11 @@ the test accuracy and the epsilon spent after every epoch. ``--plot curve.png`` 
 Every hyper-parameter is a command-line option (``--help``). With ``--noise-multiplier`` the noise is
 fixed and epsilon is whatever it comes to; otherwise the noise is calibrated so that the whole run
 spends ``--target-epsilon`` (default 3) at ``--delta`` (default 1e-5).
+
+``--noise banded-mf`` or ``--noise blt`` adds noise correlated across steps instead of DP-SGD's independent
+noise (docs/correlated_noise.md): banded matrix factorization (``--bands``, a strategy optimised for the run's
+steps, with cyclic Poisson sampling) or a BLT (``--buffers``, optimised for the run's steps with each sample in one
+fixed batch per epoch). The loader and the accountant change with it; ``--accountant pld`` only.
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     noise.add_argument("--noise-multiplier", type=float, default=None,
                        help="fixed noise multiplier sigma (instead of --target-epsilon)")
     parser.add_argument("--delta", type=float, default=1e-5)
+    parser.add_argument("--noise", default="gaussian", choices=["gaussian", "banded-mf", "blt"],
+                        help="gaussian: DP-SGD's independent noise; banded-mf / blt: noise correlated across steps")
+    parser.add_argument("--bands", type=int, default=4, help="bands of --noise banded-mf")
+    parser.add_argument("--buffers", type=int, default=3, help="buffers of --noise blt")
     parser.add_argument("--accountant", default="pld", choices=["pld", "rdp"],
                         help="pld: privacy-loss distributions, the tightest bound (the default); rdp: Renyi DP")
     parser.add_argument("--grad-sample-mode", default="fx", choices=["fx", "hooks", "ew", "functorch"],
@@ -88,6 +97,33 @@ def load_digits_split(train_subset: Optional[int] = None):
     return TensorDataset(images[train_idx], labels[train_idx]), TensorDataset(images[test_idx], labels[test_idx])
 
 
+def noise_mechanism_for(args: argparse.Namespace, batches_per_epoch: int):
+    """``"gaussian"``, or the correlated noise mechanism of ``--noise``, its strategy optimised for the run's steps."""
+    if args.noise == "gaussian":
+        return "gaussian"
+    from fxdp.optim.correlated import BandedMatrixFactorization, BufferedLinearToeplitz, optimize_banded_toeplitz
+
+    if args.noise == "banded-mf":  # make_private's cyclic loader: the batches of a pass rounded up to bands
+        steps = args.epochs * -(-batches_per_epoch // args.bands) * args.bands
+        return BandedMatrixFactorization(coefficients=optimize_banded_toeplitz(args.bands, steps))
+    # BLT: make_private's fixed-epoch loader puts a sample's steps one epoch (batches_per_epoch steps) apart
+    return BufferedLinearToeplitz.optimized(args.buffers, steps=args.epochs * batches_per_epoch,
+                                            min_separation=batches_per_epoch)
+
+
+def expected_error_against_dp_sgd(args: argparse.Namespace, optimizer, batches_per_epoch: int) -> str:
+    """The expected error of the correlated noise against DP-SGD's at the same epsilon and number of steps (DP-SGD
+    with Poisson sampling at rate 1 / batches per epoch), before training."""
+    from fxdp.accounting import get_noise_multiplier
+    from fxdp.optim.correlated import error_report
+
+    steps = args.epochs * batches_per_epoch
+    dp_sgd = get_noise_multiplier(target_epsilon=args.target_epsilon, target_delta=args.delta,
+                                  sample_rate=1 / batches_per_epoch, steps=steps, accountant="pld")
+    return error_report([("gaussian", None, dp_sgd), (args.noise, optimizer.noise_mechanism,
+                                                      optimizer.noise_multiplier)], steps)
+
+
 def make_model() -> nn.Module:
     """A small convolutional network for 8x8 digits (GroupNorm, not BatchNorm: batch norm mixes the
     samples of a batch, which DP-SGD cannot allow)."""
@@ -130,6 +166,8 @@ def train(
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     # An ordinary loader: make_private replaces it by a Poisson loader with rate batch_size / N.
     loader = DataLoader(train_set, batch_size=args.batch_size)
+    if getattr(args, "noise", "gaussian") != "gaussian":
+        make_private_kwargs = dict(make_private_kwargs, noise_mechanism=noise_mechanism_for(args, len(loader)))
     common = dict(module=model, optimizer=optimizer, data_loader=loader, max_grad_norm=args.max_grad_norm,
                   grad_sample_mode=args.grad_sample_mode, **make_private_kwargs)
     if args.noise_multiplier is not None:
@@ -221,9 +259,14 @@ def main(argv: Optional[List[str]] = None) -> List[tuple]:
 
     def show_setup(model, optimizer, loader):
         print(fxdp.report(model))
-        print(f"training on {len(loader.dataset)} digits: Poisson sampling at rate {loader.sample_rate:.4f} "
+        sampling = "Poisson sampling"
+        if args.noise != "gaussian":
+            sampling = f"{args.noise} noise, cyclic sampling of {loader.partitions} parts, each part"
+        print(f"training on {len(loader.dataset)} digits: {sampling} at rate {loader.sample_rate:.4f} "
               f"({len(loader)} batches per epoch), clipping at C = {optimizer.max_grad_norm}, "
               f"noise multiplier {optimizer.noise_multiplier:.3f}")
+        if args.noise != "gaussian" and args.noise_multiplier is None:
+            print(expected_error_against_dp_sgd(args, optimizer, len(loader)))
 
     def log(epoch, accuracy, epsilon):
         print(f"epoch {epoch:3d}   test accuracy {100 * accuracy:5.1f}%   epsilon {epsilon:.2f} (delta {args.delta:g})")

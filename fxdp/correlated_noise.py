@@ -11,6 +11,15 @@ For banded MF noise (:mod:`fxdp.optim.correlated.banded`) with amplification:
   the loader;
 - ``make_private_with_epsilon`` calibrates sigma for that accountant's composition.
 
+For BLT noise (:mod:`fxdp.optim.correlated.blt`), without amplification:
+
+- the loader becomes a cyclic loader of ``partitions = len(loader)`` and sample rate 1 (fixed-epoch participation:
+  each sample in one fixed batch per pass, its steps ``len(loader)`` apart), refused when the mechanism was planned
+  for a larger minimum separation;
+- the engine's accountant becomes a :class:`fxdp.accounting.MinSeparationBLTAccountant` (one Gaussian event of
+  noise ``sigma / sensitivity``), which checks the loader; ``make_private_with_epsilon`` refuses epochs needing more
+  steps than the mechanism was planned for.
+
 Refused (no analysis here covers them yet): a loader kept as it is (``poisson_sampling=False``), training across
 processes, padded batches, an engine whose accountant already recorded steps or is not PLD-based (``"rdp"``,
 ``"gdp"``).
@@ -26,8 +35,9 @@ from torch.utils.data import DataLoader
 
 from fxdp.accounting import CyclicPoissonBandedMFAccountant, get_noise_multiplier, steps_in_epochs
 from fxdp.accounting.accountant import Accountant
+from fxdp.accounting.blt import MinSeparationBLTAccountant, blt_noise_multiplier
 from fxdp.data import CyclicPoissonDataLoader
-from fxdp.optim.correlated import BandedMatrixFactorization, NoiseMechanism
+from fxdp.optim.correlated import BandedMatrixFactorization, BufferedLinearToeplitz, NoiseMechanism
 
 _PLD_ACCOUNTANTS = ("pld", "prv")
 
@@ -35,37 +45,51 @@ _PLD_ACCOUNTANTS = ("pld", "prv")
 def check_correlated_noise(mechanism: NoiseMechanism, *, accountant: Accountant, accountant_name: str,
                            poisson_sampling: bool, padded_batches: Any, across_processes: bool) -> None:
     """Refuse, before anything is compiled, a setting whose privacy no analysis here covers."""
-    if not isinstance(mechanism, BandedMatrixFactorization):
-        raise ValueError(f"fxdp: make_private knows how to sample and account for BandedMatrixFactorization noise; "
-                         f"{type(mechanism).__name__} has no accountant here yet")
+    if not isinstance(mechanism, (BandedMatrixFactorization, BufferedLinearToeplitz)):
+        raise ValueError(f"fxdp: make_private knows how to sample and account for BandedMatrixFactorization and "
+                         f"BufferedLinearToeplitz noise; {type(mechanism).__name__} has no accountant here yet")
+    label = "BLT" if isinstance(mechanism, BufferedLinearToeplitz) else "banded MF"
     problems = []
     if not poisson_sampling:
-        problems.append("poisson_sampling=False (banded MF needs its cyclic Poisson loader)")
+        problems.append(f"poisson_sampling=False ({label} needs its cyclic loader)")
     if across_processes:
         problems.append("a model trained across processes (not supported with correlated noise yet)")
     if padded_batches:
         problems.append("padded_batches (not supported with the cyclic loader yet)")
     if accountant_name not in _PLD_ACCOUNTANTS:
-        problems.append(f"accountant={accountant_name!r} (banded MF is accounted with PLD: "
+        problems.append(f"accountant={accountant_name!r} ({label} is accounted with PLD: "
                         "PrivacyEngine(accountant='pld'))")
     if len(accountant) > 0:
         problems.append(f"an accountant that already recorded {len(accountant)} steps of independent noise")
     if problems:
-        raise ValueError("fxdp: make_private with banded MF noise refuses " + "; ".join(problems))
+        raise ValueError(f"fxdp: make_private with {label} noise refuses " + "; ".join(problems))
 
 
-def cyclic_loader(data_loader: DataLoader, mechanism: BandedMatrixFactorization, generator: Optional[torch.Generator],
+def cyclic_loader(data_loader: DataLoader, mechanism: NoiseMechanism, generator: Optional[torch.Generator],
                   batch_first: bool) -> Tuple[CyclicPoissonDataLoader, float, int]:
-    """``(loader, sample rate within a part, expected batch size)`` for ``mechanism``: ``partitions = bands``."""
-    loader = CyclicPoissonDataLoader.from_data_loader(data_loader, generator=generator, partitions=mechanism.bands,
+    """``(loader, sample rate within a part, expected batch size)`` for ``mechanism``: ``partitions = bands`` for
+    banded MF; for BLT ``partitions = len(data_loader)`` at rate 1 (each sample in one fixed batch per pass)."""
+    partitions = mechanism.bands if isinstance(mechanism, BandedMatrixFactorization) else max(1, len(data_loader))
+    if isinstance(mechanism, BufferedLinearToeplitz) and partitions < mechanism.min_separation:
+        raise ValueError(
+            f"fxdp: the BLT noise was planned for a sample's steps {mechanism.min_separation} or more apart; with "
+            f"{partitions} batches a pass, make_private's fixed-epoch loader puts them {partitions} apart. Build "
+            f"the mechanism with min_separation <= {partitions} (the batches a pass), or use smaller batches")
+    loader = CyclicPoissonDataLoader.from_data_loader(data_loader, generator=generator, partitions=partitions,
                                                       batch_first=batch_first)
     return loader, loader.sample_rate, max(1, round(loader.expected_batch_size))
 
 
-def correlated_accountant(mechanism: BandedMatrixFactorization, loader: CyclicPoissonDataLoader) -> Accountant:
+def correlated_accountant(mechanism: NoiseMechanism, loader: CyclicPoissonDataLoader) -> Accountant:
     """The accountant of ``mechanism`` on ``loader``, after the mechanism is set to follow the loader's cycle."""
-    accountant = CyclicPoissonBandedMFAccountant(bands=mechanism.bands, partitions=loader.partitions,
-                                                 sensitivity=mechanism.sensitivity)
+    accountant: Any
+    if isinstance(mechanism, BufferedLinearToeplitz):
+        accountant = MinSeparationBLTAccountant(min_separation=mechanism.min_separation,
+                                                steps=mechanism.planned_steps, partitions=loader.partitions,
+                                                sensitivity=mechanism.sensitivity)
+    else:
+        accountant = CyclicPoissonBandedMFAccountant(bands=mechanism.bands, partitions=loader.partitions,
+                                                     sensitivity=mechanism.sensitivity)
     accountant.check_loader(loader)
     mechanism.follow(loader)
     return accountant
@@ -75,7 +99,15 @@ def correlated_noise_multiplier(mechanism: NoiseMechanism, data_loader: DataLoad
                                 target_delta: float, epochs: float, epsilon_tolerance: float) -> float:
     """The smallest sigma (within the tolerance) for which ``epochs`` passes of the cyclic loader
     :func:`cyclic_loader` builds spend at most ``target_epsilon``: the accountant's composition is DP-SGD's
-    with rate ``bands / steps per pass``, ``ceil(steps / bands)`` steps and noise ``sigma / sensitivity``."""
+    with rate ``bands / steps per pass``, ``ceil(steps / bands)`` steps and noise ``sigma / sensitivity``. For
+    BLT, one Gaussian event of noise ``sigma / sensitivity``, if the epochs fit in the steps it was planned for."""
+    if isinstance(mechanism, BufferedLinearToeplitz):
+        steps = steps_in_epochs(epochs * max(1, len(data_loader)), 1.0)
+        if steps > mechanism.planned_steps:
+            raise ValueError(f"fxdp: {epochs} epochs of {len(data_loader)} batches are {steps} steps; the BLT noise "
+                             f"was planned for {mechanism.planned_steps}. Build it with steps={steps}")
+        return blt_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
+                                    sensitivity=mechanism.sensitivity, epsilon_tolerance=epsilon_tolerance)
     if not isinstance(mechanism, BandedMatrixFactorization):
         raise ValueError(f"fxdp: make_private_with_epsilon calibrates BandedMatrixFactorization noise; "
                          f"{type(mechanism).__name__} has no accountant here yet")

@@ -10,6 +10,8 @@ target ε needs.
 - :class:`PRVAccountant` (``"prv"``): the PLD accountant under Opacus's name.
 - :class:`CyclicPoissonBandedMFAccountant`: banded matrix-factorization noise amplified by cyclic Poisson
   sampling (:mod:`fxdp.accounting.banded_mf`), through ``dp-accounting``'s PLD.
+- :class:`MinSeparationBLTAccountant`: BLT noise under min-separation participation, without amplification
+  (:mod:`fxdp.accounting.blt`).
 - :func:`group_privacy_epsilon`: an example-level history's ε for a group of k records (user-level contrast).
 - :func:`create_accountant` by name (:func:`register_accountant` adds one), :func:`get_noise_multiplier` for
   calibration.
@@ -21,6 +23,7 @@ This package is pure math and imports nothing from the rest of fxdp.
 from fxdp.accounting import registry
 from fxdp.accounting.accountant import Accountant
 from fxdp.accounting.banded_mf import CyclicPoissonBandedMFAccountant
+from fxdp.accounting.blt import MinSeparationBLTAccountant, blt_noise_multiplier
 from fxdp.accounting.calibration import get_noise_multiplier, steps_in_epochs
 from fxdp.accounting.gdp import GDPAccountant
 from fxdp.accounting.group_privacy import group_privacy_epsilon
@@ -34,6 +37,7 @@ __all__ = [
     "ACCOUNTANTS",
     "Accountant",
     "CyclicPoissonBandedMFAccountant",
+    "MinSeparationBLTAccountant",
     "DEFAULT_ORDERS",
     "GDPAccountant",
     "GaussianAccountant",
@@ -45,6 +49,7 @@ __all__ = [
     "register_accountant",
     "registry",
     "epsilon_from_rdp",
+    "blt_noise_multiplier",
     "get_noise_multiplier",
     "group_privacy_epsilon",
     "steps_in_epochs",

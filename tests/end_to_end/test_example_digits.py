@@ -68,3 +68,21 @@ def test_compiled_run_takes_the_eager_runs_steps(example, capsys):
     assert [e for _, _, e in compiled] == pytest.approx([e for _, _, e in eager], rel=1e-12)
     # float32 rounding of the compiled kernels may move a digit or two of the 360 in the test set
     assert [a for _, a, _ in compiled] == pytest.approx([a for _, a, _ in eager], abs=2 / 360)
+
+
+@pytest.mark.parametrize("noise, sampling", [
+    ("banded-mf", "banded-mf noise, cyclic sampling of 4 parts, each part at rate 1.0000 (4 batches per epoch)"),
+    ("blt", "blt noise, cyclic sampling of 4 parts, each part at rate 1.0000 (4 batches per epoch)"),
+])
+def test_correlated_noise_runs_at_the_target_epsilon(example, capsys, noise, sampling):
+    history = example.main(["--epochs", "3", "--train-subset", "120", "--batch-size", "30", "--no-progress",
+                            "--noise", noise, "--bands", "4", "--buffers", "2"])
+    out = capsys.readouterr().out
+    assert f"training on 120 digits: {sampling}" in out
+    assert "expected error of the noise over 12 steps (prefix-sum RMSE, units of the clipping bound)" in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.split()[:1] in (["gaussian"],
+                                                                                                 [noise])}
+    assert rows["gaussian"][-1] == "1.00" and float(rows[noise][0]) > 0
+    (_, _, eps1), _, (_, accuracy, eps3) = history
+    assert 0 < eps1 <= eps3 and 0.99 * 3.0 <= eps3 <= 3.0
+    assert f"final: test accuracy {100 * accuracy:.1f}% at epsilon {eps3:.2f}, delta 1e-05" in out

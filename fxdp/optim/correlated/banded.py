@@ -28,10 +28,11 @@ sums per unit of sensitivity, :func:`expected_prefix_sum_error`).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from fxdp.optim.correlated.cycle import FollowsCycle
 from fxdp.optim.correlated.mechanism import NoiseMechanism
 from fxdp.optim.noise import add_gaussian_noise_all_
 from fxdp.sinks.contract import PrivacySettingError, StepRefusedError
@@ -96,7 +97,7 @@ def optimize_banded_toeplitz(bands: int, n: int, *, iterations: int = 200) -> Li
     return _normalised(best.tolist())
 
 
-class BandedMatrixFactorization(NoiseMechanism):
+class BandedMatrixFactorization(FollowsCycle, NoiseMechanism):
     """Banded MF noise for :class:`~fxdp.optim.DPOptimizer` (see the module docstring).
 
     Args:
@@ -111,6 +112,7 @@ class BandedMatrixFactorization(NoiseMechanism):
     """
 
     name = "banded_mf"
+    _label = "banded MF"
 
     def __init__(self, bands: Optional[int] = None, *, coefficients: Optional[Sequence[float]] = None):
         if coefficients is None:
@@ -129,43 +131,22 @@ class BandedMatrixFactorization(NoiseMechanism):
         self.bands = len(self.coefficients)
         self.steps = 0  # noise draws made
         self._history: List[List[torch.Tensor]] = []  # [w_(t-1), w_(t-2), ...], each one tensor per parameter
-        self._position: Optional[Callable[[], Optional[int]]] = None  # the cycle position of this step's batch
-        self.partitions: Optional[int] = None
-        self.partition_fingerprint: Optional[str] = None  # which sample is in which partition (the loader's)
-        self._offset: Optional[int] = None  # (cycle position - step) mod partitions, the same at every step
+        self._init_cycle()
 
     @property
     def sensitivity(self) -> float:
         """C's largest column norm: 1 after normalisation (for any number of steps >= 1)."""
         return max_column_norm(self.coefficients, self.bands)
 
-    def follow(self, loader: Any) -> None:
-        """Follow a cyclic Poisson loader (:class:`fxdp.data.CyclicPoissonDataLoader`): each step's batch must be
-        the next of its cycle (read from ``loader.cycle_position``), and its ``partitions`` at least ``bands``."""
-        partitions = getattr(loader, "partitions", None)
-        if not isinstance(partitions, int) or not hasattr(loader, "cycle_position"):
-            raise PrivacySettingError(
-                f"fxdp: banded MF noise is private (and accounted) only when each sample can take part in one step "
-                f"of every {self.bands} or more; a {type(loader).__name__} does not guarantee that. Train on a "
-                f"fxdp.data.CyclicPoissonDataLoader with partitions >= {self.bands}")
-        self.follow_cycle(lambda: loader.cycle_position, partitions, getattr(loader, "partition_fingerprint", None))
+    @property
+    def _separation(self) -> int:
+        return self.bands
 
-    def follow_cycle(self, position: Callable[[], Optional[int]], partitions: int,
-                     fingerprint: Optional[str] = None) -> None:
-        """:meth:`follow` for any source of batches: ``position()`` is the cycle position (0 .. partitions-1) of the
-        batch of the step about to be noised; ``fingerprint`` names the assignment of samples to partitions."""
-        if not isinstance(partitions, int) or partitions < self.bands:
-            raise PrivacySettingError(
-                f"fxdp: banded MF with {self.bands} bands needs a cyclic loader of at least {self.bands} partitions "
-                f"(a sample's steps must be {self.bands} or more apart, so that they meet disjoint bands of C), got "
-                f"partitions={partitions!r}")
-        if self.partitions is not None and self.partitions != partitions:
-            raise PrivacySettingError(f"fxdp: this banded MF noise followed a cycle of {self.partitions} partitions; "
-                                      f"the loader has {partitions}. Keep the loader's partitions for the whole run")
-        self._position, self.partitions = position, partitions
-        if fingerprint is not None and self.partition_fingerprint is None:
-            self.partition_fingerprint = fingerprint
-        self._fingerprint_now = fingerprint
+    def _separation_need(self) -> str:
+        return f"banded MF with {self.bands} bands"
+
+    def _separation_reason(self) -> str:
+        return "so that they meet disjoint bands of C"
 
     def add_noise_(self, outs: List[torch.Tensor], std: float, *, secure_mode: bool = False,
                    generator: Optional[torch.Generator] = None) -> None:
@@ -187,51 +168,15 @@ class BandedMatrixFactorization(NoiseMechanism):
             self._history = [draws] + self._history[:self.bands - 2]
         self.steps += 1
 
-    def check_step(self) -> None:
-        self._check_cycle()
-
-    def _check_cycle(self) -> None:
-        if self._position is None:
-            raise StepRefusedError(
-                "fxdp: banded MF noise is private (and accounted) only when each sample can take part in one step "
-                f"of every {self.bands} or more: train on a fxdp.data.CyclicPoissonDataLoader and call "
-                "noise_mechanism.follow(loader) before the first step (make_private does)")
-        if self.partition_fingerprint is not None and self._fingerprint_now != self.partition_fingerprint:
-            raise StepRefusedError(
-                "fxdp: the cyclic loader assigns the samples to partitions differently from the one this banded MF "
-                "noise followed before (a resumed run with a fresh loader?): a sample could take part in steps "
-                "closer than the bands allow. Build the loader with the saved assignment "
-                "(CyclicPoissonDataLoader(..., partition_of=old_loader.partition_of))")
-        position = self._position()
-        if position is None:
-            raise StepRefusedError("fxdp: the cyclic loader has handed out no batch for this step; draw the batch "
-                                   "from the loader the banded MF noise follows")
-        offset = (position - self.steps) % self.partitions
-        if self._offset is None:
-            self._offset = offset
-        elif offset != self._offset:
-            raise StepRefusedError(
-                f"fxdp: step {self.steps} of the banded MF noise got a batch at cycle position {position}, and the "
-                f"cycle expects {(self.steps + self._offset) % self.partitions}: a batch was skipped or reused (a "
-                "pass over the loader left early, or a resumed run restarted the loader mid-cycle), so a sample "
-                f"could take part in steps closer than {self.bands} apart. Consume the loader's batches in order, "
-                "one per step, and leave a pass only after a whole number of cycles")
-
     def state_dict(self) -> Dict[str, Any]:
-        return {"coefficients": list(self.coefficients), "steps": self.steps, "offset": self._offset,
-                "partitions": self.partitions, "partition_fingerprint": self.partition_fingerprint,
+        return {"coefficients": list(self.coefficients), **self._cycle_state(),
                 "history": [[t.clone() for t in step] for step in self._history]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if tuple(state["coefficients"]) != self.coefficients:
             raise ValueError(f"fxdp: the checkpoint's banded MF coefficients {state['coefficients']} differ from "
                              f"this mechanism's {list(self.coefficients)}; build it with the checkpoint's")
-        if state["partitions"] is not None and self.partitions not in (None, state["partitions"]):
-            raise ValueError(f"fxdp: the checkpoint's banded MF noise followed {state['partitions']} partitions, "
-                             f"this one follows {self.partitions}")
-        self.steps, self._offset = int(state["steps"]), state["offset"]
-        self.partitions = state["partitions"] if self.partitions is None else self.partitions
-        self.partition_fingerprint = state["partition_fingerprint"]
+        self._load_cycle_state(state)
         self._history = [[t.clone() for t in step] for step in state["history"]]
 
     def memory_bytes(self) -> int:

@@ -1,6 +1,7 @@
-"""Banded MF against jax_privacy (optional: ``pip install "fxdp[test-jax-privacy]"``; skipped without it): for the
-same banded Toeplitz strategy, the same single-participation sensitivity and expected prefix-sum error to 1e-6
-relative, and fxdp's optimised strategy's error within 1% of (or below) jax_privacy's optimised one."""
+"""Banded MF and BLT against jax_privacy (optional: ``pip install "fxdp[test-jax-privacy]"``; skipped without it):
+for the same banded Toeplitz (or BLT) strategy, the same sensitivity (single participation; min-separation for BLT)
+and expected prefix-sum error to 1e-6 relative, and fxdp's optimised strategy's error within 1% of (or below)
+jax_privacy's optimised one."""
 
 from __future__ import annotations
 
@@ -37,3 +38,40 @@ def test_the_optimised_strategy_is_within_one_percent_of_jax_privacys(bands, n):
     theirs = [float(c) for c in toeplitz.optimize_banded_toeplitz(n, bands)]
     ours = optimize_banded_toeplitz(bands, n)
     assert expected_prefix_sum_error(ours, n) <= 1.01 * expected_prefix_sum_error(theirs, n)
+
+
+# -- BLT (buffered linear Toeplitz) against jax_privacy.matrix_factorization.buffered_toeplitz ----------------------
+
+BLTS = [([0.99, 0.9, 0.5], [0.1, 0.2, 0.15]), ([0.95], [0.6]), ([0.999, 0.7, 0.3, 0.05], [0.05, 0.25, 0.2, 0.1])]
+
+
+@pytest.mark.parametrize("theta, omega", BLTS)
+@pytest.mark.parametrize("n, min_sep", [(100, 100), (100, 10), (200, 7), (50, 1), (64, 63)])
+def test_blt_sensitivity_and_expected_error_equal_jax_privacys(theta, omega, n, min_sep):
+    from fxdp.optim.correlated import blt_prefix_sum_error, blt_toeplitz_coefficients, min_separation_sensitivity
+    bt = pytest.importorskip("jax_privacy.matrix_factorization.buffered_toeplitz")
+    blt = bt.BufferedToeplitz.build(theta, omega)
+    coef = blt.toeplitz_coefs(n)
+    ours = blt_toeplitz_coefficients(theta, omega, n)
+    assert ours.tolist() == pytest.approx([float(c) for c in coef], rel=1e-12)
+    assert float(min_separation_sensitivity(ours, n, min_sep)) ** 2 == pytest.approx(
+        float(toeplitz.minsep_sensitivity_squared(coef, min_sep=min_sep, n=n)), rel=1e-6)
+    # jax_privacy's min-sep loss: the mean over the n prefix sums of their squared error times the sensitivity^2
+    theirs = float(bt.LossFn.build_min_sep(n, error="mean", min_sep=min_sep).loss(blt))
+    assert blt_prefix_sum_error(theta, omega, n, min_separation=min_sep) == pytest.approx(theirs * n, rel=1e-6)
+    theirs_max = float(bt.LossFn.build_min_sep(n, error="max", min_sep=min_sep).loss(blt))
+    assert blt_prefix_sum_error(theta, omega, n, min_separation=min_sep, error="max") == pytest.approx(theirs_max,
+                                                                                                     rel=1e-6)
+
+
+@pytest.mark.parametrize("buffers, n, min_sep", [(3, 256, None), (4, 512, 64)])
+def test_the_optimised_blt_is_within_one_percent_of_jax_privacys(buffers, n, min_sep):
+    from fxdp.optim.correlated import blt_prefix_sum_error, optimize_blt
+    bt = pytest.importorskip("jax_privacy.matrix_factorization.buffered_toeplitz")
+    theirs = bt.optimize(n=n, min_sep=min_sep or n, max_participations=None, error="mean", min_buffers=buffers,
+                         max_buffers=buffers)
+    theta, omega = optimize_blt(buffers, n, min_separation=min_sep)
+    mine = blt_prefix_sum_error(theta, omega, n, min_separation=min_sep)
+    reference = blt_prefix_sum_error([float(t) for t in theirs.buf_decay], [float(w) for w in theirs.output_scale], n,
+                                     min_separation=min_sep)
+    assert mine <= 1.01 * reference
