@@ -216,7 +216,9 @@ class BookkeepingSink(GradientSink):
     def squared_norms(self, params: Iterable[nn.Parameter]) -> Dict[nn.Parameter, torch.Tensor]:
         self._step.check_readable()
         # a ghost norm <A Aᵀ, G Gᵀ> of a gradient near 0 can round below 0 (its square root would be NaN)
-        return {p: self._segments[p].norms.clamp(min=0) for p in params if p in self._segments}
+        # (one foreach call for every parameter: the same values as each norm's clamp(min=0), NaN kept)
+        held = [p for p in params if p in self._segments]
+        return dict(zip(held, torch._foreach_clamp_min([self._segments[p].norms for p in held], 0.0))) if held else {}
 
     def clipped_sums(self, params, factors):
         params = list(params)
