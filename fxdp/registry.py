@@ -43,6 +43,28 @@ def _class_of(obj) -> type:
     return obj if isinstance(obj, type) else type(obj)
 
 
+#: bumped by every change of any registry (entries, ``subclasses=True`` marks, registrations by path): a
+#: lookup remembered with :func:`lookup_stamp` holds while this has not moved
+_CHANGES = [0]
+
+
+def _changed() -> None:
+    _CHANGES[0] += 1
+
+
+def lookup_stamp(obj) -> Optional[tuple]:
+    """A key equal at two moments only if every registry answers the same for the module ``obj`` at both: the
+    registries unchanged, ``obj`` of the same class, its class's ``forward`` the same. ``None`` where answers for
+    ``obj`` are not to be remembered (the instance replaced ``forward`` itself). Callers that look a layer's rules
+    up at every call keep the answers with this key and look again when it differs (a class registered by path
+    is registered at the first lookup after its module is imported, and ``obj``'s class exists only after that:
+    an answer remembered for ``obj`` already saw it)."""
+    if "forward" in getattr(obj, "__dict__", ()):
+        return None
+    klass = type(obj)
+    return _CHANGES[0], klass, getattr(klass, "forward", None)
+
+
 class _Entries(dict):
     """A registry's registrations (class -> value): a dict that counts its changes, so that lookups can be
     remembered until the next one, however it is changed (``register``, ``restore``, or tests and
@@ -55,30 +77,37 @@ class _Entries(dict):
     def __setitem__(self, key, value):
         super().__setitem__(key, value)
         self.changes += 1
+        _changed()
 
     def __delitem__(self, key):
         super().__delitem__(key)
         self.changes += 1
+        _changed()
 
     def pop(self, *args):
         self.changes += 1
+        _changed()
         return super().pop(*args)
 
     def popitem(self):
         self.changes += 1
+        _changed()
         return super().popitem()
 
     def setdefault(self, key, default=None):
         self.changes += 1
+        _changed()
         return super().setdefault(key, default)
 
     def update(self, *args, **kwargs):
         super().update(*args, **kwargs)
         self.changes += 1
+        _changed()
 
     def clear(self):
         super().clear()
         self.changes += 1
+        _changed()
 
 
 class TypeRegistry(Generic[V]):
@@ -124,6 +153,7 @@ class TypeRegistry(Generic[V]):
                 self.entries[t] = value
                 (self.for_subclasses.add if subclasses else self.for_subclasses.discard)(t)
             self._changes += 1
+            _changed()
             return value
 
         return decorator
@@ -134,6 +164,8 @@ class TypeRegistry(Generic[V]):
         :meth:`register`) takes precedence."""
         def decorator(value: V) -> V:
             self.by_path[path] = (value, subclasses)
+            self._changes += 1
+            _changed()
             return value
 
         return decorator
@@ -213,6 +245,7 @@ class TypeRegistry(Generic[V]):
             self.for_subclasses.clear()
             self.for_subclasses.update(for_subclasses)
         self._changes += 1
+        _changed()
 
 
 def find_in(registries: Sequence[TypeRegistry], obj) -> Optional[V]:

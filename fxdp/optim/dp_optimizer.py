@@ -502,8 +502,10 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
             # gradient is rounded once, after the noise (post-processing; see docs/mixed_precision.md)
             grad = sums.pop(p, None)
             dtype = wide_dtype(p.dtype)
-            grad = torch.zeros(p.shape, dtype=dtype, device=p.device) if grad is None else \
-                grad.to(dtype).reshape(p.shape)
+            if grad is None:
+                grad = torch.zeros(p.shape, dtype=dtype, device=p.device)
+            elif grad.dtype != dtype or grad.shape != p.shape:  # (the usual sum is both already: two calls spared)
+                grad = grad.to(dtype).reshape(p.shape)
             earlier = self._summed.pop(p, None)
             if earlier is not None:
                 grad.add_(earlier.view_as(grad), alpha=scale)

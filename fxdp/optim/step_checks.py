@@ -25,9 +25,12 @@ def stacked_norms(norms: Dict[nn.Parameter, torch.Tensor]) -> Optional[torch.Ten
     first = next(iter(norms.values()))
     if any(sq.shape != first.shape or sq.device != first.device for sq in norms.values()):
         return None
+    dtypes = {sq.dtype for sq in norms.values()}
     dtype = torch.float32
-    for sq in norms.values():
-        dtype = torch.promote_types(dtype, sq.dtype)
+    for d in dtypes:
+        dtype = torch.promote_types(dtype, d)
+    if dtypes == {dtype}:  # (the usual case: stacked as they are, no conversion per parameter)
+        return torch.stack(list(norms.values()))
     return torch.stack([sq.to(dtype) for sq in norms.values()])
 
 

@@ -36,6 +36,7 @@ from fxdp.layout import BATCHED, BROADCAST, BatchLayout
 from fxdp.runtime.bookkeeping_calls import call_without_param_grads
 from fxdp.runtime.compiled_delivery import (added_parameter_delivery, compiled_call_number, deliver as _deliver,
                                             deliver_in_backward, layer_delivery)
+from fxdp.runtime.decided import LayerDecision
 from fxdp.runtime.guards import BatchGuard, forward_call, run_eagerly
 from fxdp.runtime.recurrent import recurrent_forward
 from fxdp.sinks.capture import layer_capture
@@ -67,6 +68,8 @@ class PerSampleSite:
     # the site of the stock transformer block this site was made for at one call (the same sink, guard and loss
     # reduction): under torch.compile the backward delivers through it, an object that outlives the trace
     block: Optional["PerSampleSite"] = field(default=None, repr=False, compare=False)
+    # what the last call decided, for the next calls while it holds (fxdp/runtime/decided.py)
+    decided: Optional[LayerDecision] = field(default=None, repr=False, compare=False)
 
     def in_layout(self, i: int) -> BatchLayout:
         if i >= len(self.layouts):  # a guess here could read another sample's data as this one's
@@ -115,12 +118,16 @@ def _output_tensors(out) -> List[torch.Tensor]:
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
+def _positional(leaves: List[Any]) -> Tuple[tuple, dict]:
+    return tuple(leaves), {}
+
+
 def _flatten(args: tuple, kwargs: dict) -> Tuple[List[Any], Callable[[List[Any]], Tuple[tuple, dict]]]:
     """A call's leaves, and a function that rebuilds ``(args, kwargs)`` from leaves in their places. The
     common call, a layer on positional tensors (``fc(x)``), does without pytree, whose flattening costs
     about as much as a small layer's forward."""
     if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-        return list(args), lambda leaves: (tuple(leaves), {})
+        return list(args), _positional
     leaves, spec = pytree.tree_flatten((args, kwargs))
     return leaves, lambda new: pytree.tree_unflatten(list(new), spec)
 
@@ -227,20 +234,27 @@ def dp_aware_layer(module: nn.Module, site: PerSampleSite, n: int, *args, **kwar
     passed to it as arguments, as in ``self.act(self.raw)``)."""
     if not torch.is_grad_enabled():  # evaluation: nothing to record, and layouts are not guarded then
         return module(*args, **kwargs)
-    leaves, rebuild = _flatten(args, kwargs)
-    layouts = _tensor_layouts(site, leaves)
-    leaves, layouts = _expand_broadcast(leaves, layouts, n)
-    args, kwargs = rebuild(leaves)
-    arg_params = [i for i, leaf in enumerate(leaves) if _trainable_parameter(leaf)]
-    trainable = trainable_parameters(module)
-    if not arg_params and n > 0 and trainable and recurrent_rule_applies(module):
-        out = _recurrent_call(module, site, n, leaves, layouts, args, kwargs)
-        if out is not None:
-            return out
-    if not arg_params and n > 0 and trainable and transformer_rule_applies(module):
-        out = _transformer_call(module, site, n, leaves, layouts, args, kwargs)
-        if out is not None:
-            return out
+    traced = torch.compiler.is_dynamo_compiling()  # (torch.compile: nothing kept, nothing read)
+    decided = None if traced else site.decided
+    if decided is not None and not kwargs and len(args) == 1 and decided.holds(module, site, args[0]):
+        # what the last call decided, all of it checked to hold (fxdp/runtime/decided.py)
+        leaves, layouts, rebuild, arg_params, trainable = list(args), decided.layouts, _positional, [], decided.trainable
+    else:
+        decided = None
+        leaves, rebuild = _flatten(args, kwargs)
+        layouts = _tensor_layouts(site, leaves)
+        leaves, layouts = _expand_broadcast(leaves, layouts, n)
+        args, kwargs = rebuild(leaves)
+        arg_params = [i for i, leaf in enumerate(leaves) if _trainable_parameter(leaf)]
+        trainable = trainable_parameters(module)
+        if not arg_params and n > 0 and trainable and recurrent_rule_applies(module):
+            out = _recurrent_call(module, site, n, leaves, layouts, args, kwargs)
+            if out is not None:
+                return out
+        if not arg_params and n > 0 and trainable and transformer_rule_applies(module):
+            out = _transformer_call(module, site, n, leaves, layouts, args, kwargs)
+            if out is not None:
+                return out
     out = None
     if getattr(site.sink, "skips_param_grads", False) and not arg_params:
         # the sink forms each parameter's gradient itself (book-keeping): only input gradients flow
@@ -252,7 +266,9 @@ def dp_aware_layer(module: nn.Module, site: PerSampleSite, n: int, *args, **kwar
         return out
     out_layouts = _out_layouts(site, len(outputs))
 
-    rule = find_grad_sampler(module)
+    rule = decided.rule if decided is not None else find_grad_sampler(module)
+    if decided is None and not traced:  # kept for the next call where it may be, else dropped
+        site.decided = LayerDecision.make(site, module, args, kwargs, layouts, arg_params, trainable, rule, outputs)
     if rule is not None and len(outputs) == 1 and not arg_params:
         # hand-written rule: it sees batch-first activations and backprops
         activations = [
@@ -264,13 +280,15 @@ def dp_aware_layer(module: nn.Module, site: PerSampleSite, n: int, *args, **kwar
                                        compiled_call_number(site), activations)
         forward = forward_call(site)
 
+        params = decided.params if decided is not None else tuple(trainable.values())
+
         def record(grads) -> None:
             # G as it came, with the factor that makes it a summed loss's: a sink that folds the factor
             # into its norms and clip factors saves a copy of G (see LayerCapture)
             backprops = out_layouts[0].to_batch_first(grads[0], n)
             _deliver(site, layer_capture(module, activations, backprops, batch_size=n,
                                          backprops_scale=summed_loss_scale(site.loss_reduction, n),
-                                         params=tuple(trainable.values()), rule=rule), forward)
+                                         params=params, rule=rule), forward)
 
     else:
         # generic rule: the layer as a function of its parameters, each sample alone

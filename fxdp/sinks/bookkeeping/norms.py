@@ -31,8 +31,8 @@ class LayerNormBookkeeping(NormBookkeeping):
         shape = tuple(module.normalized_shape)
         if not small(a, g) or a.shape != g.shape or a.dim() <= len(shape) or tuple(a.shape[-len(shape):]) != shape:
             return None  # its rule, alone
-        params = [p if p is not None and any(p is q for q in captured.params) else None
-                  for p in (module.weight, module.bias)]
+        given = {id(q) for q in captured.params}
+        params = [p if p is not None and id(p) in given else None for p in (module.weight, module.bias)]
         # every member of a lane has the same parameters trainable: row k of the batched result is member k's
         key = ("layer_norm", a.shape, a.dtype, g.dtype, g.device, shape, module.eps, scale,
                tuple(p is not None for p in params))

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fxdp.diagnostics.errors import PerSampleError
+from fxdp.registry import lookup_stamp
 from fxdp.sinks.bookkeeping.lanes import clipped_sums_in_lanes
 from fxdp.sinks.bookkeeping.plans import plan_with
 from fxdp.sinks.bookkeeping.registry import Captured, LayerPlan, find_bookkeeping
@@ -56,6 +57,7 @@ class BookkeepingSink(GradientSink):
         self._segments: Dict[nn.Parameter, Segment] = {}  # each parameter's record of this step
         self._lanes: Dict[int, dict] = {}  # graph task -> lanes of that pass (small uses formed together, lanes.py)
         self._step = StepCalls()
+        self._registrations: Dict[nn.Module, tuple] = {}  # layer -> (lookup stamp, its registration): _registration
 
     # Layers it can book-keep run without their weight gradient in backward (only input gradients
     # flow, see fxdp/runtime/bookkeeping_calls.py): the optimizer writes ``p.grad`` from the clipped sums.
@@ -64,8 +66,23 @@ class BookkeepingSink(GradientSink):
         return self.enabled  # switched off (disable_hooks): the layers compute their ordinary gradient
 
     def functional_forward(self, module, x):
-        registration = find_bookkeeping(module)
+        registration = self._registration(module)
         return None if registration is None else registration.functional_forward(module, x)
+
+    def _registration(self, module: Optional[nn.Module]):
+        """``find_bookkeeping(module)``, remembered per layer while :func:`~fxdp.registry.lookup_stamp` holds: a
+        layer is looked up twice per call (its forward, its capture), and the lookup costs more than a small
+        layer's arithmetic."""
+        if module is None:
+            return None
+        stamp = lookup_stamp(module)
+        found = self._registrations.get(module)
+        if found is not None and stamp is not None and found[0] == stamp:
+            return found[1]
+        registration = find_bookkeeping(module)
+        if stamp is not None:
+            self._registrations[module] = (stamp, registration)
+        return registration
 
     # A copied or pickled model (copy.deepcopy, torch.save) gets a fresh sink: what is recorded belongs
     # to backward passes of the original, and a lock cannot be copied.
@@ -93,7 +110,7 @@ class BookkeepingSink(GradientSink):
         # by the uses, not multiplied into a copy of G); capture.backprops would form the product
         module, unscaled, scale = capture.module, capture.backprops_unscaled, capture.backprops_scale
         acts = [a for a in capture.activations if isinstance(a, torch.Tensor)]
-        registration = find_bookkeeping(module)
+        registration = self._registration(module)
         plan = plan_with(registration, module, [a.shape for a in acts], None if unscaled is None else unscaled.shape,
                          self.method)
         if module is not None:
@@ -200,7 +217,9 @@ class BookkeepingSink(GradientSink):
     def squared_norms(self, params: Iterable[nn.Parameter]) -> Dict[nn.Parameter, torch.Tensor]:
         self._step.check_readable()
         # a ghost norm <A Aᵀ, G Gᵀ> of a gradient near 0 can round below 0 (its square root would be NaN)
-        return {p: self._segments[p].norms.clamp(min=0) for p in params if p in self._segments}
+        # (one foreach call for every parameter: the same values as each norm's clamp(min=0), NaN kept)
+        held = [p for p in params if p in self._segments]
+        return dict(zip(held, torch._foreach_clamp_min([self._segments[p].norms for p in held], 0.0))) if held else {}
 
     def grouped_squared_norms(self, params, groups, num_groups):
         """Exact per-group norms: Gram products over each group's block where the record allows, else its
@@ -296,8 +315,8 @@ def _clipped_sum(uses: List[tuple], shared: Dict[int, torch.Tensor]) -> torch.Te
 
 def _uncovered(registration, module: nn.Module, params) -> bool:
     """A trainable parameter the registration's uses do not cover (then the capture is materialised whole)."""
-    covered = registration.params(module)
-    return any(all(p is not q for q in covered) for p in params)
+    covered = {id(q) for q in registration.params(module)}
+    return any(id(p) not in covered for p in params)
 
 
 def _materialised(capture: LayerCapture, module: Optional[nn.Module]) -> Dict[nn.Parameter, Use]:
