@@ -238,7 +238,8 @@ def dp_aware_layer(module: nn.Module, site: PerSampleSite, n: int, *args, **kwar
     decided = None if traced else site.decided
     if decided is not None and not kwargs and len(args) == 1 and decided.holds(module, site, args[0]):
         # what the last call decided, all of it checked to hold (fxdp/runtime/decided.py)
-        leaves, layouts, rebuild, arg_params, trainable = list(args), decided.layouts, _positional, [], decided.trainable
+        leaves, layouts, rebuild = list(args), decided.layouts, _positional
+        arg_params, trainable = [], decided.trainable
     else:
         decided = None
         leaves, rebuild = _flatten(args, kwargs)
