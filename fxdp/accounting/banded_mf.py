@@ -28,7 +28,7 @@ This accountant composes exactly those events with ``dp-accounting``'s PLD accou
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from fxdp.accounting.accountant import Accountant, check_delta
 from fxdp.accounting.pld import import_dp_accounting
@@ -62,29 +62,18 @@ class CyclicPoissonBandedMFAccountant(Accountant):
             raise ValueError(f"banded MF with {bands} bands is accounted with amplification only for a cyclic loader "
                              f"of at least {bands} partitions (a sample's steps must meet disjoint bands of C), got "
                              f"partitions={partitions}")
-        if isinstance(sensitivity, bool) or not isinstance(sensitivity, (int, float)) or not (
-                0 < sensitivity < math.inf):
-            raise ValueError(f"sensitivity must be a finite number > 0, got {sensitivity!r}")
-        if not value_discretization_interval > 0:
-            raise ValueError(f"value_discretization_interval must be > 0, got {value_discretization_interval!r}")
+        check_pld_settings(sensitivity, value_discretization_interval)
         self.bands, self.partitions, self.sensitivity = bands, partitions, float(sensitivity)
         self.value_discretization_interval = float(value_discretization_interval)
 
     def check_loader(self, loader: Any) -> None:
         """Refuse a loader whose sampling this accountant does not cover: anything but a cyclic Poisson loader
         (:class:`fxdp.data.CyclicPoissonDataLoader`) of this accountant's partitions."""
-        sampler = getattr(loader, "batch_sampler", None)
-        partitions = getattr(sampler, "partitions", None)
-        if type(sampler).__name__ != "CyclicPoissonBatchSampler" or not hasattr(sampler, "partition_of"):
-            raise ValueError(
-                f"banded MF noise is accounted with amplification for cyclic Poisson sampling only (each sample in "
-                f"one fixed part, step t sampling part t mod partitions); this loader samples with "
-                f"{type(sampler).__name__}, under which a sample may take part in steps closer than {self.bands} "
-                "apart and this ε would not hold. Train on fxdp.data.CyclicPoissonDataLoader("
-                f"..., partitions={self.partitions})")
-        if partitions != self.partitions:
-            raise ValueError(f"the loader has {partitions} partitions, this accountant analyses {self.partitions}; "
-                             "build both with the same partitions")
+        check_cyclic_loader(loader, self.partitions, lambda sampler: (
+            f"banded MF noise is accounted with amplification for cyclic Poisson sampling only (each sample in "
+            f"one fixed part, step t sampling part t mod partitions); this loader samples with {sampler}, under "
+            f"which a sample may take part in steps closer than {self.bands} apart and this ε would not hold. Train "
+            f"on fxdp.data.CyclicPoissonDataLoader(..., partitions={self.partitions})"))
 
     def dp_event(self) -> Any:
         """The ``dp-accounting`` event this run is as private as (``None`` when no step touched the data)."""
@@ -131,3 +120,22 @@ class CyclicPoissonBandedMFAccountant(Accountant):
             raise ValueError(f"the history was saved for {saved or 'independent Gaussian noise'}; this accountant "
                              f"analyses banded MF with {mine}. Load it into an accountant of the same kind")
         super().load_state_dict(state_dict)
+
+
+def check_pld_settings(sensitivity: Any, value_discretization_interval: Any) -> None:
+    """A correlated-noise accountant's sensitivity and PLD discretization, checked."""
+    if isinstance(sensitivity, bool) or not isinstance(sensitivity, (int, float)) or not (0 < sensitivity < math.inf):
+        raise ValueError(f"sensitivity must be a finite number > 0, got {sensitivity!r}")
+    if not value_discretization_interval > 0:
+        raise ValueError(f"value_discretization_interval must be > 0, got {value_discretization_interval!r}")
+
+
+def check_cyclic_loader(loader: Any, partitions: int, refusal: Callable[[str], str]) -> None:
+    """Refuse a loader that is not a cyclic loader (:class:`fxdp.data.CyclicPoissonDataLoader`) of ``partitions``
+    partitions; ``refusal(sampler's class name)`` says why another sampling is not covered."""
+    sampler = getattr(loader, "batch_sampler", None)
+    if type(sampler).__name__ != "CyclicPoissonBatchSampler" or not hasattr(sampler, "partition_of"):
+        raise ValueError(refusal(type(sampler).__name__))
+    if getattr(sampler, "partitions", None) != partitions:
+        raise ValueError(f"the loader has {sampler.partitions} partitions, this accountant analyses {partitions}; "
+                         "build both with the same partitions")

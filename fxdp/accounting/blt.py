@@ -28,6 +28,7 @@ import math
 from typing import Any, Dict, Optional
 
 from fxdp.accounting.accountant import Accountant, check_delta
+from fxdp.accounting.banded_mf import check_cyclic_loader, check_pld_settings
 from fxdp.accounting.pld import import_dp_accounting
 
 
@@ -56,11 +57,7 @@ class MinSeparationBLTAccountant(Accountant):
             raise ValueError(f"BLT noise planned for a minimum separation of {min_separation} steps is accounted "
                              f"only for a cyclic loader of at least {min_separation} partitions, got "
                              f"partitions={partitions}")
-        if isinstance(sensitivity, bool) or not isinstance(sensitivity, (int, float)) or not (
-                0 < sensitivity < math.inf):
-            raise ValueError(f"sensitivity must be a finite number > 0, got {sensitivity!r}")
-        if not value_discretization_interval > 0:
-            raise ValueError(f"value_discretization_interval must be > 0, got {value_discretization_interval!r}")
+        check_pld_settings(sensitivity, value_discretization_interval)
         self.min_separation, self.planned_steps, self.partitions = min_separation, steps, partitions
         self.sensitivity = float(sensitivity)
         self.value_discretization_interval = float(value_discretization_interval)
@@ -68,18 +65,11 @@ class MinSeparationBLTAccountant(Accountant):
     def check_loader(self, loader: Any) -> None:
         """Refuse a loader whose participation this accountant does not cover: anything but a cyclic loader
         (:class:`fxdp.data.CyclicPoissonDataLoader`) of this accountant's partitions."""
-        sampler = getattr(loader, "batch_sampler", None)
-        partitions = getattr(sampler, "partitions", None)
-        if type(sampler).__name__ != "CyclicPoissonBatchSampler" or not hasattr(sampler, "partition_of"):
-            raise ValueError(
-                f"BLT noise is accounted for participation at least {self.min_separation} steps apart; this loader "
-                f"samples with {type(sampler).__name__}, under which a sample may take part in steps closer than "
-                f"that, and this ε would not hold. Train on fxdp.data.CyclicPoissonDataLoader(..., "
-                f"partitions={self.partitions}) (each sample in one fixed part, step t drawing from part t mod "
-                "partitions)")
-        if partitions != self.partitions:
-            raise ValueError(f"the loader has {partitions} partitions, this accountant analyses {self.partitions}; "
-                             "build both with the same partitions")
+        check_cyclic_loader(loader, self.partitions, lambda sampler: (
+            f"BLT noise is accounted for participation at least {self.min_separation} steps apart; this loader "
+            f"samples with {sampler}, under which a sample may take part in steps closer than that, and this ε "
+            f"would not hold. Train on fxdp.data.CyclicPoissonDataLoader(..., partitions={self.partitions}) (each "
+            "sample in one fixed part, step t drawing from part t mod partitions)"))
 
     def dp_event(self) -> Any:
         """The ``dp-accounting`` event this run is as private as (``None`` when no step ran)."""

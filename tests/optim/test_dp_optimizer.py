@@ -387,18 +387,23 @@ def test_a_sample_with_a_non_finite_per_sample_gradient_is_dropped_with_a_warnin
         torch.testing.assert_close(q.grad, expected[q])
 
 
+def _sample_1_not_finite(sink, fill: float):
+    """An MLP's parameters with per-sample gradients of 3 samples (all ``fill``) but a NaN in sample 1's gradient of
+    the third parameter; their values before any step; a DP optimizer reading them through ``sink``."""
+    params = list(mlp().parameters())
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad_sample = torch.full((3, *p.shape), fill, dtype=p.dtype)
+    params[2].grad_sample[1, 0, 0] = float("nan")
+    return params, before, DPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
+                                       expected_batch_size=3, sink=sink)
+
+
 def test_a_sink_that_cannot_drop_samples_refuses_the_step_saying_where_the_parameter_is():
     class CannotDrop(GradSampleSink):
         drop_samples = GradientSink.drop_samples
 
-    model = mlp()
-    params = list(model.parameters())
-    before = [p.detach().clone() for p in params]
-    for p in params:
-        p.grad_sample = torch.zeros(3, *p.shape, dtype=p.dtype)
-    params[2].grad_sample[1, 0, 0] = float("nan")
-    opt = DPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=3,
-                      sink=CannotDrop())
+    params, before, opt = _sample_1_not_finite(CannotDrop(), fill=0.0)
     with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[2\] of shape \(3, 5\)' is not finite .* "
                                            r"cannot leave those samples out"):
         opt.step()
@@ -652,14 +657,7 @@ def test_a_sink_that_keeps_a_dropped_sample_refuses_the_step_before_anything_mov
         def drop_samples(self, params, dropped):
             pass
 
-    model = mlp()
-    params = list(model.parameters())
-    before = [p.detach().clone() for p in params]
-    for p in params:
-        p.grad_sample = torch.ones(3, *p.shape, dtype=p.dtype)
-    params[2].grad_sample[1, 0, 0] = float("nan")
-    opt = DPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=3,
-                      sink=ForgetsToDrop())
+    params, before, opt = _sample_1_not_finite(ForgetsToDrop(), fill=1.0)
     with pytest.warns(NonFiniteSampleWarning, match="1 of 3 samples"), \
             pytest.raises(RuntimeError, match="a clipped sum is not finite after the samples with a non-finite "
                                               "per-sample gradient were dropped"):
