@@ -75,6 +75,8 @@ class BookkeepingSink(GradientSink):
         layer's arithmetic."""
         if module is None:
             return None
+        if torch.compiler.is_dynamo_compiling():  # under torch.compile nothing kept, nothing read: the dict would be
+            return find_bookkeeping(module)       # a guard, failing (a recompile) once it fills
         stamp = lookup_stamp(module)
         found = self._registrations.get(module)
         if found is not None and stamp is not None and found[0] == stamp:
