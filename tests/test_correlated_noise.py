@@ -16,6 +16,7 @@ from fxdp.data import CyclicPoissonDataLoader
 from fxdp.optim.correlated import BandedMatrixFactorization
 from fxdp.privacy_engine import PrivacyEngine
 from fxdp.sinks.contract import StepRefusedError
+from tests.support.private_steps import noise_of_zero_gradient_steps
 
 DELTA = 1e-5
 
@@ -100,13 +101,8 @@ def test_a_checkpoint_resumes_the_same_noise_and_privacy(tmp_path):
             engine.load_checkpoint(path=tmp_path / "ckpt.pt", module=model, optimizer=optimizer)
         torch.manual_seed(3)  # (the batches of the second pass are not what is compared: the noise is)
         optimizer.zero_grad()
-        noise = []
-        for x, y in loader:
-            optimizer.zero_grad()
-            (0.0 * model(x).sum()).backward()  # zero gradients: p.grad is the noise
-            optimizer.step()
-            noise.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-        return torch.stack(noise), engine.get_epsilon(DELTA), optimizer.noise_mechanism.steps
+        return (noise_of_zero_gradient_steps(model, optimizer, loader), engine.get_epsilon(DELTA),
+                optimizer.noise_mechanism.steps)
 
     straight, resumed = run(False), run(True)
     assert torch.equal(straight[0], resumed[0]) and straight[1:] == resumed[1:]

@@ -15,6 +15,7 @@ from fxdp.data import CyclicPoissonDataLoader, DPDataLoader
 from fxdp.optim.correlated import BufferedLinearToeplitz
 from fxdp.privacy_engine import PrivacyEngine
 from fxdp.sinks.contract import PrivacySettingError, StepRefusedError
+from tests.support.private_steps import noise_of_zero_gradient_steps
 
 DELTA = 1e-5
 THETA, OMEGA = [0.95, 0.5], [0.2, 0.25]
@@ -114,13 +115,8 @@ def test_a_checkpoint_resumes_the_same_noise_and_privacy(tmp_path):
             engine = PrivacyEngine()
             model, optimizer, loader = private(engine, noise_generator=torch.Generator().manual_seed(99))
             engine.load_checkpoint(path=tmp_path / "ckpt.pt", module=model, optimizer=optimizer)
-        noise = []
-        for x, y in loader:
-            optimizer.zero_grad()
-            (0.0 * model(x).sum()).backward()  # zero gradients: p.grad is the noise
-            optimizer.step()
-            noise.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-        return torch.stack(noise), engine.get_epsilon(DELTA), optimizer.noise_mechanism.steps
+        return (noise_of_zero_gradient_steps(model, optimizer, loader), engine.get_epsilon(DELTA),
+                optimizer.noise_mechanism.steps)
 
     straight, resumed = run(False), run(True)
     assert torch.equal(straight[0], resumed[0]) and straight[1:] == resumed[1:]

@@ -1,4 +1,5 @@
-"""The parameters after each of a few private steps, for the tests comparing compiled steps with eager ones."""
+"""The parameters after each of a few private steps, for the tests comparing compiled steps with eager ones; the
+noise of steps on zero gradients, for the tests of noise mechanisms."""
 
 from __future__ import annotations
 
@@ -19,3 +20,15 @@ def parameters_after_steps(run, optimizer, loader, model, steps: int, seed: int 
         optimizer.step()
         after.append([p.detach().clone() for p in model.parameters()])
     return after
+
+
+def noise_of_zero_gradient_steps(model, optimizer, loader) -> torch.Tensor:
+    """One private step per batch of ``loader`` on a loss of zero gradient: each step's ``p.grad`` is its noise
+    alone. Returns the noise of every step, a row each (the parameters' noise flattened, in order)."""
+    noise = []
+    for x, _ in loader:
+        optimizer.zero_grad()
+        (0.0 * model(x).sum()).backward()  # zero gradients: p.grad is the noise
+        optimizer.step()
+        noise.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    return torch.stack(noise)
