@@ -25,10 +25,7 @@ def labels_outside_the_graph(compiled: nn.Module, module: nn.Module, example_inp
     loss, are refused with why (:class:`LabelsLeftOut`)."""
     if example_inputs is None:  # traced from forward's code: the graph takes what forward takes
         return None
-    try:
-        named = set(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return None
+    named = _named_inputs(module)
     given = set(example_inputs) if isinstance(example_inputs, collections.abc.Mapping) else set()
     labels = tuple(k for k in LABEL_KEYS if k in named and k not in given)
     if not labels or report(compiled).engine not in ("fx", "hooks"):
@@ -40,6 +37,19 @@ def labels_outside_the_graph(compiled: nn.Module, module: nn.Module, example_inp
         return None
     LabelsAsPerSampleLoss(labels, task, loss_reduction).attach(compiled)
     return task
+
+
+def _named_inputs(module: nn.Module) -> set:
+    """The inputs ``module.forward`` names; for a wrapper whose ``forward(*args, **kwargs)`` names none (a peft model
+    made without ``task_type``), those of the model it passes its inputs to (``get_base_model()``)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    named = {p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    if not named and hasattr(module, "get_base_model") and module.get_base_model() is not module:
+        return _named_inputs(module.get_base_model())
+    return named
 
 
 class LabelsAsPerSampleLoss:

@@ -230,3 +230,38 @@ def test_a_peft_model_without_task_type_takes_every_input_through_kwargs():
     compiled = fxdp.compile_for_dp(model, example_inputs=inputs, loss_reduction="sum")
     assert fxdp.report(compiled).engine == "fx", str(fxdp.report(compiled))
     _assert_per_sample_gradients(model, compiled, inputs, labels)
+
+
+def test_labels_given_to_a_peft_model_without_task_type_give_each_samples_own_loss():
+    """``PeftModel.forward(*args, **kwargs)`` names no labels: fxdp looks through it to the model it wraps, whose
+    forward takes them, and the private model's loss is each sample's own (its per-sample gradients are those of
+    batches of one), where the model's own loss would have been averaged over the batch inside the graph."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16, num_labels=3,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = peft.get_peft_model(transformers.BertForSequenceClassification(config),
+                                peft.LoraConfig(r=4, target_modules=["query", "value"])).double().train()
+    assert type(model) is peft.PeftModel
+    for p in model.parameters():
+        if p.requires_grad:
+            with torch.no_grad():
+                p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(p.numel()))
+    ids, mask, segments, labels = _tensors(4)
+    loader = DataLoader(TensorDataset(ids, mask, segments, labels), batch_size=4)
+    private, optimizer, _, _ = PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+        criterion=nn.CrossEntropyLoss(reduction="sum"), noise_multiplier=1.0, max_grad_norm=1.0,
+        grad_sample_mode="ghost", poisson_sampling=False, loss_reduction="sum", materialise_grad_sample=True)
+    inputs = {"input_ids": ids, "attention_mask": mask, "token_type_ids": segments}
+    out = private(**inputs, labels=labels)
+    torch.testing.assert_close(out.loss, F.cross_entropy(out.logits, labels, reduction="sum"))
+    out.loss.backward()
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    grad_samples = {name: p.grad_sample.clone() for name, p in named}
+    optimizer.zero_grad(set_to_none=True)
+    for i in range(4):
+        model.zero_grad()
+        model(**{k: v[i:i + 1] for k, v in inputs.items()}, labels=labels[i:i + 1]).loss.backward()
+        for name, p in named:
+            torch.testing.assert_close(grad_samples[name][i], p.grad, atol=1e-10, rtol=1e-8, msg=f"{name}, {i}")
