@@ -6,8 +6,9 @@ layer's input in forward and its output gradient in backward; what differs is wh
 dimension 0 given by the ``batch`` vector, not rows. Which rule covers which parameter (decided once):
 
 - a row-wise linear layer (``nn.Linear``; PyG's ``Linear``, inside GCNConv, GATConv, SAGEConv, GraphConv, and
-  GINConv's MLP): per-graph sums of per-row contributions (:func:`fxdp.graphs.rules.segment_linear`), its rows
-  being node rows or graph rows (after pooling);
+  GINConv's MLP): per-graph sums of per-row contributions, its rows being node rows or graph rows (after pooling),
+  handed to the sink padded per graph as a batch of sequences (a book-keeping sink forms norms and clipped sums
+  from them as for a sequence ``nn.Linear``, without forming the per-graph gradients where that costs less);
 - GCNConv's own ``bias`` (added to each node row last): the per-graph sum of the output gradient's rows;
 - any other parameter of a message-passing layer itself (GATConv's attention vectors and bias, GINConv's trainable
   ``eps``), and the parameters of a row-wise torch.nn layer (:data:`ROW_WISE`: LayerNorm, GroupNorm, Embedding, ...,
@@ -39,7 +40,7 @@ from fxdp.diagnostics.report import GRAPHS, REPORT_ATTR, CompileReport
 from fxdp.engines.base import GradSampleModuleBase, trainable_own_params
 from fxdp.engines.selfcheck import forward_location
 from fxdp.graphs.layout import EDGE_ROW_NAMES, GraphBatch, check_graph_batch, graph_batch_of
-from fxdp.graphs.rules import segment_linear, segment_sum
+from fxdp.graphs.rules import padded_by_segment, segment_sum
 from fxdp.sinks.contract import SINK_ATTR, GradientSink, LayerCapture
 
 VERIFY_GRAPHS = 8  # graphs of the first batch compared with each run alone
@@ -74,6 +75,21 @@ ROW_WISE = tuple(getattr(nn, n) for n in ("LayerNorm", "GroupNorm", "Embedding",
 def is_row_wise(module: nn.Module) -> bool:
     """One of :data:`ROW_WISE`, or a subclass that keeps its forward."""
     return any(isinstance(module, t) and type(module).forward is t.forward for t in ROW_WISE)
+
+
+def _as_linear(module: nn.Module) -> nn.Linear:
+    """``module`` itself if it is an ``nn.Linear``; for PyG's ``Linear`` (the same ``x Wᵀ + b`` with the same
+    parameter shapes, not a subclass) an ``nn.Linear`` holding the same parameters, made once per layer, so that the
+    book-keeping sink's Linear registration describes it."""
+    if isinstance(module, nn.Linear):
+        return module
+    shell = module.__dict__.get("_fxdp_as_linear")
+    if shell is None or shell.weight is not module.weight or shell.bias is not module.bias:
+        shell = nn.Linear(0, 0, bias=False, device="meta")
+        shell.in_features, shell.out_features = module.weight.shape[1], module.weight.shape[0]
+        shell.weight, shell.bias = module.weight, module.bias
+        module.__dict__["_fxdp_as_linear"] = shell  # (not a submodule: not in the model's modules or state)
+    return shell
 
 
 def _first_tensor(output: Any) -> Optional[torch.Tensor]:
@@ -245,12 +261,22 @@ class GraphGradSampleModule(GradSampleModuleBase):
         params = [p for p in (mod.weight, mod.bias) if p is not None and p.requires_grad]
 
         def on_grad(grad):
-            g = self._scaled(grad, layout)
+            # each graph's rows as one sample's sequence, zero rows after them: (G, L, in) and (G, L, out)
+            a_k = padded_by_segment(a, graph_of_row, layout.num_graphs)
+            g_k = padded_by_segment(self._scaled(grad, layout).detach(), graph_of_row, layout.num_graphs)
 
             def grad_samples():
-                w, b = segment_linear(a, g.detach(), graph_of_row, layout.num_graphs)
+                w, b = torch.bmm(g_k.transpose(1, 2), a_k), g_k.sum(1)
                 return {p: v for p, v in ((mod.weight, w), (mod.bias, b)) if p is not None and p.requires_grad}
-            self._deliver_rows(grad_samples, params, layout)
+            if self._collected is not None:  # the self-check's backward
+                self._deliver_rows(grad_samples, params, layout)
+                return
+            # a book-keeping sink's Linear registration forms each graph's norm from these as for a sequence (ghost,
+            # from Gram matrices, or the formed gradient, whichever costs less) and the clipped sum as G^T diag(c) A;
+            # a sink that keeps per-sample gradients forms them. The zero rows add nothing to either.
+            getattr(self, SINK_ATTR).add(LayerCapture(
+                batch_size=layout.num_graphs, grad_samples=grad_samples, module=_as_linear(mod), activations=(a_k,),
+                backprops=g_k, params=tuple(params), call=self.forward_calls))
 
         out.register_hook(on_grad)
 

@@ -9,8 +9,6 @@ graph, ``(G, out, L) @ (G, L, in)``, with no ``(rows, out, in)`` tensor formed.
 
 from __future__ import annotations
 
-from typing import Tuple
-
 import torch
 
 
@@ -20,10 +18,11 @@ def segment_offsets(graph_of_row: torch.Tensor, num_graphs: int) -> torch.Tensor
 
 
 def padded_by_segment(rows: torch.Tensor, graph_of_row: torch.Tensor, num_graphs: int) -> torch.Tensor:
-    """``rows`` (R, d), their graphs sorted, as (G, L, d): graph k's rows first, zeros after (L: the most rows)."""
+    """``rows`` (R, d), their graphs sorted, as (G, L, d): graph k's rows first, zeros after (L: the most rows, at
+    least 1, so that a batch of no graph or of graphs without rows still has a row length)."""
     ptr = segment_offsets(graph_of_row, num_graphs)
-    if num_graphs == 0:
-        return rows.new_zeros((0, 0, rows.shape[1]))
+    if num_graphs == 0 or rows.shape[0] == 0:
+        return rows.new_zeros((num_graphs, 1, rows.shape[1]))
     counts = (ptr[1:] - ptr[:-1]).tolist()
     return torch.nn.utils.rnn.pad_sequence(list(torch.split(rows, counts)), batch_first=True)
 
@@ -32,11 +31,3 @@ def segment_sum(rows: torch.Tensor, graph_of_row: torch.Tensor, num_graphs: int)
     """Per graph, the sum of its rows (sorted by graph): (G, *rows.shape[1:])."""
     return padded_by_segment(rows.reshape(rows.shape[0], -1), graph_of_row, num_graphs).sum(1).reshape(
         num_graphs, *rows.shape[1:])
-
-
-def segment_linear(activations: torch.Tensor, backprops: torch.Tensor, graph_of_row: torch.Tensor,
-                   num_graphs: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-graph gradients of ``y = x Wᵀ + b`` applied row by row: ``(G, out, in)`` and ``(G, out)``."""
-    a = padded_by_segment(activations, graph_of_row, num_graphs)
-    g = padded_by_segment(backprops, graph_of_row, num_graphs)
-    return torch.bmm(g.transpose(1, 2), a), g.sum(1)

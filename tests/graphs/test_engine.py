@@ -11,6 +11,7 @@ from torch_geometric.nn import (GATConv, GCNConv, GINConv, GraphConv, SAGEConv, 
                                 global_max_pool, global_mean_pool)
 
 import fxdp  # noqa: E402
+from fxdp.sinks.bookkeeping import BookkeepingSink  # noqa: E402
 from fxdp.errors import PerSampleError, SampleMixingError, UnsupportedModuleError  # noqa: E402
 
 POOLS = {"mean": global_mean_pool, "add": global_add_pool, "max": global_max_pool}
@@ -251,3 +252,30 @@ def test_after_the_verified_batch_each_layer_keeps_its_kind_of_rows():
     for k, d in enumerate(data):
         for p, e in zip(model.parameters(), alone(model, d, "sum")):
             torch.testing.assert_close(p.grad_sample[k], e, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["ghost", "per_sample"])
+@pytest.mark.parametrize("conv", sorted(CONVS))
+def test_book_keeping_by_graph_gives_each_graphs_norm_and_clipped_sum(conv, method):
+    """With a book-keeping sink, a row-wise linear layer (nn.Linear, and PyG's Linear inside the convolutions) is
+    book-kept with each graph's rows as one sample's sequence: its per-graph squared norms and clipped sums, by
+    Gram matrices (ghost) or formed gradients, equal those of each graph run alone, in float64."""
+    torch.manual_seed(0)
+    model = Net(conv, "mean").double()
+    data = graphs()
+    batch = Batch.from_data_list(data)
+    sink = BookkeepingSink(method=method)
+    dp = fxdp.compile_for_dp(model, loss_reduction="sum", sink=sink)
+    nn.functional.cross_entropy(dp(batch.x, batch.edge_index, batch.batch), batch.y, reduction="sum").backward()
+    params = [p for p in model.parameters()]
+    linear_weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Linear"]
+    assert linear_weights and all(sink.plans[m].method in ("outer", method) for m in sink.plans)
+    assert any(plan.method == method for plan in sink.plans.values())  # graphs of several rows: the forced method
+    expected = [alone(model, d, "sum") for d in data]
+    norms = sink.squared_norms(params)
+    factors = torch.linspace(0.2, 1.0, len(data), dtype=torch.float64)
+    sums = sink.clipped_sums(params, {p: factors for p in params})
+    for i, p in enumerate(params):
+        rows = torch.stack([torch.zeros_like(p) if e[i] is None else e[i] for e in expected])
+        torch.testing.assert_close(norms[p], rows.flatten(1).pow(2).sum(1), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(sums[p], (factors.view(-1, *[1] * p.dim()) * rows).sum(0), rtol=1e-9, atol=1e-12)

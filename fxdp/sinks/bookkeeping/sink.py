@@ -156,8 +156,7 @@ class BookkeepingSink(GradientSink):
         last = self._last_bias_sum
         if last is not None and memory_key(last[0]) == memory_key(g):
             return last[1]
-        n, width = g.shape[0], g.shape[-1]
-        summed = g if g.dim() == 2 else g.reshape(n, -1, width).sum(1)
+        summed = g if g.dim() == 2 else g.flatten(1, -2).sum(1)  # (flatten: no -1 to infer in an empty batch)
         self._last_bias_sum = (g, summed)
         return summed
 
