@@ -11,7 +11,8 @@ weights or tokenizer files are needed. ``fxdp`` compiles the model (torch.fx can
 transformers 5's models, so the graph is captured with ``torch.export``), prints its compile report,
 then trains with Poisson sampling, per-sample clipping and Gaussian noise calibrated to the target
 epsilon, printing the test accuracy and the epsilon spent after every epoch. ``--non-private`` trains the same model without
-privacy, for comparison.
+privacy, for comparison. ``--noise banded-mf`` or ``--noise blt`` adds noise correlated across steps instead, as in
+``train_digits.py`` (docs/correlated_noise.md).
 
 With pretrained weights the same code fine-tunes them: build ``DocstringClassifier``'s ``bert`` with
 ``BertModel.from_pretrained(...)`` and use that model's tokenizer.
@@ -32,6 +33,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # text_data.py sits next to this file
 import text_data  # noqa: E402
+from noise_options import add_noise_arguments, expected_error_against_dp_sgd, noise_mechanism_for, sampling_of  # noqa
 
 QUICK_EPOCHS = 3  # --quick, for tests: the noise is calibrated for 3 epochs, so it is smaller than for 10
 
@@ -54,6 +56,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     noise.add_argument("--non-private", action="store_true",
                        help="train the same model without privacy (no clipping, no noise), for comparison")
     parser.add_argument("--delta", type=float, default=1e-5)
+    add_noise_arguments(parser)
     parser.add_argument("--max-physical-batch-size", type=int, default=None,
                         help="cut each logical batch into physical batches of at most this size "
                              "(BatchMemoryManager); the privacy accounting is unchanged")
@@ -145,7 +148,7 @@ def train(args: argparse.Namespace, on_epoch: Optional[Callable[[int, float, Opt
     if not args.non_private:
         engine = PrivacyEngine()
         common = dict(module=model, optimizer=optimizer, data_loader=loader, max_grad_norm=args.max_grad_norm,
-                      example_inputs=example_inputs())
+                      example_inputs=example_inputs(), noise_mechanism=noise_mechanism_for(args, len(loader)))
         if args.noise_multiplier is not None:
             model, optimizer, loader = engine.make_private(noise_multiplier=args.noise_multiplier, **common)
         else:
@@ -196,9 +199,11 @@ def main(argv: Optional[List[str]] = None) -> List[tuple]:
             print(f"training on {len(train_set)} docstring pieces without privacy, batches of {args.batch_size}")
             return
         print(fxdp.report(model))
-        print(f"training on {len(train_set)} docstring pieces: Poisson sampling at rate {loader.sample_rate:.4f} "
-              f"({len(loader)} batches per epoch), clipping at C = {optimizer.max_grad_norm}, "
+        print(f"training on {len(train_set)} docstring pieces: {sampling_of(args, loader)} at rate "
+              f"{loader.sample_rate:.4f} ({len(loader)} batches per epoch), clipping at C = {optimizer.max_grad_norm}, "
               f"noise multiplier {optimizer.noise_multiplier:.3f}")
+        if args.noise != "gaussian" and args.noise_multiplier is None:
+            print(expected_error_against_dp_sgd(args, optimizer, len(loader)))
 
     def log(epoch, accuracy, epsilon):
         spent = f"   epsilon {epsilon:.2f} (delta {args.delta:g})" if epsilon is not None else ""

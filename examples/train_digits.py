@@ -20,6 +20,7 @@ fixed batch per epoch). The loader and the accountant change with it; ``--accoun
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, List, Optional
 
@@ -27,6 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noise_options.py sits next to this file
+from noise_options import add_noise_arguments, expected_error_against_dp_sgd, noise_mechanism_for, sampling_of  # noqa
 
 SPLIT_SEED = 0  # the train/test split is the same for every --seed, so accuracies compare
 TEST_FRACTION = 0.2
@@ -49,10 +53,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     noise.add_argument("--noise-multiplier", type=float, default=None,
                        help="fixed noise multiplier sigma (instead of --target-epsilon)")
     parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--noise", default="gaussian", choices=["gaussian", "banded-mf", "blt"],
-                        help="gaussian: DP-SGD's independent noise; banded-mf / blt: noise correlated across steps")
-    parser.add_argument("--bands", type=int, default=4, help="bands of --noise banded-mf")
-    parser.add_argument("--buffers", type=int, default=3, help="buffers of --noise blt")
+    add_noise_arguments(parser)
     parser.add_argument("--accountant", default="pld", choices=["pld", "rdp"],
                         help="pld: privacy-loss distributions, the tightest bound (the default); rdp: Renyi DP")
     parser.add_argument("--grad-sample-mode", default="fx", choices=["fx", "hooks", "ew", "functorch"],
@@ -95,33 +96,6 @@ def load_digits_split(train_subset: Optional[int] = None):
     if train_subset is not None:
         train_idx = train_idx[:train_subset]
     return TensorDataset(images[train_idx], labels[train_idx]), TensorDataset(images[test_idx], labels[test_idx])
-
-
-def noise_mechanism_for(args: argparse.Namespace, batches_per_epoch: int):
-    """``"gaussian"``, or the correlated noise mechanism of ``--noise``, its strategy optimised for the run's steps."""
-    if args.noise == "gaussian":
-        return "gaussian"
-    from fxdp.optim.correlated import BandedMatrixFactorization, BufferedLinearToeplitz, optimize_banded_toeplitz
-
-    if args.noise == "banded-mf":  # make_private's cyclic loader: the batches of a pass rounded up to bands
-        steps = args.epochs * -(-batches_per_epoch // args.bands) * args.bands
-        return BandedMatrixFactorization(coefficients=optimize_banded_toeplitz(args.bands, steps))
-    # BLT: make_private's fixed-epoch loader puts a sample's steps one epoch (batches_per_epoch steps) apart
-    return BufferedLinearToeplitz.optimized(args.buffers, steps=args.epochs * batches_per_epoch,
-                                            min_separation=batches_per_epoch)
-
-
-def expected_error_against_dp_sgd(args: argparse.Namespace, optimizer, batches_per_epoch: int) -> str:
-    """The expected error of the correlated noise against DP-SGD's at the same epsilon and number of steps (DP-SGD
-    with Poisson sampling at rate 1 / batches per epoch), before training."""
-    from fxdp.accounting import get_noise_multiplier
-    from fxdp.optim.correlated import error_report
-
-    steps = args.epochs * batches_per_epoch
-    dp_sgd = get_noise_multiplier(target_epsilon=args.target_epsilon, target_delta=args.delta,
-                                  sample_rate=1 / batches_per_epoch, steps=steps, accountant="pld")
-    return error_report([("gaussian", None, dp_sgd), (args.noise, optimizer.noise_mechanism,
-                                                      optimizer.noise_multiplier)], steps)
 
 
 def make_model() -> nn.Module:
@@ -259,10 +233,7 @@ def main(argv: Optional[List[str]] = None) -> List[tuple]:
 
     def show_setup(model, optimizer, loader):
         print(fxdp.report(model))
-        sampling = "Poisson sampling"
-        if args.noise != "gaussian":
-            sampling = f"{args.noise} noise, cyclic sampling of {loader.partitions} parts, each part"
-        print(f"training on {len(loader.dataset)} digits: {sampling} at rate {loader.sample_rate:.4f} "
+        print(f"training on {len(loader.dataset)} digits: {sampling_of(args, loader)} at rate {loader.sample_rate:.4f} "
               f"({len(loader)} batches per epoch), clipping at C = {optimizer.max_grad_norm}, "
               f"noise multiplier {optimizer.noise_multiplier:.3f}")
         if args.noise != "gaussian" and args.noise_multiplier is None:
