@@ -18,6 +18,7 @@ from fxdp.data.example_inputs import inputs_from_the_loader
 from fxdp.distributed import DistributedDPOptimizer, bucket_bytes_of
 from fxdp.distributed.fsdp import check_sharded_mode, fsdp_forward_hooks_off, report_sharding
 from fxdp.distributed.sharded_optimizer import FullyShardedDPOptimizer
+from fxdp.distributed.user_level import DistributedUserLevelDPOptimizer, FullyShardedUserLevelDPOptimizer
 from fxdp.frontends.fx import trace
 from fxdp.model_labels import labels_outside_the_graph
 from fxdp.optim import AdaClipDPOptimizer, DPOptimizer
@@ -76,7 +77,8 @@ def prepare_optimizer(optimizer: Optimizer, compiled: nn.Module, module: nn.Modu
     """The DP optimizer around ``optimizer``, reading ``compiled``'s gradient sink: where ``make_private`` chooses
     its class (:class:`AdaClipDPOptimizer` for ``clipping="adaptive"``, one process only;
     :class:`DistributedDPOptimizer` across DDP processes; :class:`FullyShardedDPOptimizer` for ``fully_shard``;
-    :class:`UserLevelDPOptimizer` for ``by_user``, user-level privacy, one process only; else
+    :class:`UserLevelDPOptimizer` for ``by_user``, user-level privacy (composed with the DDP or FSDP2 one across
+    processes: fxdp/distributed/user_level.py); else
     :class:`DPOptimizer`). ``settings``: the DP optimizer's arguments (noise multiplier, bound, ...)."""
     optimizer_class, kwargs = UserLevelDPOptimizer if by_user else DPOptimizer, dict(optimizer_kwargs)
     if clipping == "adaptive":
@@ -85,10 +87,10 @@ def prepare_optimizer(optimizer: Optimizer, compiled: nn.Module, module: nn.Modu
                              "combined across processes yet); use clipping='flat' with DDP")
         optimizer_class, clipping = AdaClipDPOptimizer, "flat"
     if ddp is not None:
-        optimizer_class = DistributedDPOptimizer
+        optimizer_class = DistributedUserLevelDPOptimizer if by_user else DistributedDPOptimizer
         kwargs.update(process_group=ddp.process_group, bucket_bytes=bucket_bytes_of(ddp))
     if sharded is not None:
-        optimizer_class = FullyShardedDPOptimizer
+        optimizer_class = FullyShardedUserLevelDPOptimizer if by_user else FullyShardedDPOptimizer
         kwargs.update(plan=sharded)
     return optimizer_class(optimizer, clipping=clipping, sink=sink_of(compiled),
                            param_names={p: name for name, p in module.named_parameters()}, **settings, **kwargs)

@@ -50,8 +50,7 @@ from fxdp.optim import DPOptimizer
 from fxdp.optim.correlated import noise_mechanism_from
 from fxdp.optim.noise import secure_seed
 from fxdp.preparation import prepare_model, prepare_optimizer
-from fxdp.data.users import UserLevelDataLoader
-from fxdp.user_level import check_user_level, unit_of_the_accountant, unit_of_the_checkpoint
+from fxdp.user_level import check_user_level, unit_of_the_accountant, unit_of_the_checkpoint, user_level_loader
 from fxdp.runtime.loss_probe import batch_probe_of  # the first batch's labels followed into the loss
 from fxdp.validators import ModuleValidator
 
@@ -196,7 +195,7 @@ class PrivacyEngine:
         by_user = check_user_level(
             privacy_unit=privacy_unit, user_ids=user_ids, max_records_per_user=max_records_per_user,
             poisson_sampling=poisson_sampling, clipping=clipping, padded_batches=padded_batches, criterion=criterion,
-            across_processes=across_processes, mechanism=optimizer_kwargs.get("noise_mechanism"),
+            mechanism=optimizer_kwargs.get("noise_mechanism"),
             fixed_batch_accounting=fixed_batch_accounting, wrap_model=wrap_model)
         padded_batches = False if by_user else padded_batches
         unit = unit_of_the_accountant(self.privacy_unit, privacy_unit, len(self.accountant))  # set once it is private
@@ -226,9 +225,10 @@ class PrivacyEngine:
                                  example_inputs=example_inputs, batch_inputs=batch_inputs, compile_with=compile_with)
         self._originals[compiled] = module
         if by_user:  # users Poisson-sampled; expected_batch_size: the expected number of users per batch
-            data_loader = UserLevelDataLoader.from_data_loader(
+            data_loader = user_level_loader(
                 data_loader, generator=torch.Generator().manual_seed(secure_seed()) if self.secure_mode else None,
-                user_ids=user_ids, max_records_per_user=max_records_per_user, batch_first=batch_first)
+                across=ddp if sharded is None else sharded, user_ids=user_ids,
+                max_records_per_user=max_records_per_user, batch_first=batch_first)
             sample_rate, expected_batch_size = data_loader.sample_rate, data_loader.expected_users
         else:
             data_loader, sample_rate, expected_batch_size = self._prepare_data(

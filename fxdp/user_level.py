@@ -5,18 +5,22 @@ The pieces: the loader :class:`fxdp.data.users.UserLevelDataLoader` (users Poiss
 ``q = 1 / len(data_loader)``, up to k records each), the optimizer :class:`fxdp.optim.user_level.UserLevelDPOptimizer`
 (each user's averaged gradient clipped to C as one unit, the noise added once, the ``"mean"`` loss divided by
 the expected number of users per batch) and the accountant, unchanged: one user is one unit of the
-Poisson-subsampled Gaussian mechanism at rate q, which is what it records at every step. docs/user_level.md."""
+Poisson-subsampled Gaussian mechanism at rate q, which is what it records at every step. Across processes (DDP,
+FSDP2) each user is trained by one rank (:mod:`fxdp.data.user_ranks`, :mod:`fxdp.distributed.user_level`).
+docs/user_level.md."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+from fxdp.data.users import UserLevelDataLoader
+from fxdp.distributed.data import check_poisson_group
 from fxdp.optim.user_level import check_privacy_unit
 
 
 def check_user_level(*, privacy_unit: str, user_ids: Any, max_records_per_user: Optional[int],
                      poisson_sampling: bool, clipping: str, padded_batches: Any, criterion: Any,
-                     across_processes: bool, mechanism: Any, fixed_batch_accounting: str, wrap_model: bool) -> bool:
+                     mechanism: Any, fixed_batch_accounting: str, wrap_model: bool) -> bool:
     """Whether ``make_private`` trains at user level; every option it cannot combine with that refused, naming it."""
     check_privacy_unit(privacy_unit)
     if privacy_unit == "example":
@@ -33,7 +37,6 @@ def check_user_level(*, privacy_unit: str, user_ids: Any, max_records_per_user: 
         (clipping not in ("flat", "per_layer"), f"clipping={clipping!r} (use 'flat' or 'per_layer')"),
         (bool(padded_batches), "padded_batches (pass padded_batches=False)"),
         (criterion is not None, "criterion (compute the loss yourself)"),
-        (across_processes, "DDP or FSDP (train in one process)"),
         (mechanism is not None, "a correlated noise_mechanism (use the default 'gaussian')"),
         (fixed_batch_accounting != "poisson", f"fixed_batch_accounting={fixed_batch_accounting!r}"),
         (not wrap_model, "wrap_model=False (pass wrap_model=True)"),
@@ -66,3 +69,15 @@ def unit_of_the_checkpoint(current: str, saved: str, path: Any, *, made_private:
                          f"PrivacyEngine trains with privacy_unit={current!r}. Call make_private with "
                          f"privacy_unit={saved!r} to continue that training")
     return saved
+
+
+def user_level_loader(data_loader: Any, *, generator: Any, across: Any, user_ids: Any, max_records_per_user: int,
+                      batch_first: bool) -> UserLevelDataLoader:
+    """The user-level loader ``make_private`` returns. ``across``: the DDP module or FSDP2 sharding plan training
+    across processes (None in one process): then every rank draws the users of the default process group and keeps
+    those assigned to it (:mod:`fxdp.data.user_ranks`)."""
+    if across is not None:
+        check_poisson_group(across.process_group)
+    return UserLevelDataLoader.from_data_loader(data_loader, generator=generator, distributed=across is not None,
+                                                user_ids=user_ids, max_records_per_user=max_records_per_user,
+                                                batch_first=batch_first)

@@ -15,6 +15,10 @@ the sampler's randomness. The batch's records are grouped by user (user 0's reco
 of the batch it hands out. It keeps only the record indices of each user (one int per record), never a second
 copy of the data: records are read from the dataset as the batch is formed, as any DataLoader reads them.
 An empty step (no user sampled) is an empty batch, handed out as the DPDataLoader hands one out (noise only).
+
+Across processes (``distributed=True``, DDP or FSDP2): every rank draws the same user sample and keeps the sampled
+users assigned to it, each with all their records (:mod:`fxdp.data.user_ranks`); the global batch is the one
+process's batch.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from fxdp.data.loader import DPDataLoader, _unwrapped_collate, is_empty_batch, loader_options
+from fxdp.data.user_ranks import assign_users, check_same_users
 
 UserIds = Union[Sequence[Hashable], torch.Tensor, str, Callable[[Any], Hashable]]
 
@@ -78,10 +83,15 @@ class UserPoissonBatchSampler:
     """Yields ``steps`` batches of record indices: each user (a tensor of their record indices in ``users``) with
     probability ``sample_rate``, independently; up to ``max_records_per_user`` of a sampled user's records, chosen
     at random. :attr:`told` receives the record counts of each batch's users as the batch is drawn (the loader
-    reads them back in order as it hands the batches out)."""
+    reads them back in order as it hands the batches out).
+
+    ``rank_of_user`` (across processes): the rank that trains each user; this ``rank`` then keeps only its users'
+    records of each batch, after drawing exactly what one process draws (every user's coin, every sampled user's
+    records), so that the ranks, seeded alike, stay in step and together hand out the one-process batch."""
 
     def __init__(self, users: List[torch.Tensor], sample_rate: float, steps: int, max_records_per_user: int,
-                 generator: Optional[torch.Generator] = None):
+                 generator: Optional[torch.Generator] = None, *, rank: int = 0,
+                 rank_of_user: Optional[torch.Tensor] = None):
         if not users:
             raise ValueError("fxdp: user-level sampling needs at least one user")
         if not 0.0 < sample_rate <= 1.0:
@@ -94,6 +104,8 @@ class UserPoissonBatchSampler:
         self.steps = int(steps)
         self.max_records_per_user = max_records_per_user
         self.generator = generator
+        self.rank = rank
+        self.rank_of_user = None if rank_of_user is None else rank_of_user.tolist()
         self.told: Deque[torch.Tensor] = collections.deque()
 
     @property
@@ -113,6 +125,8 @@ class UserPoissonBatchSampler:
                 records = self.users[u]
                 if records.numel() > k:  # k of them, uniformly without replacement, afresh at each step
                     records = records[torch.randperm(records.numel(), generator=self.generator)[:k]]
+                if self.rank_of_user is not None and self.rank_of_user[u] != self.rank:
+                    continue  # another rank's user (drawn all the same: the ranks' generators stay in step)
                 batch.append(records)
                 counts.append(records.numel())
             self.told.append(torch.tensor(counts, dtype=torch.long))
@@ -123,24 +137,29 @@ class UserLevelDataLoader(DPDataLoader):
     """A :class:`~fxdp.data.DPDataLoader` sampling users (see the module docstring): ``sample_rate`` is the rate q
     at which each USER joins a batch; ``user_ids`` names each record's user (:func:`records_by_user`);
     ``max_records_per_user`` is k. Build one from an ordinary loader with :meth:`from_data_loader`.
-    Not with ``distributed=True`` or ``padded_batches`` yet."""
+    ``distributed=True``: each rank hands out its users' share of the batch (:mod:`fxdp.data.user_ranks`);
+    :attr:`rank_of_user` says which rank trains each user. Not with ``padded_batches`` yet."""
 
     privacy_unit = "user"
 
     def __init__(self, dataset: Dataset, *, user_ids: UserIds, max_records_per_user: int, sample_rate: float,
                  steps: Optional[int] = None, distributed: bool = False, padded_batches: Union[bool, int] = False,
                  **kwargs: Any):
-        if distributed:
-            raise ValueError("fxdp: user-level sampling across processes (distributed=True, DDP, FSDP) is not "
-                             "supported yet; train in one process, or with privacy_unit='example'")
         if padded_batches:
             raise ValueError("fxdp: user-level sampling does not pad its batches yet; pass padded_batches=False")
         self.users = records_by_user(dataset, user_ids)
         self.max_records_per_user = max_records_per_user
-        super().__init__(dataset, sample_rate=sample_rate, steps=steps, **kwargs)
+        self.rank_of_user: Optional[torch.Tensor] = None  # across processes: the rank that trains each user
+        super().__init__(dataset, sample_rate=sample_rate, steps=steps, distributed=distributed, **kwargs)
 
     def _batch_sampler(self, num_samples, sample_rate, steps, generator, rank, world_size):
-        return UserPoissonBatchSampler(self.users, sample_rate, steps, self.max_records_per_user, generator)
+        sampler = UserPoissonBatchSampler(self.users, sample_rate, steps, self.max_records_per_user, generator)
+        if world_size > 1:  # the same users on every rank (checked), each trained by the rank assigned to it
+            check_same_users(self.users, rank, world_size)
+            self.rank_of_user = assign_users(self.users, world_size, self.max_records_per_user)
+            sampler = UserPoissonBatchSampler(self.users, sample_rate, steps, self.max_records_per_user, generator,
+                                              rank=rank, rank_of_user=self.rank_of_user)
+        return sampler
 
     @property
     def num_users(self) -> int:
@@ -149,7 +168,8 @@ class UserLevelDataLoader(DPDataLoader):
     @property
     def expected_users(self) -> int:
         """The expected number of users per batch (``q`` times the number of users), rounded, at least 1: the
-        ``"mean"`` loss normaliser of user-level training."""
+        ``"mean"`` loss normaliser of user-level training. Across processes, of the global batch (every rank counts
+        every user), as one process would divide."""
         return max(1, round(self.sample_rate * self.num_users))
 
     @property

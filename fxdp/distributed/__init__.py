@@ -13,12 +13,16 @@ A model sharded with FSDP2 (``fully_shard``) is trained as FSDP runs it, with ea
 reduce-scattered into its shards: :mod:`fxdp.distributed.fsdp` (the model side) and
 :mod:`fxdp.distributed.sharded_optimizer` (``FullyShardedDPOptimizer``).
 ``global_batch_size``         the global batch of a non-Poisson loader with a DistributedSampler
+
+User-level DP-SGD (``privacy_unit="user"``) across processes: :mod:`fxdp.distributed.user_level`
+(``DistributedUserLevelDPOptimizer``, ``FullyShardedUserLevelDPOptimizer``), each user trained by one rank.
 """
 
 from fxdp.distributed.data import check_poisson_group, global_batch_size
 from fxdp.distributed.model import DPDistributedDataParallel, bucket_bytes_of, split_data_parallel, wrap_like
 from fxdp.distributed.optimizer import DistributedDPOptimizer
 from fxdp.distributed.sharded_optimizer import FullyShardedDPOptimizer
+from fxdp.distributed.user_level import DistributedUserLevelDPOptimizer, FullyShardedUserLevelDPOptimizer
 
 
 class DistributedDPOptimizerFastGradientClipping(DistributedDPOptimizer):
@@ -35,6 +39,7 @@ class SimpleDistributedPerLayerOptimizer(DistributedDPOptimizer):
 
 
 __all__ = ["DPDistributedDataParallel", "DistributedDPOptimizer", "FullyShardedDPOptimizer",
+           "DistributedUserLevelDPOptimizer", "FullyShardedUserLevelDPOptimizer",
            "DistributedDPOptimizerFastGradientClipping",
            "SimpleDistributedPerLayerOptimizer", "bucket_bytes_of", "check_poisson_group", "global_batch_size",
            "split_data_parallel", "wrap_like"]

@@ -92,6 +92,12 @@ class ShardedSink(GradientSink):
         params = list(params)
         return self._rekey(params, self.inner.squared_norms(self._keys(params)), "per-sample gradients")
 
+    def grouped_squared_norms(self, params, groups, num_groups):
+        """(user-level privacy) As the model's sink forms them, under the sharded parameters."""
+        params = list(params)
+        norms = self.inner.grouped_squared_norms(self._keys(params), groups, num_groups)
+        return self._rekey(params, norms, "per-user squared norms")
+
     def _factors(self, factors):
         out = dict(factors)
         for p, c in factors.items():
