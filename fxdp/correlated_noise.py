@@ -23,8 +23,8 @@ For BLT noise (:mod:`fxdp.optim.correlated.blt`), without amplification:
 Across processes (DDP, FSDP2) the cyclic loader gives each rank its share of the batches one process draws
 (:mod:`fxdp.data.cyclic`) and the noise is one process's (:mod:`fxdp.optim.correlated.processes`).
 
-Refused (no analysis here covers them yet): a loader kept as it is (``poisson_sampling=False``), padded batches, an engine whose accountant already recorded steps or is not PLD-based (``"rdp"``,
-``"gdp"``).
+Refused (no analysis here covers them yet): a loader kept as it is (``poisson_sampling=False``), padded batches,
+an engine whose accountant already recorded steps or is not PLD-based (``"rdp"``, ``"gdp"``).
 """
 
 from __future__ import annotations

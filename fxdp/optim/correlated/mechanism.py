@@ -8,10 +8,10 @@ trainable parameter, in the optimizer's order, in at least float32) and the std 
 (``noise_multiplier * sensitivity * scale``); the mechanism adds its noise in place and advances its state. Its
 state is part of the optimizer's ``state_dict``.
 
-Across processes (:mod:`fxdp.optim.correlated.processes`, :mod:`fxdp.distributed.correlated`): under DDP the one rank that adds the noise
-holds the state and the others only :meth:`NoiseMechanism.advance_`; under FSDP2 each rank holds its shard's rows of
-the state and is handed its rows of the unit draws one process would make (``add_noise_(..., draws=...)``). A
-mechanism supports this when :attr:`NoiseMechanism.across_processes` is true.
+Across processes (:mod:`fxdp.optim.correlated.processes`, :mod:`fxdp.distributed.correlated`): under DDP the one
+rank that adds the noise holds the state and the others only :meth:`NoiseMechanism.advance_`; under FSDP2 each rank
+holds its shard's rows of the state and is handed its rows of the unit draws one process would make
+(``add_noise_(..., draws=...)``). A mechanism supports this when :attr:`NoiseMechanism.across_processes` is true.
 """
 
 from __future__ import annotations
