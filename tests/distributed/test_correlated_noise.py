@@ -10,6 +10,7 @@ reference gets a loader seeded with that draw, and its batches are the union of 
 from __future__ import annotations
 
 import datetime
+import functools
 import sys
 import warnings
 from pathlib import Path
@@ -167,8 +168,10 @@ def ranks(tmp_path_factory):
     return out, launch_ranks(__file__, out, WORLD, LAUNCH_TIMEOUT_S)
 
 
+@functools.lru_cache(maxsize=None)
 def one_process(kind: str, passes: int = PASSES, noise_seed: int = NOISE_SEED):
-    """The same training in this process: a loader of the global batch size sampling from the ranks' shared seed."""
+    """The same training in this process: a loader of the global batch size sampling from the ranks' shared seed
+    (run once per arguments; the tests only read what it returns)."""
     from fxdp.privacy_engine import PrivacyEngine
 
     engine = PrivacyEngine()
