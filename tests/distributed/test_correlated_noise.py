@@ -131,20 +131,18 @@ def _rank_main(rank: int, out_dir: str, store: str) -> None:
             seen = []
             train_pass(model, opt, dp_loader, seen)
             memory = opt.noise_mechanism.memory_bytes()
+            path = f"{out_dir}/{parallel}.pt"
+            if kind == "banded":  # a checkpoint after the first pass, with the loader's sampling generator
+                sampling = dp_loader.batch_sampler.generator.get_state()
+                if parallel == "fsdp" or rank == 0:  # (FSDP2: a collective, rank 0 writes; DDP: rank 0 saves)
+                    engine.save_checkpoint(path=path, module=model, optimizer=opt)
+                dist.barrier()
             train_pass(model, opt, dp_loader, seen)
             results[parallel, kind] = dict(params=full_params(model), seen=seen, memory=memory,
                                            epsilon=engine.get_epsilon(1e-5), steps=opt.noise_mechanism.steps,
                                            types=(type(model).__name__, type(opt).__name__))
-        # stop after a pass and resume from the checkpoint in a fresh engine, model and optimizer (the loader's
-        # sampling generator carried over, so the second pass draws the same batches): the same parameters
-        engine = PrivacyEngine()
-        model, opt, dp_loader = private(engine, wrapped(parallel), loader(), "banded")
-        train_pass(model, opt, dp_loader)
-        path = f"{out_dir}/{parallel}.pt"
-        sampling = dp_loader.batch_sampler.generator.get_state()
-        if parallel == "fsdp" or rank == 0:  # (FSDP2: a collective, rank 0 writes; DDP: rank 0 saves)
-            engine.save_checkpoint(path=path, module=model, optimizer=opt)
-        dist.barrier()
+        # resumed from the checkpoint in a fresh engine, model and optimizer (the loader's sampling generator carried
+        # over, so the second pass draws the same batches): the same parameters
         engine = PrivacyEngine()
         model, opt, dp_loader = private(engine, wrapped(parallel), loader(), "banded", noise_seed=99)
         engine.load_checkpoint(path=path, module=model, optimizer=opt)
