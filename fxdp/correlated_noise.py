@@ -20,9 +20,11 @@ For BLT noise (:mod:`fxdp.optim.correlated.blt`), without amplification:
   noise ``sigma / sensitivity``), which checks the loader; ``make_private_with_epsilon`` refuses epochs needing more
   steps than the mechanism was planned for.
 
-Refused (no analysis here covers them yet): a loader kept as it is (``poisson_sampling=False``), training across
-processes, padded batches, an engine whose accountant already recorded steps or is not PLD-based (``"rdp"``,
-``"gdp"``).
+Across processes (DDP, FSDP2) the cyclic loader gives each rank its share of the batches one process draws
+(:mod:`fxdp.data.cyclic`) and the noise is one process's (:mod:`fxdp.optim.correlated.processes`).
+
+Refused (no analysis here covers them yet): a loader kept as it is (``poisson_sampling=False``), padded batches,
+an engine whose accountant already recorded steps or is not PLD-based (``"rdp"``, ``"gdp"``).
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ def check_correlated_noise(mechanism: NoiseMechanism, *, accountant: Accountant,
     problems = []
     if not poisson_sampling:
         problems.append(f"poisson_sampling=False ({label} needs its cyclic loader)")
-    if across_processes:
-        problems.append("a model trained across processes (not supported with correlated noise yet)")
+    if across_processes and not mechanism.across_processes:
+        problems.append(f"a model trained across processes (not supported with {type(mechanism).__name__} yet)")
     if padded_batches:
         problems.append("padded_batches (not supported with the cyclic loader yet)")
     if accountant_name not in _PLD_ACCOUNTANTS:
@@ -66,9 +68,10 @@ def check_correlated_noise(mechanism: NoiseMechanism, *, accountant: Accountant,
 
 
 def cyclic_loader(data_loader: DataLoader, mechanism: NoiseMechanism, generator: Optional[torch.Generator],
-                  batch_first: bool) -> Tuple[CyclicPoissonDataLoader, float, int]:
+                  batch_first: bool, distributed: bool = False) -> Tuple[CyclicPoissonDataLoader, float, int]:
     """``(loader, sample rate within a part, expected batch size)`` for ``mechanism``: ``partitions = bands`` for
-    banded MF; for BLT ``partitions = len(data_loader)`` at rate 1 (each sample in one fixed batch per pass)."""
+    banded MF; for BLT ``partitions = len(data_loader)`` at rate 1 (each sample in one fixed batch per pass).
+    ``distributed``: each rank's share of the batches (``data_loader`` is a rank's: ``len`` its share's batches)."""
     partitions = mechanism.bands if isinstance(mechanism, BandedMatrixFactorization) else max(1, len(data_loader))
     if isinstance(mechanism, BufferedLinearToeplitz) and partitions < mechanism.min_separation:
         raise ValueError(
@@ -76,7 +79,7 @@ def cyclic_loader(data_loader: DataLoader, mechanism: NoiseMechanism, generator:
             f"{partitions} batches a pass, make_private's fixed-epoch loader puts them {partitions} apart. Build "
             f"the mechanism with min_separation <= {partitions} (the batches a pass), or use smaller batches")
     loader = CyclicPoissonDataLoader.from_data_loader(data_loader, generator=generator, partitions=partitions,
-                                                      batch_first=batch_first)
+                                                      batch_first=batch_first, distributed=distributed)
     return loader, loader.sample_rate, max(1, round(loader.expected_batch_size))
 
 

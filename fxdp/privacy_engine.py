@@ -352,10 +352,10 @@ class PrivacyEngine:
         if poisson_sampling:
             # secure mode: the sampler is a torch generator, seeded from the OS's cryptographic source
             generator = torch.Generator().manual_seed(secure_seed()) if self.secure_mode else None
-            if mechanism is not None:  # banded MF: cyclic Poisson sampling, partitions = bands
-                return cyclic_loader(data_loader, mechanism, generator, batch_first)
             if ddp is not None:  # one shared mask over the global dataset, each rank its share
                 check_poisson_group(ddp.process_group)
+            if mechanism is not None:  # banded MF: cyclic Poisson sampling, partitions = bands
+                return cyclic_loader(data_loader, mechanism, generator, batch_first, distributed=ddp is not None)
             loader_class = DPGraphDataLoader if is_graph_loader(data_loader) else DPDataLoader  # PyG: fxdp/graphs
             dp_loader = loader_class.from_data_loader(data_loader, generator=generator, distributed=ddp is not None,
                                                       padded_batches=padded_batches, batch_first=batch_first)

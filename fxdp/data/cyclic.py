@@ -11,6 +11,11 @@ Independent labels, not an equal split, so that adding or removing one sample le
 part unchanged, as the add/remove neighbouring of the accounting needs. A part's expected size is
 ``len(dataset) / b``, and a batch's expected size ``q * len(dataset) / b`` (which ``"mean"`` divides by).
 
+Across processes (``distributed=True``, what ``make_private`` builds for DDP and FSDP2) the law is the same: as for
+Poisson sampling (:class:`fxdp.data.DPDataLoader`), rank 0 draws a seed that every rank receives, every rank draws
+the same parts and the same coins from it, and rank ``r`` keeps the indices ``i`` of each batch with
+``i % world_size == r``: the union of the ranks' batches is the batch one process draws from that seed.
+
 Every pass over the loader starts the cycle at part 0, and holds a whole number of cycles
 (``steps`` a multiple of ``b``): :attr:`CyclicPoissonDataLoader.cycle_position` is the part of the batch
 handed out last, which the banded MF noise checks at every step (a pass left early would break the cycle).
@@ -33,7 +38,8 @@ class CyclicPoissonBatchSampler(Sampler[List[int]]):
     (when ``partition_of`` is not given) and then the batches."""
 
     def __init__(self, num_samples: int, sample_rate: float, steps: int, partitions: int, *,
-                 generator: Optional[torch.Generator] = None, partition_of: Optional[torch.Tensor] = None):
+                 generator: Optional[torch.Generator] = None, partition_of: Optional[torch.Tensor] = None,
+                 rank: int = 0, world_size: int = 1):
         if num_samples <= 0:
             raise ValueError(f"fxdp: CyclicPoissonBatchSampler needs a non-empty dataset, got {num_samples} samples")
         if not 0.0 < sample_rate <= 1.0:
@@ -43,6 +49,12 @@ class CyclicPoissonBatchSampler(Sampler[List[int]]):
         if not isinstance(steps, int) or steps < 0 or steps % partitions:
             raise ValueError(f"fxdp: a cyclic Poisson pass holds a whole number of cycles: steps must be a multiple of "
                              f"partitions={partitions}, got steps={steps!r}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"fxdp: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        if world_size > 1 and generator is None:
+            raise ValueError("fxdp: with world_size > 1 every rank must draw the same parts and coins: pass a "
+                             "torch.Generator seeded alike on every rank (CyclicPoissonDataLoader(distributed=True) "
+                             "does)")
         if partition_of is None:
             partition_of = torch.randint(partitions, (num_samples,), generator=generator,
                                          device=generator.device if generator is not None else None).cpu()
@@ -53,6 +65,7 @@ class CyclicPoissonBatchSampler(Sampler[List[int]]):
                              f"({num_samples}), got a tensor of shape {tuple(partition_of.shape)}")
         self.num_samples, self.sample_rate, self.steps = int(num_samples), float(sample_rate), int(steps)
         self.partitions, self.generator = partitions, generator
+        self.rank, self.world_size = int(rank), int(world_size)
         self.partition_of = partition_of.to(torch.int64)
 
     @property
@@ -67,7 +80,10 @@ class CyclicPoissonBatchSampler(Sampler[List[int]]):
         for step in range(self.steps):
             device = self.generator.device if self.generator is not None else None
             coins = torch.rand(self.num_samples, generator=self.generator, device=device).cpu() < self.sample_rate
-            yield (coins & (self.partition_of == step % self.partitions)).nonzero().flatten().tolist()
+            indices = (coins & (self.partition_of == step % self.partitions)).nonzero().flatten()
+            if self.world_size > 1:  # this rank's share of the batch one process draws
+                indices = indices[indices % self.world_size == self.rank]
+            yield indices.tolist()
 
 
 class CyclicPoissonDataLoader(DPDataLoader):
@@ -83,15 +99,16 @@ class CyclicPoissonDataLoader(DPDataLoader):
         partition_of: a saved assignment of samples to parts (:attr:`partition_of` of the loader of an earlier
             run), to resume it; drawn from ``generator`` otherwise.
 
-    Not across processes, nor with padded batches, yet.
+    ``distributed=True``: each rank's share of the batches one process draws (see the module docstring); the
+    expected batch size is the global one. Not with padded batches yet.
     """
 
     def __init__(self, dataset: Dataset, *, sample_rate: float, partitions: int, steps: Optional[int] = None,
                  partition_of: Optional[torch.Tensor] = None, generator: Optional[torch.Generator] = None,
                  distributed: bool = False, padded_batches: bool = False, **loader_kwargs: Any):
-        if distributed or padded_batches:
-            raise ValueError("fxdp: CyclicPoissonDataLoader does not support distributed=True nor padded_batches "
-                             "yet; use it in one process, without padding")
+        if padded_batches:
+            raise ValueError("fxdp: CyclicPoissonDataLoader does not support padded_batches yet; use it without "
+                             "padding")
         if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
             raise ValueError(f"fxdp: partitions must be an int >= 1, got {partitions!r}")
         self.partitions = partitions
@@ -99,11 +116,12 @@ class CyclicPoissonDataLoader(DPDataLoader):
         self.cycle_position: Optional[int] = None  # the part of the batch handed out last
         if steps is None and 0 < sample_rate <= 1:
             steps = partitions * max(1, round(1.0 / sample_rate))
-        super().__init__(dataset, sample_rate=sample_rate, steps=steps, generator=generator, **loader_kwargs)
+        super().__init__(dataset, sample_rate=sample_rate, steps=steps, generator=generator, distributed=distributed,
+                         **loader_kwargs)
 
     def _batch_sampler(self, num_samples, sample_rate, steps, generator, rank, world_size) -> CyclicPoissonBatchSampler:
         return CyclicPoissonBatchSampler(num_samples, sample_rate, steps, self.partitions, generator=generator,
-                                         partition_of=self._partition_of)
+                                         partition_of=self._partition_of, rank=rank, world_size=world_size)
 
     @property
     def partition_of(self) -> torch.Tensor:

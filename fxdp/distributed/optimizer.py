@@ -46,6 +46,8 @@ class DistributedDPOptimizer(DPOptimizer):
     ``torch.nn.parallel.DistributedDataParallel``.
     """
 
+    _MECHANISM_READY = ("_adds_noise", "_reduce")  # a noise mechanism's noise kept: rank 0 holds it and adds it
+
     def __init__(
         self,
         optimizer: Optimizer,

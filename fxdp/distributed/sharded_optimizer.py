@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from fxdp.distributed.correlated import add_sharded_mechanism_noise, gathered_mechanism_state, sharded_mechanism_state
 from fxdp.optim import DPOptimizer
 from fxdp.errors import StepRefusedError
 from fxdp.optim.noise import add_gaussian_noise_
@@ -144,6 +145,8 @@ class FullyShardedDPOptimizer(DPOptimizer):
     :class:`~fxdp.distributed.fsdp.ShardingPlan`; ``expected_batch_size`` the *global* one. Other
     arguments are :class:`~fxdp.optim.DPOptimizer`'s. ``PrivacyEngine.make_private`` builds one."""
 
+    _MECHANISM_READY = ("_scaled_sums", "_add_noise", "_set_grads")  # a noise mechanism's noise kept (sharded)
+
     def __init__(self, optimizer: Optimizer, *, plan, sink: Optional[GradientSink] = None, **kwargs: Any):
         super().__init__(optimizer, sink=ShardedSink(sink if sink is not None else GradSampleSink(), plan.gathered),
                          **kwargs)
@@ -184,6 +187,8 @@ class FullyShardedDPOptimizer(DPOptimizer):
 
     def _add_noise(self, params: List[nn.Parameter], shards: List[torch.Tensor], std: float) -> None:
         """Each parameter's noise drawn whole, in order, as one process draws it; this rank adds its rows."""
+        if self.noise_mechanism is not None:  # correlated noise: this rank's rows of its state (distributed.correlated)
+            return add_sharded_mechanism_noise(self, params, shards, std)
         if std <= 0:
             return
         for p, shard in zip(params, shards):
@@ -241,6 +246,7 @@ class FullyShardedDPOptimizer(DPOptimizer):
 
         self.plan.root.reshard()  # (gathered after a forward under no_grad)
         state = super().state_dict()
+        state["fxdp"]["noise_mechanism"] = gathered_mechanism_state(self, state["fxdp"]["noise_mechanism"])
         state["optimizer"] = get_optimizer_state_dict(
             self.plan.root, self.original_optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state
@@ -255,7 +261,9 @@ class FullyShardedDPOptimizer(DPOptimizer):
 
         set_optimizer_state_dict(self.plan.root, self.original_optimizer, state_dict["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
-        super().load_state_dict({"optimizer": self.original_optimizer.state_dict(), "fxdp": state_dict["fxdp"]})
+        own = dict(state_dict["fxdp"])
+        own["noise_mechanism"] = sharded_mechanism_state(self, own.get("noise_mechanism"))
+        super().load_state_dict({"optimizer": self.original_optimizer.state_dict(), "fxdp": own})
 
     def __repr__(self) -> str:
         return f"FullySharded{super().__repr__()[:-1]},\n  rank={self.rank}, world_size={self.world_size})"

@@ -54,6 +54,7 @@ from torch.optim import Optimizer
 
 from fxdp.optim.correlated.mechanism import (NoiseMechanism, mechanism_state, noise_mechanism_from,
                                              restore_mechanism_state)
+from fxdp.optim.correlated.processes import check_noise_path
 from fxdp.optim.extension_points import OpacusExtensionPoints
 from fxdp.optim.step_checks import StepChecks, stacked_norms
 from fxdp.optim.noise import add_gaussian_noise_all_
@@ -142,11 +143,8 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         self.max_grad_norm = max_grad_norm
         self._check_settings()
         self.noise_mechanism: Optional[NoiseMechanism] = noise_mechanism_from(noise_mechanism)  # None: independent
-        if self.noise_mechanism is not None and (self._overrides or any(
-                getattr(type(self), m) is not getattr(DPOptimizer, m) for m in _NOISE_PATH)):
-            raise PrivacySettingError(f"fxdp: {type(self).__name__} forms or adds its noise its own way; the noise "
-                                      f"mechanism {self.noise_mechanism.name!r} needs the DPOptimizer's own step, in "
-                                      "one process (noise_mechanism='gaussian' here)")
+        if self.noise_mechanism is not None:  # (DDP's and FSDP2's overrides keep its noise: fxdp.optim.correlated)
+            check_noise_path(type(self), DPOptimizer, self._overrides, _NOISE_PATH, self.noise_mechanism)
         if set(self._overrides) - {"scale_grad"}:
             warnings.warn(
                 f"fxdp: {type(self).__name__} overrides {', '.join(self._overrides)}: its step runs them. fxdp's "
@@ -517,7 +515,9 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
     def _add_noise(self, params: List[nn.Parameter], grads: List[torch.Tensor], std: float) -> None:
         """N(0, std^2) added in place to each of ``grads`` (``params``' gradients), in the parameters' order (or as
         the noise mechanism adds it)."""
-        if self.noise_mechanism is not None:  # correlated noise (fxdp.optim.correlated): its state advances each step
+        if self.noise_mechanism is not None and not self._adds_noise():  # another process adds it (DDP's rank 0)
+            self.noise_mechanism.advance_()
+        elif self.noise_mechanism is not None:  # correlated noise (fxdp.optim.correlated): its state advances
             self.noise_mechanism.add_noise_(grads, std, secure_mode=self.secure_mode, generator=self.generator)
         elif std > 0:  # in the parameters' order; the large ones' blocks drawn in parallel
             add_gaussian_noise_all_(grads, std, secure_mode=self.secure_mode, generator=self.generator)

@@ -63,3 +63,19 @@ def test_what_is_refused():
     with pytest.raises(ValueError, match="padded_batches"):
         CyclicPoissonDataLoader(dataset(), sample_rate=0.5, partitions=2, padded_batches=True)
     assert isinstance(CyclicPoissonDataLoader(dataset(), sample_rate=0.5, partitions=2), DPDataLoader)
+
+
+def test_across_processes_the_ranks_shares_are_the_batches_of_one_process():
+    """Two ranks with generators seeded alike: the same parts, and each batch of one process split between them
+    (rank r keeps the indices i with i % 2 == r), disjoint: the same global law."""
+    alone = CyclicPoissonBatchSampler(50, 0.4, 12, 3, generator=torch.Generator().manual_seed(5))
+    ranks = [CyclicPoissonBatchSampler(50, 0.4, 12, 3, generator=torch.Generator().manual_seed(5), rank=r,
+                                       world_size=2) for r in range(2)]
+    assert all(torch.equal(r.partition_of, alone.partition_of) for r in ranks)
+    batches = list(alone)
+    assert sum(map(len, batches)) > 0
+    for batch, share0, share1 in zip(batches, *ranks):
+        assert all(i % 2 == 0 for i in share0) and all(i % 2 == 1 for i in share1)
+        assert sorted(share0 + share1) == batch
+    with pytest.raises(ValueError, match="seeded alike on every rank"):
+        CyclicPoissonBatchSampler(50, 0.4, 12, 3, rank=0, world_size=2)

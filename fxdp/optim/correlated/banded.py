@@ -34,7 +34,7 @@ import torch
 
 from fxdp.optim.correlated.cycle import FollowsCycle
 from fxdp.optim.correlated.mechanism import NoiseMechanism
-from fxdp.optim.noise import add_gaussian_noise_all_
+from fxdp.optim.correlated.processes import check_noise_state, unit_draws
 from fxdp.sinks.contract import PrivacySettingError, StepRefusedError
 
 
@@ -113,6 +113,8 @@ class BandedMatrixFactorization(FollowsCycle, NoiseMechanism):
 
     name = "banded_mf"
     _label = "banded MF"
+    across_processes = True
+    per_parameter_state = ("history",)
 
     def __init__(self, bands: Optional[int] = None, *, coefficients: Optional[Sequence[float]] = None):
         if coefficients is None:
@@ -149,13 +151,12 @@ class BandedMatrixFactorization(FollowsCycle, NoiseMechanism):
         return "so that they meet disjoint bands of C"
 
     def add_noise_(self, outs: List[torch.Tensor], std: float, *, secure_mode: bool = False,
-                   generator: Optional[torch.Generator] = None) -> None:
+                   generator: Optional[torch.Generator] = None, draws: Optional[List[torch.Tensor]] = None) -> None:
         self._check_cycle()
         if self._history and [tuple(h.shape) for h in self._history[0]] != [tuple(o.shape) for o in outs]:
             raise StepRefusedError("fxdp: the trainable parameters changed since the banded MF noise began (its "
                                    "state holds one noise vector per parameter); keep them for the whole run")
-        draws = [torch.zeros_like(out) for out in outs]  # z_t, then w_t in place
-        add_gaussian_noise_all_(draws, 1.0, secure_mode=secure_mode, generator=generator)
+        draws = unit_draws(outs, draws, secure_mode=secure_mode, generator=generator, label=self._label)  # z_t, w_t
         c = self.coefficients
         for k, (out, w) in enumerate(zip(outs, draws)):
             for j, earlier in enumerate(self._history, start=1):
@@ -168,6 +169,11 @@ class BandedMatrixFactorization(FollowsCycle, NoiseMechanism):
             self._history = [draws] + self._history[:self.bands - 2]
         self.steps += 1
 
+    def advance_(self) -> None:
+        self._check_cycle()
+        self._history = []  # (a rank that adds no noise keeps none, even one loaded from rank 0's checkpoint)
+        self.steps += 1
+
     def state_dict(self) -> Dict[str, Any]:
         return {"coefficients": list(self.coefficients), **self._cycle_state(),
                 "history": [[t.clone() for t in step] for step in self._history]}
@@ -176,6 +182,7 @@ class BandedMatrixFactorization(FollowsCycle, NoiseMechanism):
         if tuple(state["coefficients"]) != self.coefficients:
             raise ValueError(f"fxdp: the checkpoint's banded MF coefficients {state['coefficients']} differ from "
                              f"this mechanism's {list(self.coefficients)}; build it with the checkpoint's")
+        check_noise_state(self._label, state["steps"], len(state["history"]), min(state["steps"], self.bands - 1))
         self._load_cycle_state(state)
         self._history = [[t.clone() for t in step] for step in state["history"]]
 

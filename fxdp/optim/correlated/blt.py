@@ -41,7 +41,7 @@ import torch
 from fxdp.optim.correlated.banded import _product, _series_inverse
 from fxdp.optim.correlated.cycle import FollowsCycle
 from fxdp.optim.correlated.mechanism import NoiseMechanism
-from fxdp.optim.noise import add_gaussian_noise_all_
+from fxdp.optim.correlated.processes import check_noise_state, unit_draws
 from fxdp.sinks.contract import PrivacySettingError, StepRefusedError
 
 ERRORS = ("total", "max")
@@ -172,6 +172,8 @@ class BufferedLinearToeplitz(FollowsCycle, NoiseMechanism):
 
     name = "blt"
     _label = "BLT"
+    across_processes = True
+    per_parameter_state = ("buffers",)
 
     def __init__(self, theta: Sequence[float], omega: Sequence[float], *, steps: int,
                  min_separation: Optional[int] = None):
@@ -225,13 +227,12 @@ class BufferedLinearToeplitz(FollowsCycle, NoiseMechanism):
                 "with steps= the whole run's number of steps")
 
     def add_noise_(self, outs: List[torch.Tensor], std: float, *, secure_mode: bool = False,
-                   generator: Optional[torch.Generator] = None) -> None:
+                   generator: Optional[torch.Generator] = None, draws: Optional[List[torch.Tensor]] = None) -> None:
         self.check_step()
         if self._buffers and [tuple(u.shape) for u in self._buffers[0]] != [tuple(o.shape) for o in outs]:
             raise StepRefusedError("fxdp: the trainable parameters changed since the BLT noise began (its state holds "
                                    "buffers per parameter); keep them for the whole run")
-        draws = [torch.zeros_like(out) for out in outs]  # z_t, then w_t in place
-        add_gaussian_noise_all_(draws, 1.0, secure_mode=secure_mode, generator=generator)
+        draws = unit_draws(outs, draws, secure_mode=secure_mode, generator=generator, label=self._label)  # z_t, w_t
         if not self._buffers:
             self._buffers = [[torch.zeros_like(out) for out in outs] for _ in self.theta]
         for k, (out, w) in enumerate(zip(outs, draws)):
@@ -241,6 +242,11 @@ class BufferedLinearToeplitz(FollowsCycle, NoiseMechanism):
                 buffer[k].mul_(theta).add_(w)
             if std != 0:  # C normalised by its sensitivity: its inverse's noise is ``scale`` times C^-1 z
                 out.add_(w, alpha=std * self.scale)
+        self.steps += 1
+
+    def advance_(self) -> None:
+        self.check_step()
+        self._buffers = []  # (a rank that adds no noise keeps none, even one loaded from rank 0's checkpoint)
         self.steps += 1
 
     def state_dict(self) -> Dict[str, Any]:
@@ -254,6 +260,7 @@ class BufferedLinearToeplitz(FollowsCycle, NoiseMechanism):
         if saved != mine:
             raise ValueError(f"fxdp: the checkpoint's BLT (theta, omega, steps, min_separation) {saved} differs from "
                              f"this mechanism's {mine}; build it with the checkpoint's")
+        check_noise_state(self._label, state["steps"], len(state["buffers"]), self.buffers if state["steps"] else 0)
         self._load_cycle_state(state)
         self._buffers = [[t.clone() for t in buffer] for buffer in state["buffers"]]
 

@@ -7,12 +7,17 @@ optimizer keeps no mechanism object then (``optimizer.noise_mechanism is None``)
 trainable parameter, in the optimizer's order, in at least float32) and the std of DP-SGD's noise for them
 (``noise_multiplier * sensitivity * scale``); the mechanism adds its noise in place and advances its state. Its
 state is part of the optimizer's ``state_dict``.
+
+Across processes (:mod:`fxdp.optim.correlated.processes`, :mod:`fxdp.distributed.correlated`): under DDP the one
+rank that adds the noise holds the state and the others only :meth:`NoiseMechanism.advance_`; under FSDP2 each rank
+holds its shard's rows of the state and is handed its rows of the unit draws one process would make
+(``add_noise_(..., draws=...)``). A mechanism supports this when :attr:`NoiseMechanism.across_processes` is true.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -26,12 +31,26 @@ class NoiseMechanism(abc.ABC):
 
     #: a short name, for messages and checkpoints
     name: str = ""
+    #: whether it can train across processes (:meth:`advance_`, ``draws=``; see the module docstring)
+    across_processes: bool = False
+    #: the keys of :meth:`state_dict` holding lists of per-parameter lists (one tensor per trainable parameter, in
+    #: order, each of its parameter's shape): what a sharded optimizer gathers into whole tensors and slices back
+    per_parameter_state: Tuple[str, ...] = ()
 
     @abc.abstractmethod
     def add_noise_(self, outs: List[torch.Tensor], std: float, *, secure_mode: bool = False,
-                   generator: Optional[torch.Generator] = None) -> None:
+                   generator: Optional[torch.Generator] = None,
+                   draws: Optional[List[torch.Tensor]] = None) -> None:
         """Add this step's noise to each of ``outs`` in place and advance the state by one step. ``std``: the std
-        of DP-SGD's independent noise for these tensors; a correlated mechanism scales its unit noise by it."""
+        of DP-SGD's independent noise for these tensors; a correlated mechanism scales its unit noise by it.
+        ``draws``: this step's unit Gaussian draws, one per ``outs`` of its shape, made by the caller (a sharded
+        optimizer's rows of the draws of one process) instead of drawn here."""
+
+    def advance_(self) -> None:
+        """Advance the state by one step without adding noise, on a process whose step's noise another process
+        adds (DDP's ranks other than 0): the step's checks run, nothing is drawn and no noise state is kept."""
+        raise PrivacySettingError(f"fxdp: the {self.name!r} noise mechanism does not support training across "
+                                  "processes yet; train in one process")
 
     @abc.abstractmethod
     def state_dict(self) -> Dict[str, Any]:
