@@ -186,3 +186,17 @@ def test_blt_audit_catches_a_clipping_bound_ten_times_too_large(monkeypatch):
     monkeypatch.setattr(DPOptimizer, "_clip_factors", _clip_at_ten_c)
     broken = _audit(2.0, _blt())
     assert broken.epsilon_lower > broken.epsilon_claimed and not broken.consistent
+
+
+def test_command_line_audit_of_a_banded_mf_run(capsys):
+    from fxdp.cli import main
+
+    code = main(["audit", "--noise-multiplier", "1", "--epochs", "1", "--canaries", "50", "--batch-size", "256",
+                 "--noise", "banded-mf", "--bands", "2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "noise: BandedMatrixFactorization(bands=2" in out
+    assert "epsilon lower bound" in out and "among 50 canaries" in out
+    # banded MF is accounted with PLD only: an RDP claim is refused, with the reason
+    assert main(["audit", "--noise-multiplier", "1", "--noise", "banded-mf", "--accountant", "rdp"]) == 2
+    assert "accounted with PLD" in capsys.readouterr().err

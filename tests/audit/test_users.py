@@ -144,3 +144,16 @@ def test_user_level_audit_settings_are_checked():
     with pytest.raises(ValueError, match="input canaries audit example-level runs"):
         one_run(_mlp(), data, noise_multiplier=1.0, max_grad_norm=1.0, batch_size=64, epochs=1, canaries=10,
                 canary="input", privacy_unit="user", user_ids=list(range(len(data))), max_records_per_user=2)
+
+
+def test_command_line_audit_of_a_user_level_run(capsys):
+    from fxdp.cli import main
+
+    code = main(["audit", "--noise-multiplier", "1", "--epochs", "1", "--canaries", "50", "--batch-size", "256",
+                 "--privacy-unit", "user", "--records-per-user", "6", "--max-records-per-user", "4"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "users: 300 of 6 records, up to 4 a step; canary users of 4 records" in out
+    assert "epsilon lower bound" in out and "among 50 canaries" in out
+    assert main(["audit", "--noise-multiplier", "1", "--privacy-unit", "user", "--records-per-user", "0"]) == 2
+    assert "--records-per-user must be at least 1" in capsys.readouterr().err
