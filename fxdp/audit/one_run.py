@@ -4,9 +4,10 @@ The run is the ordinary private run — Poisson sampling, per-sample clipping at
 Gaussian noise ``noise_multiplier * max_grad_norm``, the accountant — with ``canaries`` extra records,
 each in the training set with probability 1/2. A user-level run (``privacy_unit="user"``) hides canary
 users instead, all of whose records are in or out together (:mod:`fxdp.audit.users`); a run with correlated
-noise (``noise_mechanism=``) puts the canaries in its cyclic loader's parts (:mod:`fxdp.audit.correlated`). Afterwards the auditor guesses which canaries were in
-(:func:`fxdp.audit.bound.best_guesses`) and turns its success into a lower bound on epsilon
-(:func:`fxdp.audit.bound.epsilon_lower_bound`), reported next to the accountant's epsilon.
+noise (``noise_mechanism=``) puts the canaries in its cyclic loader's parts (:mod:`fxdp.audit.correlated`).
+Afterwards the auditor guesses which canaries were in (:func:`fxdp.audit.bound.best_guesses`) and turns its
+success into a lower bound on epsilon (:func:`fxdp.audit.bound.epsilon_lower_bound`), reported next to the
+accountant's epsilon.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def one_run(
     if not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"fxdp.audit: epochs must be a positive int, got {epochs!r}")
     by_user = privacy_unit == "user"
-    correlated = noise_mechanism is not None and not (isinstance(noise_mechanism, str) and noise_mechanism == "gaussian")
+    correlated = not (noise_mechanism is None or (isinstance(noise_mechanism, str) and noise_mechanism == "gaussian"))
     if canary == "input" and (by_user or correlated):
         raise ValueError("fxdp.audit: input canaries audit example-level runs with independent noise only; audit a "
                          "user-level or correlated-noise run with canary='gradient'")
