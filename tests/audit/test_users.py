@@ -157,3 +157,14 @@ def test_command_line_audit_of_a_user_level_run(capsys):
     assert "epsilon lower bound" in out and "among 50 canaries" in out
     assert main(["audit", "--noise-multiplier", "1", "--privacy-unit", "user", "--records-per-user", "0"]) == 2
     assert "--records-per-user must be at least 1" in capsys.readouterr().err
+
+
+def test_canary_users_join_steps_that_sample_no_real_user():
+    # 10 users of 4 records at q = 1/10: about a third of the 30 steps sample no real user (0.9^10 = 0.35); the
+    # canary users still join those steps, alone, and without noise the audit finds them.
+    data, _ = digits()
+    small = torch.utils.data.Subset(data, range(40))
+    result = one_run(_mlp(), small, noise_multiplier=0.0, max_grad_norm=1.0, batch_size=4, epochs=3, canaries=40,
+                     privacy_unit="user", user_ids=[i // 4 for i in range(40)], max_records_per_user=4)
+    assert result.epsilon_claimed == math.inf
+    assert result.epsilon_lower > 1.0 and result.correct >= result.guesses - 1
