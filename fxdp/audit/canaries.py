@@ -39,15 +39,20 @@ class CanarySink(GradientSink):
     ``sample_rate`` (the rate of the real data). Until the next :meth:`draw`, every read appends those
     canaries as extra rows: zeros for the model's parameters, ``norm * e_j`` for ``block``. The rows
     are spent by :meth:`clipped_sums` (once per step, whatever the number of physical batches).
+    ``records`` rows per canary that joins (default 1; several for the canary users of a user-level
+    audit, :mod:`fxdp.audit.users`): canary ``j``'s rows are consecutive, each ``norm * e_j``.
     """
 
     def __init__(self, inner: GradientSink, block: nn.Parameter, members: torch.Tensor, *, norm: float,
-                 sample_rate: float, generator: torch.Generator):
+                 sample_rate: float, generator: torch.Generator, records: int = 1):
         if block.dim() != 1 or block.numel() != members.numel():
             raise ValueError(f"fxdp.audit: the canary block must have shape ({members.numel()},), one "
                              f"coordinate per canary; got {tuple(block.shape)}")
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"fxdp.audit: sample_rate must lie in (0, 1], got {sample_rate}")
+        if isinstance(records, bool) or not isinstance(records, int) or records < 1:
+            raise ValueError(f"fxdp.audit: records per canary must be an int >= 1, got {records!r}")
+        self.records = records
         self.inner = inner
         self.block = block
         self.members = members.bool()
@@ -57,9 +62,12 @@ class CanarySink(GradientSink):
         self.active = torch.zeros(0, dtype=torch.long)  # canaries in the current step
         self.appearances = torch.zeros(members.numel(), dtype=torch.long)  # steps each canary joined
 
-    def draw(self) -> torch.Tensor:
-        """Choose the canaries of the next step: each member joins with probability ``sample_rate``."""
+    def draw(self, eligible: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Choose the canaries of the next step: each member joins with probability ``sample_rate`` (only those
+        ``eligible`` marks, when given: the canaries of the part a cyclic loader samples this step)."""
         joins = torch.rand(self.members.numel(), generator=self.generator) < self.sample_rate
+        if eligible is not None:
+            joins &= eligible.bool()
         self.active = torch.nonzero(joins & self.members).flatten()
         self.appearances[self.active] += 1
         return self.active
@@ -82,7 +90,7 @@ class CanarySink(GradientSink):
     def squared_norms(self, params):
         ordinary, with_block = self._split(params)
         norms = self.inner.squared_norms(ordinary)
-        n_real, k = self._real_rows(norms), len(self.active)
+        n_real, k = self._real_rows(norms), len(self.active) * self.records
         out = {p: torch.cat([n, n.new_zeros(k)]) for p, n in norms.items()}
         if with_block:
             rows = self.block.new_zeros(n_real + k)
@@ -92,13 +100,14 @@ class CanarySink(GradientSink):
 
     def clipped_sums(self, params, factors):
         ordinary, with_block = self._split(params)
-        k = len(self.active)
+        k = len(self.active) * self.records
         real_factors = {p: f[: f.shape[0] - k] for p, f in factors.items() if p is not self.block}
         sums = self.inner.clipped_sums(ordinary, real_factors)
         if with_block and self.block in factors:
             f = factors[self.block]
             total = self.block.new_zeros(self.block.shape)
-            total[self.active.to(total.device)] = f[f.shape[0] - k:].to(total.dtype) * self.norm
+            rows_of = self.active.repeat_interleave(self.records).to(total.device)  # each canary row's canary
+            total.index_add_(0, rows_of, f[f.shape[0] - k:].to(total.dtype) * self.norm)
             sums[self.block] = total
         self.active = self.active[:0]  # spent: later physical batches of this step carry none
         return sums
