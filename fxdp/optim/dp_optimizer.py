@@ -506,7 +506,7 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
                 grad = torch.zeros(p.shape, dtype=dtype, device=p.device)
             elif grad.dtype != dtype or grad.shape != p.shape:  # (the usual sum is both already: two calls spared)
                 grad = grad.to(dtype).reshape(p.shape)
-            earlier = self._summed.pop(p, None)
+            earlier = self._summed.pop(p, None) if self._summed else None
             if earlier is not None:
                 grad.add_(earlier.view_as(grad), alpha=scale)
             if keep_summed:
