@@ -456,6 +456,8 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         stacked = kept[1] if kept is not None and kept[0] is norms else stacked_norms(norms)
         total = stacked.sum(0) if stacked is not None else sum(wide(sq).to(device) for sq in norms.values())
         factor = clip_factor(self._max_grad_norm, total.sqrt())
+        if stacked is not None:  # (all norms on the factor's device: the one tensor for every parameter)
+            return dict.fromkeys(norms, factor)
         return {p: factor.to(sq.device) for p, sq in norms.items()}
 
     def _write_private_grads(self, params: List[nn.Parameter], factors: Dict[nn.Parameter, torch.Tensor]) -> None:

@@ -130,8 +130,8 @@ class BookkeepingSink(GradientSink):
         out = registration.uses(Captured(module, params, a, g_raw, scale, plan.method), self)
         if out is None:  # the registration has no form for this call after all
             return _materialised(capture, module)
-        for p, use in out.items():
-            if plan.method == "per_sample" and p.numel() <= a[0].numel() + g_raw[0].numel():
+        for p, use in out.items() if plan.method == "per_sample" else ():
+            if p.numel() <= a[0].numel() + g_raw[0].numel():
                 # its per-sample gradient is formed for the norm anyway and is smaller than A and G: keep it
                 # now (A and G are freed as backward goes on) and clip by a weighted sum, not a product
                 out[p] = Materialised(use.grad_samples())
