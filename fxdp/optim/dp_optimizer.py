@@ -454,6 +454,8 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         stacked = kept[1] if kept is not None and kept[0] is norms else stacked_norms(norms)
         total = stacked.sum(0) if stacked is not None else sum(wide(sq).to(device) for sq in norms.values())
         factor = clip_factor(self._max_grad_norm, total.sqrt())
+        if stacked is not None:  # (all norms on the factor's device: the one tensor for every parameter)
+            return dict.fromkeys(norms, factor)
         return {p: factor.to(sq.device) for p, sq in norms.items()}
 
     def _write_private_grads(self, params: List[nn.Parameter], factors: Dict[nn.Parameter, torch.Tensor]) -> None:
@@ -504,7 +506,7 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
                 grad = torch.zeros(p.shape, dtype=dtype, device=p.device)
             elif grad.dtype != dtype or grad.shape != p.shape:  # (the usual sum is both already: two calls spared)
                 grad = grad.to(dtype).reshape(p.shape)
-            earlier = self._summed.pop(p, None)
+            earlier = self._summed.pop(p, None) if self._summed else None
             if earlier is not None:
                 grad.add_(earlier.view_as(grad), alpha=scale)
             if keep_summed:

@@ -40,6 +40,9 @@ class StepChecks:
 
     def _check_rows(self, norms: Dict[nn.Parameter, torch.Tensor]) -> int:
         """Every parameter must have one row per sample seen since the last step."""
+        first = next(iter(norms.values()), None)
+        if first is None or all(sq.shape[0] == first.shape[0] for sq in norms.values()):
+            return 0 if first is None else first.shape[0]  # (the usual case: no dict of rows formed)
         rows = {p: sq.shape[0] for p, sq in norms.items()}
         if len(set(rows.values())) > 1:
             (p1, n1), *others = rows.items()

@@ -137,8 +137,9 @@ class LinearBookkeeping(LayerBookkeeping):
         a, g, scale = captured.a, captured.g, captured.scale
         # small layers on (N, d): formed with the others alike in one batched kernel (see lanes.py)
         laned = captured.method == "outer" and small(a, g)
+        bias = captured.module.bias
         for p in captured.params:
-            if p is captured.module.bias:  # summed over the middle positions (G itself on (N, p))
+            if p is bias:  # summed over the middle positions (G itself on (N, p))
                 if laned:
                     lane = sink.lane(("bias", g.shape[0], p.shape, g.dtype, g.device, scale),
                                      lambda: GradSampleLane(scale))

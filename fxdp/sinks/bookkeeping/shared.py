@@ -72,6 +72,6 @@ def ghost_groups(pending: Dict[nn.Parameter, List[Use]], key, taken=()) -> List[
     the groups of two or more (their uses read one tensor, whose Gram matrix serves them all)."""
     groups: Dict[tuple, List[nn.Parameter]] = {}
     for p, uses in pending.items():
-        if p not in taken and len(uses) == 1 and isinstance(uses[0], LinearWeight) and uses[0].method == "ghost":
+        if len(uses) == 1 and isinstance(uses[0], LinearWeight) and uses[0].method == "ghost" and p not in taken:
             groups.setdefault(key(uses[0]), []).append(p)
     return [params for params in groups.values() if len(params) > 1]

@@ -58,6 +58,7 @@ class BookkeepingSink(GradientSink):
         self._lanes: Dict[int, dict] = {}  # graph task -> lanes of that pass (small uses formed together, lanes.py)
         self._step = StepCalls()
         self._registrations: Dict[nn.Module, tuple] = {}  # layer -> (lookup stamp, its registration): _registration
+        self._plans_kept: Dict[nn.Module, tuple] = {}  # layer -> its last plan and what it was made from: _plan
 
     # Layers it can book-keep run without their weight gradient in backward (only input gradients
     # flow, see fxdp/runtime/bookkeeping_calls.py): the optimizer writes ``p.grad`` from the clipped sums.
@@ -113,14 +114,11 @@ class BookkeepingSink(GradientSink):
         module, unscaled, scale = capture.module, capture.backprops_unscaled, capture.backprops_scale
         acts = [a for a in capture.activations if isinstance(a, torch.Tensor)]
         registration = self._registration(module)
-        plan = plan_with(registration, module, [a.shape for a in acts], None if unscaled is None else unscaled.shape,
-                         self.method)
-        if module is not None:
-            self.plans[module] = plan
         params = tuple(p for p in capture.params if p.requires_grad)
+        plan, uncovered = self._plan(registration, module, acts, unscaled, params)
         # a materialising registration may still form the per-sample gradients of small layers together (lanes.py)
         together = plan.method == "materialise" and registration is not None and registration.forms_small_together
-        if (plan.method == "materialise" and not together) or _uncovered(registration, module, params):
+        if (plan.method == "materialise" and not together) or uncovered:
             return _materialised(capture, module)
         # norms and clipped sums in at least float32 (see wide); A and G of hand-written rules come widened already
         a, g_raw = wide(acts[0].detach()), wide(unscaled.detach())
@@ -132,12 +130,31 @@ class BookkeepingSink(GradientSink):
         out = registration.uses(Captured(module, params, a, g_raw, scale, plan.method), self)
         if out is None:  # the registration has no form for this call after all
             return _materialised(capture, module)
-        for p, use in out.items():
-            if plan.method == "per_sample" and p.numel() <= a[0].numel() + g_raw[0].numel():
+        for p, use in out.items() if plan.method == "per_sample" else ():
+            if p.numel() <= a[0].numel() + g_raw[0].numel():
                 # its per-sample gradient is formed for the norm anyway and is smaller than A and G: keep it
                 # now (A and G are freed as backward goes on) and clip by a weighted sum, not a product
                 out[p] = Materialised(use.grad_samples())
         return out
+
+    def _plan(self, registration, module, acts, unscaled, params) -> tuple:
+        """``(the layer's plan, whether a trainable parameter is one its registration does not cover)``, remembered per
+        layer for the next call with the same registration, shapes, method and parameters, as the registration's
+        ``params`` covers them now (compared by id: the objects are kept with the answer, so no id is reused)."""
+        shapes = (tuple(a.shape for a in acts), None if unscaled is None else unscaled.shape, self.method)
+        covered = () if registration is None or module is None else tuple(registration.params(module))
+        key = (id(registration), shapes, tuple(map(id, params)), tuple(map(id, covered)))
+        kept = None if module is None or torch.compiler.is_dynamo_compiling() else self._plans_kept.get(module)
+        if kept is not None and kept[0] == key:
+            plan, uncovered = kept[1], kept[2]
+        else:
+            plan = plan_with(registration, module, list(shapes[0]), shapes[1], self.method)
+            uncovered = registration is not None and _uncovered(registration, module, params)
+            if module is not None and not torch.compiler.is_dynamo_compiling():
+                self._plans_kept[module] = (key, plan, uncovered, (registration, params, covered))  # (ids pinned)
+        if module is not None:
+            self.plans[module] = plan
+        return plan, uncovered
 
     def lane(self, key: tuple, make):
         """The lane of the running backward pass for uses alike by ``key`` (:mod:`~fxdp.sinks.bookkeeping.lanes`),
@@ -194,15 +211,16 @@ class BookkeepingSink(GradientSink):
         earlier = {p: self._segments[p] for p in pending if id(p) in self._step.params and p in self._segments}
         segments = {}
         with torch.no_grad():
-            shared = self._shared_norms({p: uses for p, uses in pending.items() if p not in earlier})
+            shared = self._shared_norms({p: uses for p, uses in pending.items() if p not in earlier} if earlier
+                                        else pending)
             for p, uses in pending.items():
                 same_batch(p, uses)
                 if len(uses) > 1:
                     self.tied[p] = len(uses)
-                if p in earlier:  # (the same path as tied uses: the norm of the per-sample sum)
+                if earlier and p in earlier:  # (the same path as tied uses: the norm of the per-sample sum)
                     uses = earlier[p].uses + uses
                     same_batch(p, uses)
-                if p in shared:
+                if shared and p in shared:
                     norms = shared[p]
                 elif len(uses) == 1:
                     norms = uses[0].squared_norms()
@@ -248,29 +266,32 @@ class BookkeepingSink(GradientSink):
             scaled = {}
             factors = {p: scaled[id(c)] if id(c) in scaled else scaled.setdefault(id(c), c * alpha)
                        for p, c in factors.items()}
-        out = {}
+        out = [None] * len(params)
+        segments = self._segments
         with torch.no_grad():
             uses = self._uses_with_factors(params, factors)
             shared = clipped_sums_of_shared_g(uses)
             clipped_sums_in_lanes(uses, skip=shared)
-            for p in reversed(params):
-                if uses.get(p):
-                    out[p] = _clipped_sum(uses.pop(p), shared).reshape(p.shape)
-                with self._lock:
-                    self._segments.pop(p, None)  # its last records: its A and G go with them
-        self.clear(params)
-        return {p: out[p] for p in params if p in out}
+            for k in range(len(params) - 1, -1, -1):
+                p = params[k]
+                taken = uses.pop(p, None)
+                if taken:
+                    out[k] = _clipped_sum(taken, shared).reshape(p.shape)
+                segments.pop(p, None)  # its last records: its A and G go with them (one pop: atomic, no lock)
+        self.clear(())  # (every parameter's records are dropped already)
+        return {p: s for p, s in zip(params, out) if s is not None}
 
     def _uses_with_factors(self, params, factors) -> Dict[nn.Parameter, List[tuple]]:
         """``{p: [(use, its samples' clip factors), ...]}`` over every use of ``p`` recorded since the last
         clear, for the parameters with records and factors."""
         self._step.check_readable()
         out = {}
+        segments = self._segments
         for p in params:
-            segment = self._segments.get(p)
-            if p not in factors or segment is None:
+            segment = segments.get(p)
+            c = None if segment is None else factors.get(p)
+            if c is None:
                 continue
-            c = factors[p]
             if c.shape != segment.norms.shape:
                 raise ValueError(
                     f"fxdp: clip factors of shape {tuple(c.shape)} for a parameter of shape {tuple(p.shape)} "

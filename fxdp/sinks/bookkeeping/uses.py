@@ -92,6 +92,8 @@ class Segment:
 
 
 def same_batch(param: nn.Parameter, uses: List[Use]) -> int:
+    if len(uses) == 1:
+        return uses[0].batch_size
     sizes = {u.batch_size for u in uses}
     if len(sizes) != 1:
         raise PerSampleError(
