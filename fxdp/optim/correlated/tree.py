@@ -25,7 +25,9 @@ step). A step is in at most one released interval per level, so ``C``'s largest 
 ``b`` or more steps apart (at most ``k = ceil(n / b)`` among ``n``), two steps ``d`` apart share at most
 ``u(d) = max(0, h - ceil(log2(d + 1)))`` intervals (one of length ``> d`` per level), a non-increasing function
 of ``d``; so ``||sum of k columns||^2 = sum_(i,j) <col_i, col_j> <= k h + 2 sum_(m=1..k-1) (k - m) u(m b)``: an
-upper bound (the tests compare it with the brute-force maximum), which the accounting uses.
+upper bound. Where ``n`` is small enough, the (often tighter) bound of Choquette-Choo et al. 2023's Algorithm 4
+on the explicit ``C^T C`` is computed too and the smaller one used (:func:`tree_sensitivity`; the tests compare
+both with the brute-force maximum and with jax_privacy's).
 """
 
 from __future__ import annotations
@@ -67,10 +69,17 @@ def tree_height(n: int) -> int:
     return n.bit_length()
 
 
+# Above this many additions (a few seconds on one busy core), the bound of Choquette-Choo et al.'s Algorithm 4 is
+# not computed and the closed-form one alone is used
+_ALGORITHM_4_WORK = 2 * 10 ** 7
+
+
 def tree_sensitivity(n: int, min_separation: Optional[int] = None) -> float:
     """The sensitivity of tree aggregation's ``C`` over ``n`` steps: exact (``sqrt(floor(log2 n) + 1)``) for one
-    participation (``min_separation`` None or ``>= n``), an upper bound for participations ``min_separation`` or
-    more apart (module docstring)."""
+    participation (``min_separation`` None or ``>= n``); for participations ``min_separation`` or more apart an
+    upper bound, the smaller of the closed form of the module docstring and, where ``n^2 k`` is small enough
+    (:data:`_ALGORITHM_4_WORK`), the bound of Choquette-Choo et al. 2023 (arXiv:2306.08153, Algorithm 4, which
+    jax_privacy's ``get_min_sep_sensitivity_upper_bound`` also computes) on the explicit ``C^T C``."""
     _check_plan(n, min_separation)
     h = tree_height(n)
     b = min_separation or n
@@ -79,7 +88,24 @@ def tree_sensitivity(n: int, min_separation: Optional[int] = None) -> float:
     for m in range(1, k):
         d = m * b
         total += 2 * (k - m) * max(0, h - math.ceil(math.log2(d + 1)))
+    if k > 1 and n * n * k <= _ALGORITHM_4_WORK:
+        C, _ = tree_matrices(n)
+        X = C.T @ C  # non-negative: <col_i, col_j>
+        row_max = _max_over_patterns(X, b, k)  # per row i, the largest sum of X[i, S] over patterns S
+        total = min(total, float(_max_over_patterns(row_max[None, :], b, k)[0]))
     return math.sqrt(total)
+
+
+def _max_over_patterns(x: torch.Tensor, b: int, k: int) -> torch.Tensor:
+    """For each row of ``x``, the largest ``sum(x[row, S])`` over sets ``S`` of at most ``k`` indices, consecutive
+    ones ``b`` or more apart (Algorithm 3 of Choquette-Choo et al. 2023, a dynamic programme over ``k``):
+    ``f[i]`` is the best over the indices ``>= i`` with one participation more each round."""
+    rows, n = x.shape
+    f = x.new_zeros(rows, n + b)
+    for _ in range(k):
+        f[:, :n] = x + f[:, b:]
+        f = torch.flip(torch.cummax(torch.flip(f, [1]), 1).values, [1])
+    return f[:, 0]
 
 
 class TreeAggregation(FollowsCycle, NoiseMechanism):
@@ -101,6 +127,7 @@ class TreeAggregation(FollowsCycle, NoiseMechanism):
     def __init__(self, *, steps: int, min_separation: Optional[int] = None):
         _check_plan(steps, min_separation)
         self.planned_steps, self.min_separation = steps, min_separation or steps
+        self._sensitivity = tree_sensitivity(steps, min_separation)
         self.steps = 0  # noise draws made
         # the node noises of the decomposition of ``steps``: (interval length, one tensor per parameter), longest
         # (earliest) first
@@ -109,8 +136,8 @@ class TreeAggregation(FollowsCycle, NoiseMechanism):
 
     @property
     def sensitivity(self) -> float:
-        """:func:`tree_sensitivity` over the planned steps and pattern."""
-        return tree_sensitivity(self.planned_steps, self.min_separation)
+        """:func:`tree_sensitivity` over the planned steps and pattern (computed once, at construction)."""
+        return self._sensitivity
 
     @property
     def max_participations(self) -> int:
