@@ -234,13 +234,16 @@ class BufferedLinearToeplitz(FollowsCycle, NoiseMechanism):
         add_gaussian_noise_all_(draws, 1.0, secure_mode=secure_mode, generator=generator)
         if not self._buffers:
             self._buffers = [[torch.zeros_like(out) for out in outs] for _ in self.theta]
-        for k, (out, w) in enumerate(zip(outs, draws)):
-            for omega, buffer in zip(self.omega, self._buffers):
-                w.sub_(buffer[k], alpha=omega)
-            for theta, buffer in zip(self.theta, self._buffers):
-                buffer[k].mul_(theta).add_(w)
-            if std != 0:  # C normalised by its sensitivity: its inverse's noise is ``scale`` times C^-1 z
-                out.add_(w, alpha=std * self.scale)
+        # the same elementwise operations, in the same order for each value, as one loop per parameter of
+        # w.sub_(u_i, alpha=omega_i) ...; u_i.mul_(theta_i).add_(w) ...; out.add_(w, alpha=...): one call each for
+        # all parameters (values unchanged, bit for bit)
+        for omega, buffer in zip(self.omega, self._buffers):
+            torch._foreach_sub_(draws, buffer, alpha=omega)
+        for theta, buffer in zip(self.theta, self._buffers):
+            torch._foreach_mul_(buffer, theta)
+            torch._foreach_add_(buffer, draws)
+        if std != 0:  # C normalised by its sensitivity: its inverse's noise is ``scale`` times C^-1 z
+            torch._foreach_add_(list(outs), draws, alpha=std * self.scale)
         self.steps += 1
 
     def state_dict(self) -> Dict[str, Any]:
