@@ -8,6 +8,8 @@ model, the book-keeping sink, fxdp's ``DPOptimizer``):
 - ``plain``: plain PyTorch (forward, backward, SGD step), the floor;
 - ``gaussian``: fxdp's DP step with independent noise (``noise_mechanism="gaussian"``, the default);
 - ``blt``: the same step with ``BufferedLinearToeplitz`` noise of ``--buffers`` buffers;
+- ``blt-loop``: the same BLT noise computed as before the ``torch._foreach_*`` change, one loop over the parameters
+  of per-tensor operations (the same values; :class:`LoopBLT`), to measure what that change bought;
 - ``banded``: with ``BandedMatrixFactorization(--bands)`` noise;
 - ``tree``: with ``TreeAggregation`` noise (at most ``log2(steps) + 1`` node noises kept).
 
@@ -16,7 +18,7 @@ step; the cycle check itself is timed). The ratios printed are each engine's med
 one's. Each model runs in a fresh process of its own (as dp_step_speed.py).
 
 Usage: python benchmarks/correlated_step_speed.py [--repeats 20] [--cpu-time] [--threads 2]
-       [--models mlp,cnn,resnet,transformer,lstm] [--engines blt,banded,tree] [--buffers 4] [--bands 8]
+       [--models mlp,cnn,resnet,transformer,lstm] [--engines blt,blt-loop,banded,tree] [--buffers 4] [--bands 8]
 (``--cpu-time``: one intra-op thread, each step timed by that thread's CPU time: steadier on a shared machine.)
 """
 
@@ -50,9 +52,31 @@ THETA = [0.999, 0.99, 0.95, 0.8, 0.6, 0.4, 0.2, 0.1]
 OMEGA = [0.05, 0.1, 0.1, 0.1, 0.1, 0.05, 0.05, 0.05]
 
 
+class LoopBLT(BufferedLinearToeplitz):
+    """BLT noise computed with a Python loop over the parameters, per-tensor operations (fxdp's code before it used
+    ``torch._foreach_*``; the same values, tests/optim/correlated/test_blt.py checks them bit for bit)."""
+
+    def add_noise_(self, outs, std, *, secure_mode=False, generator=None):
+        from fxdp.optim.noise import add_gaussian_noise_all_
+
+        self.check_step()
+        draws = [torch.zeros_like(out) for out in outs]
+        add_gaussian_noise_all_(draws, 1.0, secure_mode=secure_mode, generator=generator)
+        if not self._buffers:
+            self._buffers = [[torch.zeros_like(out) for out in outs] for _ in self.theta]
+        for k, (out, w) in enumerate(zip(outs, draws)):
+            for omega, buffer in zip(self.omega, self._buffers):
+                w.sub_(buffer[k], alpha=omega)
+            for theta, buffer in zip(self.theta, self._buffers):
+                buffer[k].mul_(theta).add_(w)
+            out.add_(w, alpha=std * self.scale)
+        self.steps += 1
+
+
 def mechanism(name: str, buffers: int, bands: int):
-    if name == "blt":
-        return BufferedLinearToeplitz(THETA[:buffers], OMEGA[:buffers], steps=PLANNED)
+    if name in ("blt", "blt-loop"):
+        return (BufferedLinearToeplitz if name == "blt" else LoopBLT)(THETA[:buffers], OMEGA[:buffers],
+                                                                       steps=PLANNED)
     if name == "banded":
         return BandedMatrixFactorization(bands)
     if name == "tree":
@@ -89,7 +113,8 @@ def measure(name: str, repeats: int, engines, buffers: int, bands: int, clock) -
     steps = {engine: make(copy.deepcopy(model), x, y) for engine, make in makers.items()}
     ms = models.median_ms(steps, repeats, clock=clock)
     parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    labels = {"blt": f"blt ({buffers} buffers)", "banded": f"banded ({bands} bands)"}
+    labels = {"blt": f"blt ({buffers} buffers)", "blt-loop": f"blt-loop ({buffers} buffers)",
+              "banded": f"banded ({bands} bands)"}
     return [[name, parameters, labels.get(e, e), f"{ms[e]:.2f}", f"{ms[e] / ms['plain']:.3f}",
              f"{ms[e] / ms['gaussian']:.3f}"] for e in makers]
 
@@ -103,7 +128,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cpu-time", action="store_true")
     parser.add_argument("--models", default="mlp,cnn,resnet,transformer,lstm")
-    parser.add_argument("--engines", default="blt,banded,tree")
+    parser.add_argument("--engines", default="blt,blt-loop,banded,tree")
     parser.add_argument("--buffers", type=int, default=4)
     parser.add_argument("--bands", type=int, default=8)
     parser.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
