@@ -15,7 +15,10 @@ model, the book-keeping sink, fxdp's ``DPOptimizer``):
 
 The mechanisms are set to follow a cycle that every step continues (the benchmark feeds the same batch each
 step; the cycle check itself is timed). The ratios printed are each engine's median step over the ``gaussian``
-one's. Each model runs in a fresh process of its own (as dp_step_speed.py).
+one's. Each model runs in a fresh process of its own (as dp_step_speed.py). On a shared machine the step medians
+vary by several percent between engines that do the same work; the noise of one step is therefore also timed
+alone (the fastest of 60 calls), and its extra cost over the independent draw added to the gaussian step's median
+("implied vs gaussian"): the ratio the correlated noise costs, less disturbed by the machine.
 
 Usage: python benchmarks/correlated_step_speed.py [--repeats 20] [--cpu-time] [--threads 2]
        [--models mlp,cnn,resnet,transformer,lstm] [--engines blt,blt-loop,banded,tree] [--buffers 4] [--bands 8]
@@ -112,11 +115,38 @@ def measure(name: str, repeats: int, engines, buffers: int, bands: int, clock) -
     x, y = make_x(n), torch.randint(0, classes, (n,))
     steps = {engine: make(copy.deepcopy(model), x, y) for engine, make in makers.items()}
     ms = models.median_ms(steps, repeats, clock=clock)
+    noise = noise_ms(model, engines, buffers, bands, clock)
     parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     labels = {"blt": f"blt ({buffers} buffers)", "blt-loop": f"blt-loop ({buffers} buffers)",
               "banded": f"banded ({bands} bands)"}
-    return [[name, parameters, labels.get(e, e), f"{ms[e]:.2f}", f"{ms[e] / ms['plain']:.3f}",
-             f"{ms[e] / ms['gaussian']:.3f}"] for e in makers]
+    rows = []
+    for e in makers:
+        extra = "" if e == "plain" else f"{noise[e] - noise['gaussian']:.3f}"
+        implied = "" if e == "plain" else f"{(ms['gaussian'] + noise[e] - noise['gaussian']) / ms['gaussian']:.3f}"
+        rows.append([name, parameters, labels.get(e, e), f"{ms[e]:.2f}", f"{ms[e] / ms['plain']:.3f}",
+                     f"{ms[e] / ms['gaussian']:.3f}", "" if e == "plain" else f"{noise[e]:.3f}", extra, implied])
+    return rows
+
+
+def noise_ms(model, engines, buffers: int, bands: int, clock, repeats: int = 60) -> dict:
+    """The noise of one step alone, on zero tensors shaped as the model's parameters: the fastest of ``repeats``
+    calls, engines taking turns (the minimum: what the work costs when the shared machine lets it run; the step
+    medians above carry the machine's noise). ``gaussian``: fxdp's independent draw (add_gaussian_noise_all_)."""
+    from fxdp.optim.noise import add_gaussian_noise_all_
+
+    grads = [torch.zeros_like(p) for p in model.parameters() if p.requires_grad]
+    calls = {"gaussian": lambda: add_gaussian_noise_all_(grads, NOISE * CLIP)}
+    for e in engines:
+        mech = mechanism(e, buffers, bands)
+        mech.follow_cycle(lambda mech=mech: mech.steps % mech._separation, mech._separation)
+        calls[e] = lambda mech=mech: mech.add_noise_(grads, NOISE * CLIP)
+    best = {e: float("inf") for e in calls}
+    for _ in range(repeats):
+        for e, call in calls.items():
+            t0 = clock()
+            call()
+            best[e] = min(best[e], clock() - t0)
+    return {e: t * 1e3 for e, t in best.items()}
 
 
 ROWS = "rows of one model: "
@@ -151,8 +181,10 @@ def main() -> None:
     timed = "CPU time of the one thread" if args.cpu_time else f"wall time, {args.threads} threads"
     print(f"torch {torch.__version__}, {timed}, median of {args.repeats} steps per engine, engines taking turns, "
           "each model in its own process")
-    print(tabulate(rows, headers=["model", "parameters", "engine", "ms/step", "vs plain", "vs gaussian"],
-                   tablefmt="github"))
+    print(tabulate(rows, headers=["model", "parameters", "engine", "ms/step", "vs plain", "vs gaussian",
+                                  "noise ms (min)", "noise - gaussian's", "implied vs gaussian"], tablefmt="github"))
+    print("implied vs gaussian: (the gaussian step's median + this noise's extra cost, measured alone) / the gaussian "
+          "step's median")
 
 
 def _without_models(argv):
