@@ -92,9 +92,9 @@ def cyclic_loader(data_loader: DataLoader, mechanism: NoiseMechanism, generator:
     partitions = max(1, len(data_loader)) if unamplified else mechanism.bands
     if unamplified and partitions < mechanism.min_separation:
         raise ValueError(
-            f"fxdp: the {_label(mechanism)} noise was planned for a sample's steps {mechanism.min_separation} or more apart; with "
-            f"{partitions} batches a pass, make_private's fixed-epoch loader puts them {partitions} apart. Build "
-            f"the mechanism with min_separation <= {partitions} (the batches a pass), or use smaller batches")
+            f"fxdp: the {_label(mechanism)} noise was planned for a sample's steps {mechanism.min_separation} or more "
+            f"apart; with {partitions} batches a pass, make_private's fixed-epoch loader puts them {partitions} apart. "
+            f"Build the mechanism with min_separation <= {partitions} (the batches a pass), or use smaller batches")
     loader = CyclicPoissonDataLoader.from_data_loader(data_loader, generator=generator, partitions=partitions,
                                                       batch_first=batch_first)
     return loader, loader.sample_rate, max(1, round(loader.expected_batch_size))
