@@ -11,13 +11,16 @@ For banded MF noise (:mod:`fxdp.optim.correlated.banded`) with amplification:
   the loader;
 - ``make_private_with_epsilon`` calibrates sigma for that accountant's composition.
 
-For BLT noise (:mod:`fxdp.optim.correlated.blt`), without amplification:
+For BLT noise (:mod:`fxdp.optim.correlated.blt`), banded MF planned for a number of steps
+(``BandedMatrixFactorization(bands, steps=n, min_separation=b)``) and tree aggregation
+(:mod:`fxdp.optim.correlated.tree`), all without amplification (min-separation participation):
 
 - the loader becomes a cyclic loader of ``partitions = len(loader)`` and sample rate 1 (fixed-epoch participation:
   each sample in one fixed batch per pass, its steps ``len(loader)`` apart), refused when the mechanism was planned
   for a larger minimum separation;
-- the engine's accountant becomes a :class:`fxdp.accounting.MinSeparationBLTAccountant` (one Gaussian event of
-  noise ``sigma / sensitivity``), which checks the loader; ``make_private_with_epsilon`` refuses epochs needing more
+- the engine's accountant becomes a :class:`fxdp.accounting.MinSeparationBLTAccountant` (or its banded MF and tree
+  variants, :mod:`fxdp.accounting.min_separation`: one Gaussian event of noise ``sigma / sensitivity``), which
+  checks the loader; ``make_private_with_epsilon`` refuses epochs needing more
   steps than the mechanism was planned for.
 
 Across processes (DDP, FSDP2) the cyclic loader gives each rank its share of the batches one process draws
@@ -38,19 +41,34 @@ from torch.utils.data import DataLoader
 from fxdp.accounting import CyclicPoissonBandedMFAccountant, get_noise_multiplier, steps_in_epochs
 from fxdp.accounting.accountant import Accountant
 from fxdp.accounting.blt import MinSeparationBLTAccountant, blt_noise_multiplier
+from fxdp.accounting.min_separation import MinSeparationBandedMFAccountant, MinSeparationTreeAccountant
 from fxdp.data import CyclicPoissonDataLoader
-from fxdp.optim.correlated import BandedMatrixFactorization, BufferedLinearToeplitz, NoiseMechanism
+from fxdp.optim.correlated import BandedMatrixFactorization, BufferedLinearToeplitz, NoiseMechanism, TreeAggregation
 
 _PLD_ACCOUNTANTS = ("pld", "prv")
+_MIN_SEPARATION_ACCOUNTANTS = {"blt": MinSeparationBLTAccountant, "banded_mf": MinSeparationBandedMFAccountant,
+                               "tree": MinSeparationTreeAccountant}
+
+
+def without_amplification(mechanism: NoiseMechanism) -> bool:
+    """Whether ``mechanism`` is accounted under min-separation participation, without amplification (BLT, tree
+    aggregation, banded MF built with ``steps=``), rather than with cyclic Poisson amplification (banded MF)."""
+    return isinstance(mechanism, (BufferedLinearToeplitz, TreeAggregation)) or (
+        isinstance(mechanism, BandedMatrixFactorization) and not mechanism.amplified)
+
+
+def _label(mechanism: NoiseMechanism) -> str:
+    return {"blt": "BLT", "tree": "tree aggregation"}.get(mechanism.name, "banded MF")
 
 
 def check_correlated_noise(mechanism: NoiseMechanism, *, accountant: Accountant, accountant_name: str,
                            poisson_sampling: bool, padded_batches: Any, across_processes: bool) -> None:
     """Refuse, before anything is compiled, a setting whose privacy no analysis here covers."""
-    if not isinstance(mechanism, (BandedMatrixFactorization, BufferedLinearToeplitz)):
-        raise ValueError(f"fxdp: make_private knows how to sample and account for BandedMatrixFactorization and "
-                         f"BufferedLinearToeplitz noise; {type(mechanism).__name__} has no accountant here yet")
-    label = "BLT" if isinstance(mechanism, BufferedLinearToeplitz) else "banded MF"
+    if not isinstance(mechanism, (BandedMatrixFactorization, BufferedLinearToeplitz, TreeAggregation)):
+        raise ValueError(f"fxdp: make_private knows how to sample and account for BandedMatrixFactorization, "
+                         f"BufferedLinearToeplitz and TreeAggregation noise; {type(mechanism).__name__} has no "
+                         "accountant here yet")
+    label = _label(mechanism)
     problems = []
     if not poisson_sampling:
         problems.append(f"poisson_sampling=False ({label} needs its cyclic loader)")
@@ -70,14 +88,16 @@ def check_correlated_noise(mechanism: NoiseMechanism, *, accountant: Accountant,
 def cyclic_loader(data_loader: DataLoader, mechanism: NoiseMechanism, generator: Optional[torch.Generator],
                   batch_first: bool, distributed: bool = False) -> Tuple[CyclicPoissonDataLoader, float, int]:
     """``(loader, sample rate within a part, expected batch size)`` for ``mechanism``: ``partitions = bands`` for
-    banded MF; for BLT ``partitions = len(data_loader)`` at rate 1 (each sample in one fixed batch per pass).
-    ``distributed``: each rank's share of the batches (``data_loader`` is a rank's: ``len`` its share's batches)."""
-    partitions = mechanism.bands if isinstance(mechanism, BandedMatrixFactorization) else max(1, len(data_loader))
-    if isinstance(mechanism, BufferedLinearToeplitz) and partitions < mechanism.min_separation:
+    banded MF with amplification; without (BLT, tree, banded MF with ``steps``) ``partitions = len(data_loader)`` at
+    rate 1 (each sample in one fixed batch per pass). ``distributed``: each rank's share of the batches
+    (``data_loader`` is a rank's: ``len`` its share's batches)."""
+    unamplified = without_amplification(mechanism)
+    partitions = max(1, len(data_loader)) if unamplified else mechanism.bands
+    if unamplified and partitions < mechanism.min_separation:
         raise ValueError(
-            f"fxdp: the BLT noise was planned for a sample's steps {mechanism.min_separation} or more apart; with "
-            f"{partitions} batches a pass, make_private's fixed-epoch loader puts them {partitions} apart. Build "
-            f"the mechanism with min_separation <= {partitions} (the batches a pass), or use smaller batches")
+            f"fxdp: the {_label(mechanism)} noise was planned for a sample's steps {mechanism.min_separation} or more "
+            f"apart; with {partitions} batches a pass, make_private's fixed-epoch loader puts them {partitions} apart. "
+            f"Build the mechanism with min_separation <= {partitions} (the batches a pass), or use smaller batches")
     loader = CyclicPoissonDataLoader.from_data_loader(data_loader, generator=generator, partitions=partitions,
                                                       batch_first=batch_first, distributed=distributed)
     return loader, loader.sample_rate, max(1, round(loader.expected_batch_size))
@@ -86,10 +106,10 @@ def cyclic_loader(data_loader: DataLoader, mechanism: NoiseMechanism, generator:
 def correlated_accountant(mechanism: NoiseMechanism, loader: CyclicPoissonDataLoader) -> Accountant:
     """The accountant of ``mechanism`` on ``loader``, after the mechanism is set to follow the loader's cycle."""
     accountant: Any
-    if isinstance(mechanism, BufferedLinearToeplitz):
-        accountant = MinSeparationBLTAccountant(min_separation=mechanism.min_separation,
-                                                steps=mechanism.planned_steps, partitions=loader.partitions,
-                                                sensitivity=mechanism.sensitivity)
+    if without_amplification(mechanism):
+        accountant = _MIN_SEPARATION_ACCOUNTANTS[mechanism.name](
+            min_separation=mechanism.min_separation, steps=mechanism.planned_steps, partitions=loader.partitions,
+            sensitivity=mechanism.sensitivity)
     else:
         accountant = CyclicPoissonBandedMFAccountant(bands=mechanism.bands, partitions=loader.partitions,
                                                      sensitivity=mechanism.sensitivity)
@@ -103,12 +123,14 @@ def correlated_noise_multiplier(mechanism: NoiseMechanism, data_loader: DataLoad
     """The smallest sigma (within the tolerance) for which ``epochs`` passes of the cyclic loader
     :func:`cyclic_loader` builds spend at most ``target_epsilon``: the accountant's composition is DP-SGD's
     with rate ``bands / steps per pass``, ``ceil(steps / bands)`` steps and noise ``sigma / sensitivity``. For
-    BLT, one Gaussian event of noise ``sigma / sensitivity``, if the epochs fit in the steps it was planned for."""
-    if isinstance(mechanism, BufferedLinearToeplitz):
+    mechanisms without amplification (BLT, tree, banded MF with ``steps``), one Gaussian event of noise
+    ``sigma / sensitivity``, if the epochs fit in the steps it was planned for."""
+    if without_amplification(mechanism):
         steps = steps_in_epochs(epochs * max(1, len(data_loader)), 1.0)
         if steps > mechanism.planned_steps:
-            raise ValueError(f"fxdp: {epochs} epochs of {len(data_loader)} batches are {steps} steps; the BLT noise "
-                             f"was planned for {mechanism.planned_steps}. Build it with steps={steps}")
+            raise ValueError(f"fxdp: {epochs} epochs of {len(data_loader)} batches are {steps} steps; the "
+                             f"{_label(mechanism)} noise was planned for {mechanism.planned_steps}. Build it with "
+                             f"steps={steps}")
         return blt_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
                                     sensitivity=mechanism.sensitivity, epsilon_tolerance=epsilon_tolerance)
     if not isinstance(mechanism, BandedMatrixFactorization):

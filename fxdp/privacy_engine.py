@@ -181,7 +181,8 @@ class PrivacyEngine:
         (:mod:`fxdp.compile_option`, docs/torch_compile.md).
 
         ``noise_mechanism`` (in ``optimizer_kwargs``): ``"gaussian"`` (default) or ``BandedMatrixFactorization(b)``,
-        noise correlated over b steps: the loader is then cyclic Poisson and the accountant the banded MF one
+        noise correlated over b steps: the loader is then cyclic Poisson and the accountant the banded MF one; BLT,
+        tree aggregation and banded MF with ``steps=`` get a fixed-epoch loader and min-separation accounting
         (:mod:`fxdp.correlated_noise`, docs/correlated_noise.md).
 
         ``privacy_unit="user"`` (default ``"example"``): user-level DP-SGD, ε for a user with all their records

@@ -11,7 +11,8 @@ target ε needs.
 - :class:`CyclicPoissonBandedMFAccountant`: banded matrix-factorization noise amplified by cyclic Poisson
   sampling (:mod:`fxdp.accounting.banded_mf`), through ``dp-accounting``'s PLD.
 - :class:`MinSeparationBLTAccountant`: BLT noise under min-separation participation, without amplification
-  (:mod:`fxdp.accounting.blt`).
+  (:mod:`fxdp.accounting.blt`); :class:`MinSeparationBandedMFAccountant` and :class:`MinSeparationTreeAccountant`,
+  the same analysis for banded MF without amplification and tree aggregation (:mod:`fxdp.accounting.min_separation`).
 - :func:`group_privacy_epsilon`: an example-level history's ε for a group of k records (user-level contrast).
 - :func:`create_accountant` by name (:func:`register_accountant` adds one), :func:`get_noise_multiplier` for
   calibration.
@@ -26,6 +27,7 @@ from fxdp.accounting.banded_mf import CyclicPoissonBandedMFAccountant
 from fxdp.accounting.blt import MinSeparationBLTAccountant, blt_noise_multiplier
 from fxdp.accounting.calibration import get_noise_multiplier, steps_in_epochs
 from fxdp.accounting.gdp import GDPAccountant
+from fxdp.accounting.min_separation import MinSeparationBandedMFAccountant, MinSeparationTreeAccountant
 from fxdp.accounting.group_privacy import group_privacy_epsilon
 from fxdp.accounting.pld import PLDAccountant, PRVAccountant
 from fxdp.accounting.rdp import DEFAULT_ORDERS, RDPAccountant, compute_rdp, epsilon_from_rdp
@@ -38,6 +40,8 @@ __all__ = [
     "Accountant",
     "CyclicPoissonBandedMFAccountant",
     "MinSeparationBLTAccountant",
+    "MinSeparationBandedMFAccountant",
+    "MinSeparationTreeAccountant",
     "DEFAULT_ORDERS",
     "GDPAccountant",
     "GaussianAccountant",

@@ -44,6 +44,8 @@ class MinSeparationBLTAccountant(Accountant):
     """
 
     mechanism = "blt_min_separation"
+    #: the noise it accounts, in messages, and in the saved history's ``correlated`` entry
+    noise_label, kind = "BLT", "blt"
     analyses_correlated_noise = True
 
     def __init__(self, *, min_separation: int, steps: int, partitions: int, sensitivity: float = 1.0,
@@ -54,8 +56,8 @@ class MinSeparationBLTAccountant(Accountant):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if partitions < min_separation:
-            raise ValueError(f"BLT noise planned for a minimum separation of {min_separation} steps is accounted "
-                             f"only for a cyclic loader of at least {min_separation} partitions, got "
+            raise ValueError(f"{self.noise_label} noise planned for a minimum separation of {min_separation} steps is "
+                             f"accounted only for a cyclic loader of at least {min_separation} partitions, got "
                              f"partitions={partitions}")
         check_pld_settings(sensitivity, value_discretization_interval)
         self.min_separation, self.planned_steps, self.partitions = min_separation, steps, partitions
@@ -66,10 +68,11 @@ class MinSeparationBLTAccountant(Accountant):
         """Refuse a loader whose participation this accountant does not cover: anything but a cyclic loader
         (:class:`fxdp.data.CyclicPoissonDataLoader`) of this accountant's partitions."""
         check_cyclic_loader(loader, self.partitions, lambda sampler: (
-            f"BLT noise is accounted for participation at least {self.min_separation} steps apart; this loader "
-            f"samples with {sampler}, under which a sample may take part in steps closer than that, and this ε "
-            f"would not hold. Train on fxdp.data.CyclicPoissonDataLoader(..., partitions={self.partitions}) (each "
-            "sample in one fixed part, step t drawing from part t mod partitions)"))
+            f"{self.noise_label} noise is accounted for participation at least {self.min_separation} steps apart; "
+            f"this loader samples with {sampler}, under which a sample may take part in steps closer than that, "
+            f"and this ε would not hold. Train on fxdp.data.CyclicPoissonDataLoader(..., "
+            f"partitions={self.partitions}) (each sample in one fixed part, step t drawing from part t mod "
+            "partitions)"))
 
     def dp_event(self) -> Any:
         """The ``dp-accounting`` event this run is as private as (``None`` when no step ran)."""
@@ -77,12 +80,14 @@ class MinSeparationBLTAccountant(Accountant):
         if steps == 0:
             return None
         if steps > self.planned_steps:
-            raise ValueError(f"{steps} steps were recorded; the BLT noise was normalised for {self.planned_steps}, and "
-                             "no ε is claimed past them. Plan the mechanism for the whole run (steps=)")
+            raise ValueError(f"{steps} steps were recorded; the {self.noise_label} noise was planned for "
+                             f"{self.planned_steps}, and no ε is claimed past them. Plan the mechanism for the whole "
+                             "run (steps=)")
         sigmas = {sigma for sigma, _, _ in self.history}
         if len(sigmas) > 1:
-            raise ValueError(f"BLT noise is accounted for one noise multiplier for the whole run; these steps used "
-                             f"{sorted(sigmas)}. Keep it fixed (no noise scheduler) with BLT noise")
+            raise ValueError(f"{self.noise_label} noise is accounted for one noise multiplier for the whole run; "
+                             f"these steps used {sorted(sigmas)}. Keep it fixed (no noise scheduler) with "
+                             f"{self.noise_label} noise")
         (sigma,) = sigmas
         return self._dp_accounting.GaussianDpEvent(sigma / self.sensitivity)
 
@@ -100,7 +105,7 @@ class MinSeparationBLTAccountant(Accountant):
         return float(accountant.get_epsilon(delta))
 
     def _mine(self) -> Dict[str, Any]:
-        return {"kind": "blt", "min_separation": self.min_separation, "steps": self.planned_steps,
+        return {"kind": self.kind, "min_separation": self.min_separation, "steps": self.planned_steps,
                 "partitions": self.partitions, "sensitivity": self.sensitivity}
 
     def state_dict(self, destination: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -114,7 +119,8 @@ class MinSeparationBLTAccountant(Accountant):
         saved = state_dict.get("correlated") if isinstance(state_dict, dict) else None
         if saved != self._mine():
             raise ValueError(f"the history was saved for {saved or 'independent Gaussian noise'}; this accountant "
-                             f"analyses BLT noise with {self._mine()}. Load it into an accountant of the same kind")
+                             f"analyses {self.noise_label} noise with {self._mine()}. Load it into an accountant of "
+                             "the same kind")
         super().load_state_dict(state_dict)
 
 

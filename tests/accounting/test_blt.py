@@ -36,7 +36,7 @@ def test_steps_past_the_plan_and_a_changing_noise_multiplier_are_refused():
     accountant = MinSeparationBLTAccountant(min_separation=2, steps=3, partitions=2)
     for _ in range(4):
         accountant.step(noise_multiplier=2.0, sample_rate=1.0)
-    with pytest.raises(ValueError, match="4 steps were recorded; the BLT noise was normalised for 3"):
+    with pytest.raises(ValueError, match="4 steps were recorded; the BLT noise was planned for 3"):
         accountant.get_epsilon(1e-5)
     accountant = MinSeparationBLTAccountant(min_separation=2, steps=3, partitions=2)
     accountant.step(noise_multiplier=2.0, sample_rate=1.0)

@@ -28,7 +28,7 @@ sums per unit of sensitivity, :func:`expected_prefix_sum_error`).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -106,9 +106,18 @@ class BandedMatrixFactorization(FollowsCycle, NoiseMechanism):
         coefficients: ``c_0 .. c_(b-1)`` of a banded Toeplitz ``C`` instead (``c_0 > 0``), e.g. from
             :func:`optimize_banded_toeplitz`; scaled here to unit column norm.
 
+        steps: n, to account *without amplification* (min-separation participation, as for BLT): the noise is
+            planned for ``n`` steps (a step past them is refused) and :attr:`sensitivity` is ``C``'s under a
+            participation pattern whose steps are ``min_separation`` or more apart. Without ``steps`` (the
+            default), banded MF is accounted *with amplification* by cyclic Poisson sampling.
+        min_separation: b, the fewest steps between two of a sample's steps (default ``steps``: one
+            participation); only with ``steps``. Below ``bands`` only for non-negative, non-increasing
+            coefficients (where the earliest, densest pattern is the worst one).
+
     The noise is correlated across steps, so its privacy depends on which steps a sample can take part in: the
-    mechanism draws only while it follows a cyclic Poisson loader (:meth:`follow`, which ``make_private`` calls)
-    whose ``partitions >= bands``, and refuses a step whose batch is not the next one of the cycle.
+    mechanism draws only while it follows a cyclic loader (:meth:`follow`, which ``make_private`` calls) whose
+    ``partitions >= bands`` (``>= min_separation`` without amplification), and refuses a step whose batch is not
+    the next one of the cycle.
     """
 
     name = "banded_mf"
@@ -116,7 +125,8 @@ class BandedMatrixFactorization(FollowsCycle, NoiseMechanism):
     across_processes = True
     per_parameter_state = ("history",)
 
-    def __init__(self, bands: Optional[int] = None, *, coefficients: Optional[Sequence[float]] = None):
+    def __init__(self, bands: Optional[int] = None, *, coefficients: Optional[Sequence[float]] = None,
+                 steps: Optional[int] = None, min_separation: Optional[int] = None):
         if coefficients is None:
             if bands is None:
                 raise PrivacySettingError("fxdp: BandedMatrixFactorization needs bands (or coefficients)")
@@ -131,28 +141,54 @@ class BandedMatrixFactorization(FollowsCycle, NoiseMechanism):
                                       f"invertible), got {coefficients}")
         self.coefficients = tuple(_normalised(coefficients))
         self.bands = len(self.coefficients)
+        self.planned_steps, self.min_separation = check_min_separation_plan(self.coefficients, steps, min_separation)
         self.steps = 0  # noise draws made
         self._history: List[List[torch.Tensor]] = []  # [w_(t-1), w_(t-2), ...], each one tensor per parameter
         self._init_cycle()
 
     @property
+    def amplified(self) -> bool:
+        """Whether the noise is accounted with amplification by cyclic Poisson sampling (no ``steps`` given) or
+        without, under min-separation participation (``steps`` given)."""
+        return self.planned_steps is None
+
+    @property
     def sensitivity(self) -> float:
-        """C's largest column norm: 1 after normalisation (for any number of steps >= 1)."""
-        return max_column_norm(self.coefficients, self.bands)
+        """With amplification, C's largest column norm: 1 after normalisation (for any number of steps >= 1).
+        Without, C's sensitivity over the planned steps under min-separation participation
+        (:func:`min_separation_sensitivity_of_banded`): ``sqrt(k)`` for ``k`` participations whose bands fit."""
+        if self.planned_steps is None:
+            return max_column_norm(self.coefficients, self.bands)
+        return min_separation_sensitivity_of_banded(self.coefficients, self.planned_steps, self.min_separation)
+
+    @property
+    def max_participations(self) -> int:
+        """The most steps a sample takes part in among the planned ones (1 with amplification: per cycle)."""
+        return 1 if self.planned_steps is None else -(-self.planned_steps // self.min_separation)
 
     @property
     def _separation(self) -> int:
-        return self.bands
+        return self.bands if self.planned_steps is None else self.min_separation
 
     def _separation_need(self) -> str:
-        return f"banded MF with {self.bands} bands"
+        if self.planned_steps is None:
+            return f"banded MF with {self.bands} bands"
+        return f"banded MF planned for a minimum separation of {self.min_separation}"
 
     def _separation_reason(self) -> str:
-        return "so that they meet disjoint bands of C"
+        return "so that they meet disjoint bands of C" if self.planned_steps is None else "as the accounting assumes"
+
+    def check_step(self) -> None:
+        self._check_cycle()
+        if self.planned_steps is not None and self.steps >= self.planned_steps:
+            raise StepRefusedError(
+                f"fxdp: this banded MF noise was planned (its sensitivity computed) for {self.planned_steps} steps "
+                "and all have run: a further step would release more than the accounting covers. Build the "
+                "mechanism with steps= the whole run's number of steps")
 
     def add_noise_(self, outs: List[torch.Tensor], std: float, *, secure_mode: bool = False,
                    generator: Optional[torch.Generator] = None, draws: Optional[List[torch.Tensor]] = None) -> None:
-        self._check_cycle()
+        self.check_step()
         if self._history and [tuple(h.shape) for h in self._history[0]] != [tuple(o.shape) for o in outs]:
             raise StepRefusedError("fxdp: the trainable parameters changed since the banded MF noise began (its "
                                    "state holds one noise vector per parameter); keep them for the whole run")
@@ -170,18 +206,25 @@ class BandedMatrixFactorization(FollowsCycle, NoiseMechanism):
         self.steps += 1
 
     def advance_(self) -> None:
-        self._check_cycle()
+        self.check_step()
         self._history = []  # (a rank that adds no noise keeps none, even one loaded from rank 0's checkpoint)
         self.steps += 1
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"coefficients": list(self.coefficients), **self._cycle_state(),
+        plan = {} if self.planned_steps is None else {"planned_steps": self.planned_steps,
+                                                      "min_separation": self.min_separation}
+        return {"coefficients": list(self.coefficients), **plan, **self._cycle_state(),
                 "history": [[t.clone() for t in step] for step in self._history]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if tuple(state["coefficients"]) != self.coefficients:
             raise ValueError(f"fxdp: the checkpoint's banded MF coefficients {state['coefficients']} differ from "
                              f"this mechanism's {list(self.coefficients)}; build it with the checkpoint's")
+        saved = (state.get("planned_steps"), state.get("min_separation"))
+        if saved != (self.planned_steps, self.min_separation):
+            raise ValueError(f"fxdp: the checkpoint's banded MF was planned for (steps, min_separation) {saved}, this "
+                             f"mechanism for {(self.planned_steps, self.min_separation)} ((None, None): accounted "
+                             "with amplification); build it with the checkpoint's")
         check_noise_state(self._label, state["steps"], len(state["history"]), min(state["steps"], self.bands - 1))
         self._load_cycle_state(state)
         self._history = [[t.clone() for t in step] for step in state["history"]]
@@ -192,7 +235,47 @@ class BandedMatrixFactorization(FollowsCycle, NoiseMechanism):
         return sum(t.numel() * t.element_size() for step in self._history for t in step)
 
     def __repr__(self) -> str:
-        return f"BandedMatrixFactorization(bands={self.bands}, coefficients={list(self.coefficients)})"
+        plan = "" if self.planned_steps is None else (f", steps={self.planned_steps}, "
+                                                      f"min_separation={self.min_separation}")
+        return f"BandedMatrixFactorization(bands={self.bands}, coefficients={list(self.coefficients)}{plan})"
+
+
+def min_separation_sensitivity_of_banded(coefficients: Sequence[float], n: int, min_separation: int) -> float:
+    """The banded Toeplitz ``C``'s sensitivity over ``n`` steps when a sample's steps are ``min_separation`` (b) or
+    more apart, without amplification: ``||c + S^b c + ... + S^((k-1) b) c||`` over the first ``n`` rows, the sum of
+    the columns of the earliest, densest pattern ``0, b, .., (k-1) b`` (``k = ceil(n / b)``). It is the largest
+    over all such patterns when ``b >= bands`` (the columns' supports are then disjoint: the squared norm of a sum
+    is the sum of the columns' squared norms, each at most its earlier ones'), or when the coefficients are
+    non-negative and non-increasing (McMahan et al. 2024, "Hassle-free", Theorem 2; as for BLT).
+    :func:`check_min_separation_plan` refuses other cases."""
+    c = torch.tensor([float(x) for x in coefficients][:n], dtype=torch.float64)
+    c = torch.cat([c, c.new_zeros(n - len(c))])
+    comb = torch.zeros(n, dtype=torch.float64)
+    comb[::min_separation] = 1.0  # the earliest, densest pattern: steps 0, b, 2b, ...
+    column_sum = c if min_separation >= n else _product(c, comb, n)
+    return float(torch.sqrt((column_sum * column_sum).sum()))
+
+
+def check_min_separation_plan(coefficients: Sequence[float], steps: Any,
+                              min_separation: Any) -> Tuple[Optional[int], Optional[int]]:
+    """``(steps, min_separation)`` of a banded MF accounted without amplification (``(None, None)`` with it),
+    refusing what :func:`min_separation_sensitivity_of_banded` does not cover."""
+    if steps is None:
+        if min_separation is not None:
+            raise PrivacySettingError("fxdp: BandedMatrixFactorization(min_separation=...) accounts without "
+                                      "amplification and needs steps= (the steps the noise is planned for)")
+        return None, None
+    for name, value in (("steps", steps), ("min_separation", min_separation)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise PrivacySettingError(f"fxdp: {name} must be an int >= 1, got {value!r}")
+    separation = min_separation or steps
+    monotone = all(c >= 0 for c in coefficients) and all(a >= b for a, b in zip(coefficients, coefficients[1:]))
+    if separation < len(coefficients) and separation < steps and not monotone:
+        raise PrivacySettingError(
+            f"fxdp: banded MF with {len(coefficients)} bands and min_separation={separation}: a sample's bands of C "
+            "overlap, and fxdp's sensitivity holds then only for non-negative, non-increasing coefficients; got "
+            f"{list(coefficients)}. Use min_separation >= bands, or such coefficients (sqrt_toeplitz_coefficients)")
+    return steps, separation
 
 
 def _check_bands(bands: Any) -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from fxdp.optim.correlated import (expected_prefix_sum_error, max_column_norm, optimize_banded_toeplitz,
+from fxdp.optim.correlated import (banded_toeplitz_matrix, expected_prefix_sum_error, max_column_norm,
+                                   optimize_banded_toeplitz,
                                    sqrt_toeplitz_coefficients)
 
 toeplitz = pytest.importorskip("jax_privacy.matrix_factorization.toeplitz")
@@ -75,3 +76,46 @@ def test_the_optimised_blt_is_within_one_percent_of_jax_privacys(buffers, n, min
     reference = blt_prefix_sum_error([float(t) for t in theirs.buf_decay], [float(w) for w in theirs.output_scale], n,
                                      min_separation=min_sep)
     assert mine <= 1.01 * reference
+
+
+# -- banded MF without amplification (min-separation) and tree aggregation against jax_privacy's sensitivities -----
+
+
+@pytest.mark.parametrize("n, min_sep", [(100, 4), (100, 16), (1000, 64), (250, 7), (64, 64), (64, 2)])
+def test_banded_min_separation_sensitivity_equals_jax_privacys(n, min_sep):
+    from fxdp.optim.correlated import BandedMatrixFactorization
+    sensitivity = pytest.importorskip("jax_privacy.matrix_factorization.sensitivity")
+    for coefficients in (sqrt_toeplitz_coefficients(4), sqrt_toeplitz_coefficients(16)):
+        if min_sep < len(coefficients):  # overlapping bands: non-increasing coefficients, their Theorem 2 form
+            ours = BandedMatrixFactorization(coefficients=coefficients, steps=n, min_separation=min_sep)
+            theirs = float(toeplitz.minsep_sensitivity_squared(jnp.asarray(ours.coefficients), min_sep, n=n))
+            assert ours.sensitivity ** 2 == pytest.approx(theirs, rel=1e-6)
+    # any signs, bands that do not overlap: their sensitivity of the explicit matrix C
+    skewed = [c * (1 + 0.3 * (-1) ** k) for k, c in enumerate(sqrt_toeplitz_coefficients(4))]
+    if min_sep >= len(skewed):
+        ours = BandedMatrixFactorization(coefficients=skewed, steps=n, min_separation=min_sep)
+        C = jnp.asarray(banded_toeplitz_matrix(ours.coefficients, n).numpy())
+        assert ours.sensitivity == pytest.approx(float(sensitivity.get_sensitivity_banded(C, min_sep)), rel=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 100, 1000])
+def test_tree_single_participation_sensitivity_equals_jax_privacys(n):
+    from fxdp.optim.correlated import tree_matrices, tree_sensitivity
+    sensitivity = pytest.importorskip("jax_privacy.matrix_factorization.sensitivity")
+    C = jnp.asarray(tree_matrices(n)[0].numpy())
+    assert tree_sensitivity(n) == pytest.approx(float(sensitivity.single_participation_sensitivity(C)), rel=1e-6)
+
+
+@pytest.mark.parametrize("n, min_sep", [(64, 8), (96, 32), (120, 10), (128, 1)])
+def test_tree_min_separation_bound_is_jax_privacys_and_covers_its_fixed_epoch_sensitivity(n, min_sep):
+    """fxdp's bound is jax_privacy's min-separation upper bound (Algorithm 4 of Choquette-Choo et al. 2023) on the
+    explicit tree matrix, or below it (the closed form). Fixed-epoch participation (steps j, j + b, ..) is one
+    min-separation pattern per j: jax_privacy's exact sensitivity under it is a lower bound of the min-separation
+    maximum, which fxdp's bound must cover."""
+    from fxdp.optim.correlated import tree_matrices, tree_sensitivity
+    sensitivity = pytest.importorskip("jax_privacy.matrix_factorization.sensitivity")
+    C = jnp.asarray(tree_matrices(n)[0].numpy())
+    lower = float(sensitivity.fixed_epoch_sensitivity(C, n // min_sep))
+    ours = tree_sensitivity(n, min_sep)
+    assert ours >= lower * (1 - 1e-9)
+    assert ours == pytest.approx(float(sensitivity.get_min_sep_sensitivity_upper_bound(C, min_sep)), rel=1e-6)

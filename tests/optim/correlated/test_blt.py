@@ -145,3 +145,26 @@ def test_optimised_strategies_are_cached_and_not_shared_mutably():
     assert optimize_blt_cache_info().hits == hits + 1 and second == first
     second[0].append(0.5)
     assert len(optimize_blt(1, 40, min_separation=10)[0]) == 1
+
+
+def test_the_noise_is_the_per_parameter_recurrence_bit_for_bit():
+    """add_noise_ runs the recurrence with one torch._foreach_* call per buffer for all parameters (for speed): its
+    values are those of the plain loop over parameters, w -= omega_i u_i, then u_i = theta_i u_i + w, then
+    out += std * scale * w, bit for bit, in float32 and float64 and over a large tensor."""
+    shapes, dtypes = [(70_000,), (3, 5), (7,)], [torch.float32, torch.float32, torch.float64]
+    mechanism = following(BufferedLinearToeplitz(THETA, OMEGA, steps=20, min_separation=5), 5)
+    generator, reference_generator = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    buffers = [[torch.zeros(s, dtype=d) for s, d in zip(shapes, dtypes)] for _ in THETA]
+    for _ in range(12):
+        outs = [torch.full(s, 0.5, dtype=d) for s, d in zip(shapes, dtypes)]
+        expected = [o.clone() for o in outs]
+        mechanism.add_noise_(outs, 1.3, generator=generator)
+        draws = [torch.zeros_like(o) for o in expected]
+        add_gaussian_noise_all_(draws, 1.0, generator=reference_generator)
+        for k, (out, w) in enumerate(zip(expected, draws)):
+            for omega, buffer in zip(OMEGA, buffers):
+                w.sub_(buffer[k], alpha=omega)
+            for theta, buffer in zip(THETA, buffers):
+                buffer[k].mul_(theta).add_(w)
+            out.add_(w, alpha=1.3 * mechanism.scale)
+        assert all(torch.equal(a, b) for a, b in zip(outs, expected))
