@@ -40,7 +40,10 @@ class StepChecks:
 
     def _check_rows(self, norms: Dict[nn.Parameter, torch.Tensor]) -> int:
         """Every parameter must have one row per sample seen since the last step."""
-        rows = {p: sq.shape[0] for p, sq in norms.items()}
+        return self._check_row_counts({p: sq.shape[0] for p, sq in norms.items()})
+
+    def _check_row_counts(self, rows: Dict[nn.Parameter, int]) -> int:
+        """:meth:`_check_rows` of the parameters' numbers of rows (``sink.sample_rows``)."""
         if len(set(rows.values())) > 1:
             (p1, n1), *others = rows.items()
             p2, n2 = next((p, n) for p, n in others if n != n1)
