@@ -103,11 +103,11 @@ def main() -> None:
         after = [r[0] for r in ratios[new, model]]
         rows.append([model, spread(before), spread(after), f"{statistics.median(after) / statistics.median(before):.2f}",
                      spread([r[1] for r in ratios[old, model]]), spread([r[1] for r in ratios[new, model]])])
-    what, second = ("user-level step / example-level step", "user/plain") if args.user_level else \
-        ("fxdp DP step / plain step", "memory")
+    what, first, second = (("user-level step / example-level step", "user/example", "user/plain") if args.user_level
+                           else ("fxdp DP step / plain step", "time", "memory"))
     print(f"{what}, {args.rounds} rounds of {args.repeats} steps, revisions taking turns, "
           + ("1 thread, CPU time" if args.cpu_time else f"{args.threads} threads, wall time"))
-    print(tabulate(rows, headers=["model", f"time {old}", f"time {new}", "new/old (medians)",
+    print(tabulate(rows, headers=["model", f"{first} {old}", f"{first} {new}", "new/old (medians)",
                                   f"{second} {old}", f"{second} {new}"], tablefmt="github"))
 
 

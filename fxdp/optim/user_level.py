@@ -17,9 +17,13 @@ of records before clipping (the sum would clip users with many records harder; b
 
 Refused, never silently example-level: a step whose batch did not come from a user-level loader (no user
 segments told), a batch whose records do not match the segments, skip steps (a user's records must be in one
-physical batch to be clipped as one), padded batches, and Opacus's extension-point overrides. A record whose
-per-sample gradient is not finite drops its whole user from the step (warning), as the example-level optimizer
-drops a sample.
+physical batch to be clipped as one), padded batches, and Opacus's extension-point overrides. A user whose summed
+gradient is not finite (a record's inf or NaN reaches it) is dropped whole from the step (warning), as the
+example-level optimizer drops a sample.
+
+Only per-user norms are read: when the loader tells a batch's users, the optimizer tells its sink
+(``set_grouped_norms_only``), which may then form no per-record norm, and sum each user's records once, for the
+user's norm and clipped sum alike (book-keeping: :mod:`fxdp.sinks.bookkeeping.users`).
 """
 
 from __future__ import annotations
