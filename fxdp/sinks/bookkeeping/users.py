@@ -34,7 +34,7 @@ from fxdp.diagnostics.errors import PerSampleError
 from fxdp.sinks.bookkeeping.conv import ConvWeight, _patches
 from fxdp.sinks.bookkeeping.embedding import EmbeddingWeight
 from fxdp.sinks.bookkeeping.linear import LinearWeight, ghost_norms
-from fxdp.sinks.bookkeeping.uses import Segment, Use
+from fxdp.sinks.bookkeeping.uses import Segment, Summed, Use
 
 GROUPED_ONLY = (
     "fxdp: this parameter's per-sample gradients were summed per user when its per-user norms were read: its sink "
@@ -88,6 +88,8 @@ class Grouping:
 
     def sum_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """``(U, w)``: the rows ``(N, w)`` added up per group."""
+        if self.in_order:  # (each group's rows together: a view)
+            return rows.reshape(self.num_groups, self.k, -1).sum(1)
         return rows.new_zeros((self.num_groups, rows.shape[1])).index_add_(0, self.groups, rows)
 
 
@@ -128,8 +130,10 @@ def grouped_norms_and_sums(segment: Segment, grouping: Grouping,
                                       lambda w: w.view(shape).movedim(-1, 1))
     if all(type(u) is EmbeddingWeight for u in uses):
         return _embedding_grouped(uses, grouping), None
-    rows = None
-    for use in uses:
+    rows, scale = None, 1.0
+    if len(uses) == 1 and type(use) is Summed:  # a bias: G summed over positions, its loss scale applied at the end
+        rows, scale = use.gs.reshape(use.gs.shape[0], -1), use.scale
+    for use in uses if rows is None else ():
         gs = use.grad_samples()
         gs = gs.reshape(gs.shape[0], -1)
         rows = gs if rows is None else rows + gs
@@ -137,7 +141,7 @@ def grouped_norms_and_sums(segment: Segment, grouping: Grouping,
     on = grouping.on(rows.device)
     summed = on.sum_rows(rows)
     kept = budget is not None and summed.numel() <= budget
-    return summed.pow(2).sum(1), GroupedSums(summed, on) if kept else None
+    return summed.pow(2).sum(1) * scale ** 2, GroupedSums(summed, on, scale) if kept else None
 
 
 class GroupedSums(Use):
