@@ -151,11 +151,11 @@ class UserLevelDPOptimizer(DPOptimizer):
         dropped = torch.zeros(num_users, dtype=torch.bool, device=device)
         for sq in per_user.values():
             dropped |= ~torch.isfinite(sq.to(device))
-        p, sq = next((p, sq) for p, sq in per_user.items() if not bool(torch.isfinite(sq).all()))
+        first = int(dropped.nonzero()[0])
+        p = next(p for p, sq in per_user.items() if not bool(torch.isfinite(sq[first])))
         where = (f"the gradient of parameter '{self._name(p)}' is not finite (inf or nan, or too large to square) "
-                 f"for {int(dropped.sum())} of {dropped.numel()} users (first: user "
-                 f"{int((~torch.isfinite(sq)).nonzero()[0])} of the batch, records "
-                 f"{[int(i) for i in (groups == int(dropped.nonzero()[0])).nonzero().flatten()]})")
+                 f"for {int(dropped.sum())} of {dropped.numel()} users (first: user {first} of the batch, records "
+                 f"{[int(i) for i in (groups == first).nonzero().flatten()]})")
         try:
             self.sink.drop_samples(list(per_user), dropped[groups])
         except NotImplementedError:
