@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import sys
 import time
@@ -40,6 +41,8 @@ import fxdp  # noqa: E402
 from fxdp.optim import DPOptimizer, UserLevelDPOptimizer  # noqa: E402
 from fxdp.sinks.bookkeeping import BookkeepingSink  # noqa: E402
 from fxdp.sinks.contract import sink_of  # noqa: E402
+
+ROWS = "rows of the models: "  # --rows-only: the rows as one line of JSON (benchmarks/compare_revisions.py)
 
 
 def example_step(model, x, y, per_user: int, materialised: bool = False) -> Callable[[], None]:
@@ -98,12 +101,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cpu-time", action="store_true", help="one thread, each step timed by its CPU time")
     parser.add_argument("--materialised", action="store_true", help="also the user step with p.grad_sample")
+    parser.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)  # compare_revisions.py
     args = parser.parse_args()
     torch.set_num_threads(1 if args.cpu_time else args.threads)
     clock = time.thread_time if args.cpu_time else time.perf_counter
     rows = []
     for name in args.models.split(","):
         rows += measure(name, args.repeats, args.records_per_user, clock, args.materialised)
+    if args.rows_only:
+        print(ROWS + json.dumps(rows))
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
           f"{'CPU time' if args.cpu_time else 'wall time'}, median of {args.repeats} steps, engines taking turns")
     print(tabulate(rows, headers=["model", "records", "users", "step", "ms", "x plain", "x example"]))

@@ -43,7 +43,10 @@ class StepChecks:
         first = next(iter(norms.values()), None)
         if first is None or all(sq.shape[0] == first.shape[0] for sq in norms.values()):
             return 0 if first is None else first.shape[0]  # (the usual case: no dict of rows formed)
-        rows = {p: sq.shape[0] for p, sq in norms.items()}
+        return self._check_row_counts({p: sq.shape[0] for p, sq in norms.items()})
+
+    def _check_row_counts(self, rows: Dict[nn.Parameter, int]) -> int:
+        """:meth:`_check_rows` of the parameters' numbers of rows (``sink.sample_rows``)."""
         if len(set(rows.values())) > 1:
             (p1, n1), *others = rows.items()
             p2, n2 = next((p, n) for p, n in others if n != n1)

@@ -17,20 +17,27 @@ of records before clipping (the sum would clip users with many records harder; b
 
 Refused, never silently example-level: a step whose batch did not come from a user-level loader (no user
 segments told), a batch whose records do not match the segments, skip steps (a user's records must be in one
-physical batch to be clipped as one), padded batches, and Opacus's extension-point overrides. A record whose
-per-sample gradient is not finite drops its whole user from the step (warning), as the example-level optimizer
-drops a sample.
+physical batch to be clipped as one), padded batches, and Opacus's extension-point overrides. A user whose summed
+gradient is not finite (a record's inf or NaN reaches it) is dropped whole from the step (warning), as the
+example-level optimizer drops a sample.
+
+Only per-user norms are read: when the loader tells a batch's users, the optimizer tells its sink
+(``set_grouped_norms_only``), which may then form no per-record norm, and sum each user's records once, for the
+user's norm and clipped sum alike (book-keeping: :mod:`fxdp.sinks.bookkeeping.users`).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
 
 from fxdp.optim.dp_optimizer import DPOptimizer
-from fxdp.sinks.contract import PrivacySettingError, StepRefusedError, clip_factor, wide
+from fxdp.optim.step_checks import stacked_norms
+from fxdp.sinks.contract import (NonFiniteSampleWarning, PrivacySettingError, StepRefusedError, clip_factor,
+                                 wide)
 
 PRIVACY_UNITS = ("example", "user")
 
@@ -68,6 +75,8 @@ class UserLevelDPOptimizer(DPOptimizer):
                                    "without padded_batches")
         super().observe_batch(empty=empty, new_epoch=new_epoch)
         self._user_counts = None if users is None else torch.as_tensor(users, dtype=torch.long).reshape(-1)
+        if users is not None:  # (before the batch's backward: the sink then forms no per-record norm)
+            self.sink.set_grouped_norms_only(True)
 
     def signal_skip_step(self, do_skip: bool = True) -> None:
         if do_skip:
@@ -83,56 +92,83 @@ class UserLevelDPOptimizer(DPOptimizer):
         return result
 
     def _factors(self, params: List[nn.Parameter]) -> Dict[nn.Parameter, torch.Tensor]:
-        """One factor per record: its user's clip factor divided by the user's number of records."""
+        """One factor per record: its user's clip factor divided by the user's number of records. Only per-user
+        norms are read (the sink was told so at observe_batch, and forms no per-record norm where it can)."""
         counts = self._user_counts
-        norms = self.sink.squared_norms(params)  # per record: the checks read them
+        held = self.sink.sample_rows(params)  # parameters with records -> their rows
         if counts is None:
             raise StepRefusedError(_NO_USERS)
-        if not norms:
+        if not held:
             self._check_a_batch_was_seen(params)
             return {}
-        rows = self._check_rows(norms)
+        rows = self._check_row_counts(held)
         if int(counts.sum()) != rows or bool((counts <= 0).any()):
             raise StepRefusedError(
                 f"fxdp: the loader said this batch holds {int(counts.sum())} records of {counts.numel()} users, but "
                 f"the per-sample gradients since the last step have {rows} rows: the records cannot be matched to "
                 "their users. Run the model once on the batch as the loader hands it out, then step")
-        self._check_not_negative(norms)
-        device = next(iter(norms.values())).device
-        counts = counts.to(device)
+        self._check_every_gradient_is_per_sample(params, held, rows)
         num_users = counts.numel()
-        groups = torch.repeat_interleave(torch.arange(num_users, device=device), counts)
-        dropped = self._drop_non_finite(norms, rows)
-        dropped_users = None
-        if dropped is not None:  # a non-finite record drops its whole user (all their records zeroed)
-            dropped_users = torch.zeros(num_users, dtype=torch.bool, device=device)
-            dropped_users[groups[dropped.to(device)]] = True
-            records = dropped_users[groups]
-            if bool((records & ~dropped.to(device)).any()):
-                self.sink.drop_samples(list(norms), records)
-        self._check_every_gradient_is_per_sample(params, norms, rows)
-        per_user = self.sink.grouped_squared_norms(list(norms), groups, num_users)
+        groups = torch.repeat_interleave(torch.arange(num_users, device=counts.device), counts)
+        per_user = self.sink.grouped_squared_norms(list(held), groups, num_users)
+        device = next(iter(per_user.values())).device
+        counts, groups = counts.to(device), groups.to(device)
+        stacked = stacked_norms(per_user)  # (P, U)
+        self._check_not_negative(per_user, stacked)
+        dropped_users = self._drop_non_finite_users(per_user, stacked, groups, num_users)
         inverse = 1.0 / counts.to(torch.float64)  # the average of the user's records
         # ||g_u||^2 = ||sum_{i in u} g_i||^2 / k_u^2
-        weights = {p: wide(sq).to(device).clamp(min=0) * inverse.to(wide(sq).dtype) ** 2 for p, sq in per_user.items()}
+        weights = {p: wide(sq).to(device) * inverse.to(wide(sq).dtype) ** 2 for p, sq in per_user.items()}
         if self.clipping == "per_layer":
             factors = {p: clip_factor(self._bound(p), sq.sqrt()) for p, sq in weights.items()}
         else:
             total = torch.stack([sq.to(torch.float64) for sq in weights.values()]).sum(0)
             factor = clip_factor(self._max_grad_norm, total.sqrt())
             factors = {p: factor for p in weights}
-        if dropped_users is not None:
+        if dropped_users is not None:  # (their factor would be 0 or NaN: 0 either way; their records are zeros)
             factors = {p: f.masked_fill(dropped_users, 0.0) for p, f in factors.items()}
-        self._dropped_samples = dropped is not None
+        self._dropped_samples = dropped_users is not None
         # the record's factor: its user's, times 1/k_u (one tensor stays one: flat clipping sums all layers at once)
         expanded: Dict[int, torch.Tensor] = {}
         out = {}
         for p, f in factors.items():
             if id(f) not in expanded:
-                expanded[id(f)] = (f * inverse.to(f.dtype))[groups].to(torch.float32 if norms[p].dtype != torch.float64
-                                                                        else torch.float64)
-            out[p] = expanded[id(f)].to(norms[p].device)
+                dtype = torch.float64 if per_user[p].dtype == torch.float64 else torch.float32
+                expanded[id(f)] = (f * inverse.to(f.dtype))[groups].to(dtype)
+            out[p] = expanded[id(f)].to(per_user[p].device)
         return out
+
+    def _drop_non_finite_users(self, per_user: Dict[nn.Parameter, torch.Tensor], stacked: Optional[torch.Tensor],
+                               groups: torch.Tensor, num_users: int) -> Optional[torch.Tensor]:
+        """The users whose summed gradient is not finite (inf or NaN in one of their records, or too large to
+        square), as a bool ``(U,)``, or None when there are none. Their records are dropped (the sink zeroes them),
+        so that the user contributes nothing, as if clipped to 0, with a warning, as the example-level optimizer
+        drops a sample; a sink that cannot drop records refuses the step."""
+        if bool(torch.isfinite(stacked).all()) if stacked is not None else all(
+                bool(torch.isfinite(sq).all()) for sq in per_user.values()):
+            return None
+        device = groups.device
+        dropped = torch.zeros(num_users, dtype=torch.bool, device=device)
+        for sq in per_user.values():
+            dropped |= ~torch.isfinite(sq.to(device))
+        first = int(dropped.nonzero()[0])
+        p = next(p for p, sq in per_user.items() if not bool(torch.isfinite(sq[first])))
+        where = (f"the gradient of parameter '{self._name(p)}' is not finite (inf or nan, or too large to square) "
+                 f"for {int(dropped.sum())} of {dropped.numel()} users (first: user {first} of the batch, records "
+                 f"{[int(i) for i in (groups == first).nonzero().flatten()]})")
+        try:
+            self.sink.drop_samples(list(per_user), dropped[groups])
+        except NotImplementedError:
+            raise StepRefusedError(
+                f"fxdp: {where}; clipping cannot bound it and this model's gradient sink cannot leave those "
+                "records out, so the optimizer refuses to step. Look for inf/nan in the inputs and the loss (log "
+                "of 0, division by 0), or lower the learning rate if training diverged") from None
+        warnings.warn(
+            f"fxdp: {where}: all the records of those users contribute nothing to this step (as if clipped to 0; "
+            "the noise is added as always). Look for inf/nan in the inputs and the loss (log of 0, division by 0); "
+            "if every user is dropped, training has diverged (lower the learning rate)", NonFiniteSampleWarning,
+            stacklevel=4)
+        return dropped
 
 
 def check_privacy_unit(privacy_unit: str) -> str:

@@ -160,6 +160,20 @@ class GradientSink(abc.ABC):
                 out[p] = sq if p not in out else torch.cat([out[p], sq.to(out[p].device)])
         return out
 
+    def set_grouped_norms_only(self, on: bool = True) -> bool:
+        """Told by an optimizer that clips groups of samples (user-level privacy) before the backward passes of a
+        step: from now on it reads :meth:`sample_rows` and :meth:`grouped_squared_norms`, never per-sample norms.
+        A sink that takes it (returns True) may then skip forming per-sample norms, and sum a group's per-sample
+        gradients once, when its norm is asked, for the group's clipped sum (whose factors must then be equal
+        within each group); :meth:`squared_norms` and per-sample gradients of what it recorded so are refused
+        (an error, never stale values). This default takes nothing: False, every read stays as it was."""
+        return False
+
+    def sample_rows(self, params: Iterable[nn.Parameter]) -> Dict[nn.Parameter, int]:
+        """How many per-sample rows each of ``params`` with records has since :meth:`clear` (the ``N`` of its
+        :meth:`squared_norms`), without forming the norms where the sink can tell (this default forms them)."""
+        return {p: int(sq.shape[0]) for p, sq in self.squared_norms(params).items()}
+
     def drop_samples(self, params: Iterable[nn.Parameter], dropped: torch.Tensor) -> None:
         """Zero what was recorded for the samples ``dropped`` marks (a bool ``(N,)``), so that their clipped sums
         are 0: the optimizer drops a sample whose per-sample gradient is not finite. A sink that cannot raises
@@ -364,6 +378,10 @@ class GradSampleSink(GradientSink):
                 summed = rows.new_zeros((num_groups, rows.shape[1])).index_add_(0, groups.to(rows.device), rows)
                 out[p] = summed.pow(2).sum(1)
         return out
+
+    def sample_rows(self, params):
+        self._step.check_readable()
+        return {p: int(p.grad_sample.shape[0]) for p in params if getattr(p, "grad_sample", None) is not None}
 
     def drop_samples(self, params, dropped):
         for p in params:

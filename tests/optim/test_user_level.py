@@ -18,7 +18,7 @@ import fxdp.grad_sample  # noqa: F401  (registers the built-in rules)
 from fxdp.compiler import _wrap, compile_for_dp, wrap_model
 from fxdp.optim.user_level import UserLevelDPOptimizer
 from fxdp.sinks.bookkeeping import BookkeepingSink
-from fxdp.sinks.contract import StepRefusedError, sink_of
+from fxdp.sinks.contract import NonFiniteSampleWarning, PerSampleError, StepRefusedError, sink_of
 
 COUNTS = [1, 3, 2, 4, 1]  # records per user, in batch order
 EPS = 1e-6
@@ -253,3 +253,34 @@ def test_an_empty_batch_steps_with_noise_only():
     optimizer.step()
     assert optimizer.steps == 1
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "sequence", "conv", "recurrent"])
+def test_a_non_finite_record_drops_its_user_and_the_others_are_exact(kind):
+    """Record 2 (user 1's second) gets an inf output gradient: user 1 adds nothing, every other user their clipped
+    average. The sink was told by the optimizer to form no per-record norm: asking it for them is refused."""
+    model = _model(kind)
+    n = sum(COUNTS)
+    x = _inputs(kind, n)
+    with torch.no_grad():
+        R = torch.randn(model(x[:1]).shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    reference = _reference(copy.deepcopy(model), x, R)
+    groups = _users()
+    averages = torch.stack([reference[groups == u].mean(0) for u in range(len(COUNTS))])
+    C = float(averages.norm(dim=1).median())
+    clipped = averages * (C / (averages.norm(dim=1) + EPS)).clamp(max=1.0)[:, None]
+    weights = torch.ones(n, 1, dtype=torch.float64)
+    weights[2] = float("inf")
+    params = list(model.parameters())
+    wrapped, sink = _private(model, "fx", x)
+    optimizer = UserLevelDPOptimizer(torch.optim.SGD(params, lr=1.0), noise_multiplier=0.0, max_grad_norm=C,
+                                     expected_batch_size=None, loss_reduction="sum", sink=sink)
+    optimizer.observe_batch(empty=False, users=torch.tensor(COUNTS))
+    (wrapped(x) * R * weights).sum().backward()
+    with pytest.raises(PerSampleError, match="holds no per-sample norms"):
+        sink.squared_norms(params)
+    with pytest.warns(NonFiniteSampleWarning, match=r"not finite .* for 1 of 5 users \(first: user 1 of the batch, "
+                                                    r"records \[1, 2, 3\]\)"):
+        optimizer.step()
+    summed = torch.cat([p.grad.reshape(-1) for p in params])
+    torch.testing.assert_close(summed, clipped[groups.unique() != 1].sum(0), atol=1e-9, rtol=1e-7)

@@ -152,7 +152,7 @@ class LinearBookkeeping(LayerBookkeeping):
                 out[p] = LaneLinearWeight(lane, a, g, scale)
                 continue
             out[p] = LinearWeight(a, g, captured.method, scale)
-            if self.gram_on_delivery:
+            if self.gram_on_delivery and getattr(sink, "per_sample_norms", True):
                 out[p].gram_of_g()
         return out
 

@@ -25,7 +25,7 @@ from fxdp.sinks.bookkeeping.registry import Captured, LayerPlan, find_bookkeepin
 from fxdp.sinks.bookkeeping.shared import (clipped_sums_of_shared_g, ghost_groups, shared_ghost_norms,
                                            shared_input_ghost_norms)
 from fxdp.sinks.bookkeeping.tied import tied_squared_norms
-from fxdp.sinks.bookkeeping.users import grouped_squared_norms
+from fxdp.sinks.bookkeeping.users import GROUPED_ONLY, Grouping, grouped_norms_and_sums, held_elements
 from fxdp.sinks.bookkeeping.uses import Materialised, Segment, Use, memory_key, same_batch
 from fxdp.sinks.contract import (GradientSink, LayerCapture, StepCalls, batch_size_problem, check_grad_sample,
                                  pending_of_this_backward, wide)
@@ -59,6 +59,20 @@ class BookkeepingSink(GradientSink):
         self._step = StepCalls()
         self._registrations: Dict[nn.Module, tuple] = {}  # layer -> (lookup stamp, its registration): _registration
         self._plans_kept: Dict[nn.Module, tuple] = {}  # layer -> its last plan and what it was made from: _plan
+        self._grouped_only = False  # set_grouped_norms_only: no per-sample norms formed
+
+    def set_grouped_norms_only(self, on: bool = True) -> bool:
+        """Backward passes from now on form no per-sample norms (records published so are refused to
+        :meth:`squared_norms`), and :meth:`grouped_squared_norms` keeps each group's summed gradient where it forms
+        it, in place of the uses (:mod:`~fxdp.sinks.bookkeeping.users`)."""
+        self._grouped_only = bool(on)
+        return True
+
+    @property
+    def per_sample_norms(self) -> bool:
+        """Whether per-sample norms are formed (registrations skip the work done for them ahead, e.g. G's Gram
+        as G is delivered, where they are not)."""
+        return not self._grouped_only
 
     # Layers it can book-keep run without their weight gradient in backward (only input gradients
     # flow, see fxdp/runtime/bookkeeping_calls.py): the optimizer writes ``p.grad`` from the clipped sums.
@@ -210,9 +224,10 @@ class BookkeepingSink(GradientSink):
         # a parameter with a record of this step's earlier passes: its uses join them (one row per sample)
         earlier = {p: self._segments[p] for p in pending if id(p) in self._step.params and p in self._segments}
         segments = {}
+        grouped = self._grouped_only  # (no per-sample norm: the segments hold their uses alone)
         with torch.no_grad():
-            shared = self._shared_norms({p: uses for p, uses in pending.items() if p not in earlier} if earlier
-                                        else pending)
+            shared = {} if grouped else self._shared_norms(
+                {p: uses for p, uses in pending.items() if p not in earlier} if earlier else pending)
             for p, uses in pending.items():
                 same_batch(p, uses)
                 if len(uses) > 1:
@@ -220,7 +235,9 @@ class BookkeepingSink(GradientSink):
                 if earlier and p in earlier:  # (the same path as tied uses: the norm of the per-sample sum)
                     uses = earlier[p].uses + uses
                     same_batch(p, uses)
-                if shared and p in shared:
+                if grouped:
+                    norms = None
+                elif shared and p in shared:
                     norms = shared[p]
                 elif len(uses) == 1:
                     norms = uses[0].squared_norms()
@@ -238,15 +255,39 @@ class BookkeepingSink(GradientSink):
         # a ghost norm <A Aᵀ, G Gᵀ> of a gradient near 0 can round below 0 (its square root would be NaN)
         # (one foreach call for every parameter: the same values as each norm's clamp(min=0), NaN kept)
         held = [p for p in params if p in self._segments]
+        if any(self._segments[p].norms is None for p in held):
+            raise PerSampleError(GROUPED_ONLY.format(what="norms"))
         return dict(zip(held, torch._foreach_clamp_min([self._segments[p].norms for p in held], 0.0))) if held else {}
+
+    def sample_rows(self, params):
+        self._step.check_readable()
+        return {p: self._segments[p].rows for p in params if p in self._segments}
 
     def grouped_squared_norms(self, params, groups, num_groups):
         """Exact per-group norms: Gram products over each group's block where the record allows, else its
-        per-sample gradients summed per group (:mod:`~fxdp.sinks.bookkeeping.users`)."""
+        per-sample gradients summed per group (:mod:`~fxdp.sinks.bookkeeping.users`). Records published without
+        per-sample norms (:meth:`set_grouped_norms_only`) keep the group sums formed for the norms, in place of
+        their uses."""
         self._step.check_readable()
+        out = {}
+        grouping = Grouping(groups, num_groups)
+        credit = 0  # elements the uses replaced so far held beyond the group sums kept for them
         with torch.no_grad():
-            return {p: grouped_squared_norms(self._segments[p], groups, num_groups).clamp(min=0)
-                    for p in params if p in self._segments}
+            for p in params:
+                segment = self._segments.get(p)
+                if segment is None:
+                    continue
+                if segment.norms is not None:  # (per-sample norms formed: the uses stay, per-sample reads too)
+                    out[p] = grouped_norms_and_sums(segment, grouping)[0].clamp(min=0)
+                    continue
+                held = held_elements(segment)
+                norms, kept = grouped_norms_and_sums(segment, grouping, budget=held + credit)
+                if kept is not None:
+                    credit += held - kept.sums.numel()
+                    with self._lock:
+                        segment.uses = [kept]
+                out[p] = norms.clamp(min=0)
+        return out
 
     def clipped_sums(self, params, factors):
         params = list(params)
@@ -292,10 +333,10 @@ class BookkeepingSink(GradientSink):
             c = None if segment is None else factors.get(p)
             if c is None:
                 continue
-            if c.shape != segment.norms.shape:
+            if c.shape != (segment.rows,):
                 raise ValueError(
                     f"fxdp: clip factors of shape {tuple(c.shape)} for a parameter of shape {tuple(p.shape)} "
-                    f"with {segment.norms.shape[0]} per-sample rows; pass one factor per sample"
+                    f"with {segment.rows} per-sample rows; pass one factor per sample"
                 )
             out[p] = [(use, c) for use in segment.uses]
         return out

@@ -6,7 +6,7 @@ files, the two every family shares here: per-sample gradients already materialis
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import nn
@@ -85,10 +85,16 @@ def memory_key(t: torch.Tensor) -> tuple:
 @dataclass
 class Segment:
     """One backward pass's record of one parameter: its per-sample squared norms and the uses that
-    produce its clipped sum."""
+    produce its clipped sum. ``norms`` is None where the sink was told that only grouped norms are read
+    (user-level training: :meth:`~fxdp.sinks.contract.GradientSink.set_grouped_norms_only`)."""
 
-    norms: torch.Tensor
+    norms: Optional[torch.Tensor]
     uses: List[Use]
+
+    @property
+    def rows(self) -> int:
+        """Its number of per-sample rows (every use has the same: :func:`same_batch`)."""
+        return self.uses[0].batch_size
 
 
 def same_batch(param: nn.Parameter, uses: List[Use]) -> int:
