@@ -8,6 +8,7 @@ This module is the ONE place an engine is chosen (:func:`choose_engine` for :fun
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -31,9 +32,11 @@ from fxdp.diagnostics.errors import expect_module
 from fxdp.diagnostics.report import REPORT_ATTR, refuse_if_not_private
 from fxdp.engines import WRAPPERS, GradSampleHooks, GradSampleModule, check_grad_sample_mode
 from fxdp.engines.base import user_hooks
+from fxdp.engines.blocks import BlockGradSampleModule
 from fxdp.engines.hooks import fallback_self_check
 from fxdp.engines.whole_model import whole_model_op
 from fxdp.frontends.export import FRONT_END
+from fxdp.frontends.parts import Parts, describe_parts, find_parts
 from fxdp.engines.wrappers import unwrap_or_refuse
 from fxdp.grad_sample.moe import describe_moe_blocks
 from fxdp.layout import PACKED, BatchLayout
@@ -113,7 +116,11 @@ def inspect(model: nn.Module, example_inputs: Any = None, batch_dim: int = 0, st
     gm, traced, reports = _analyse(model, example_inputs, batch_dim, strict, batch_inputs)
     notes = [NO_INPUTS_NOTE] if traced.ok and example_inputs is None else []
     if not traced.ok:
-        reports.append(fallback_self_check(model, example_inputs, batch_dim, strict))
+        parts = _untraceable_parts(model, traced)
+        blocks = tuple(b.path for b in parts.blocks) if parts is not None else ()
+        make = functools.partial(BlockGradSampleModule, blocks=blocks) if blocks else None
+        reports.append(fallback_self_check(model, example_inputs, batch_dim, strict, make))
+        notes = describe_parts(parts) if parts is not None else []
     return _make_report(model, traced, reports, notes=notes)
 
 
@@ -182,6 +189,8 @@ def compile_for_dp(
     compiled = _build(choice, model, traced, loss_reduction=loss_reduction, batch_dim=batch_dim)
 
     notes = _bookkeeping_notes(choice.sink, choice.engine, choice.graph if choice.engine == "fx" else None)
+    if choice.parts is not None:
+        notes = describe_parts(choice.parts) + notes
     if choice.engine == "fx":
         notes = ([NO_INPUTS_NOTE] if example_inputs is None else []) + private_parameters_note(model) + notes
     rep = _make_report(model, traced, reports, choice.engine, choice.reason, notes=notes)
@@ -205,6 +214,7 @@ class EngineChoice:
     reason: Optional[str]
     graph: Optional[torch.fx.GraphModule]
     sink: Optional[GradientSink]
+    parts: Optional[Parts] = None  # a model no front end captured: its untraceable parts (fxdp.frontends.parts)
 
 
 def choose_engine(model: nn.Module, gm: Optional[torch.fx.GraphModule], traced, reports: List[PassReport], *,
@@ -219,8 +229,9 @@ def choose_engine(model: nn.Module, gm: Optional[torch.fx.GraphModule], traced, 
     graphs engine before any trace, :mod:`fxdp.graphs`.)"""
     if gm is None or grad_sample_mode != "fx":  # an explicit engine is honoured (none of them needs a trace)
         engine = grad_sample_mode if grad_sample_mode != "fx" else "hooks"
+        parts = _untraceable_parts(model, traced) if gm is None and grad_sample_mode == "fx" else None
         return EngineChoice(engine, None if gm is None else f"grad_sample_mode={grad_sample_mode!r} was asked for",
-                            None, sink)
+                            None, sink, parts)
     hooked = _user_hooks(model, traced.front_end)
     if hooked:  # the graph would drop the root's hooks and see the layers' hooks twice
         where = f"the model has hooks of yours on {', '.join(hooked)}"
@@ -256,6 +267,10 @@ def _build(choice: EngineChoice, model: nn.Module, traced, *, loss_reduction: st
     if choice.engine == WHOLE_MODEL:
         return whole_model_op(model, choice.graph, loss_reduction=loss_reduction, batch_dim=batch_dim,
                               sink=choice.sink)
+    if choice.engine == "hooks" and choice.parts is not None and choice.parts.blocks:
+        return BlockGradSampleModule(unwrap_or_refuse(model), batch_first=(batch_dim == 0),
+                                     loss_reduction=loss_reduction, sink=choice.sink,
+                                     blocks=[b.path for b in choice.parts.blocks])
     if choice.engine != "fx":
         return _wrap(model, choice.engine, batch_first=(batch_dim == 0), loss_reduction=loss_reduction,
                      sink=choice.sink)
@@ -263,6 +278,13 @@ def _build(choice: EngineChoice, model: nn.Module, traced, *, loss_reduction: st
     if traced.output_type is not None:  # the graph returns a plain dict: give back the model's own type
         gm.register_forward_hook(OutputType(traced.output_type))
     return gm
+
+
+def _untraceable_parts(model: nn.Module, traced) -> Optional[Parts]:
+    """A model no front end captured because of its code (not its inputs): its parts, each traced alone."""
+    if traced.ok or traced.error is None or isinstance(traced.error, UnsupportedInputError):
+        return None
+    return find_parts(model)
 
 
 def _refuse_checkpointing(model: nn.Module) -> None:

@@ -1,0 +1,138 @@
+"""The hooks engine with *blocks*: submodules no front end captures (data-dependent control flow, ``.item()``, a
+Python loop over the samples, windows of all samples stacked as rows) each run as ONE op, the generic rule over
+every trainable parameter in the block, each sample re-run alone (``vmap`` of a ``vjp``, a loop where ``vmap``
+cannot follow the control flow). The rest of the model keeps the hooks engine's per-layer rules.
+
+What the per-layer rules cannot see inside a block (its layers may see rows that are not samples) does not
+matter to the block's rule, which only needs the block's input and output to carry the batch; that is checked
+at every forward (:meth:`~fxdp.engines.hooks.GradSampleModule._check_layer_batch`). What the generic rule
+assumes, that the block computes each sample's output from that sample alone, can stop holding on any batch
+(a branch taken on the batch's sum, a loop count read from the batch's largest value): so at every forward, the
+block is run again on each sample alone (no gradient) and its output compared with that sample's rows of the
+batch's; a difference is a :class:`~fxdp.errors.SampleMixingError` naming the block and its ``forward``, raised
+before any per-sample gradient of that batch exists (and again at every later forward). The cost: one extra
+forward of each block per sample.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from fxdp.diagnostics import Kind, SampleMixingError
+from fxdp.engines import selfcheck
+from fxdp.engines.base import mark_engine_hook, without_own_hooks
+from fxdp.engines.hooks import GradSampleModule, first_tensor_output
+
+
+class BlockGradSampleModule(GradSampleModule):
+    """:class:`~fxdp.engines.hooks.GradSampleModule` where the modules named in ``blocks`` (paths in the model)
+    are layers under the generic rule, each checked against its samples alone at every forward (see the module
+    docstring). :attr:`blocks` lists them; :attr:`grad_sample_layers` says ``"block: ..."`` for each."""
+
+    def __init__(self, model: nn.Module, batch_first: bool = True, loss_reduction: str = "mean",
+                 strict: bool = False, *, blocks: Sequence[str] = (), **kwargs):
+        object.__setattr__(self, "blocks", tuple(blocks))  # read by _add_hooks, which nn.Module.__init__ precedes
+        object.__setattr__(self, "_checking_blocks", False)
+        super().__init__(model, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict, **kwargs)
+
+    def __setstate__(self, state):
+        state.setdefault("_checking_blocks", False)
+        super().__setstate__(state)
+
+    def _add_hooks(self) -> None:
+        super()._add_hooks()
+        for path in self.blocks:
+            block = self._module.get_submodule(path)
+            inner = {id(m) for m in block.modules()}
+            # the per-layer hooks inside the block go: the block's rule covers its whole subtree
+            for handle in list(self._hook_handles):
+                hooks = handle.hooks_dict_ref()
+                owner = next((m for m in block.modules() if m._forward_hooks is hooks), None)
+                if owner is not None and id(owner) in inner:
+                    handle.remove()
+                    self._hook_handles.remove(handle)
+            prefix = path + "."
+            self.grad_sample_layers = {k: v for k, v in self.grad_sample_layers.items()
+                                       if k != path and not k.startswith(prefix)}
+            self.generic_fallbacks = [k for k in self.generic_fallbacks if k != path and not k.startswith(prefix)]
+            if any(p.requires_grad for p in block.parameters()):
+                self._hook_block(path, block)
+                self.grad_sample_layers[path] = "block: generic (its whole subtree), checked against each sample alone"
+
+    def _hook_block(self, name: str, block: nn.Module) -> None:
+        owner = weakref.ref(self)
+
+        def forward_hook(mod, inputs, kwargs, output):
+            wrapper = owner()
+            if wrapper is None or wrapper._recomputing:
+                return
+            if wrapper._checking_blocks:
+                wrapper._check_block(name, mod, inputs, kwargs, output)
+                return
+            if not torch.is_grad_enabled():
+                return
+            wrapper._on_layer_output(name, mod, inputs, kwargs, output)  # the batch checks, the generic rule
+            wrapper._check_block(name, mod, inputs, kwargs, output)
+
+        self._hook_handles.append(block.register_forward_hook(
+            mark_engine_hook(forward_hook, self), with_kwargs=True, prepend=True))
+
+    def _check_block(self, name: str, block: nn.Module, inputs, kwargs, output) -> None:
+        """Each sample alone through the block gives the block's output rows for that sample, or the block mixes
+        samples (see the module docstring)."""
+        n = self._batch_size
+        if n is None or n < 2 or not any(p.requires_grad for p in block.parameters()):
+            return  # a batch of one is its own sample alone
+        out, _ = first_tensor_output(name, block, output)
+        dim = self.batch_dim
+        rtol = 1e-9 if out.dtype == torch.float64 else selfcheck.gradient_rtol([out.dtype]) * 1e-1
+        with torch.no_grad(), self._recompute(), without_own_hooks(block):
+            for i in range(n):
+                args, kw = selfcheck.sample_alone(tuple(inputs), dict(kwargs), n, dim, i)
+                alone, _ = first_tensor_output(name, block, block(*args, **kw))
+                batch_rows = out.detach().narrow(dim, i, 1)
+                found = _difference(alone, batch_rows, rtol)
+                if found is not None:
+                    raise self._refused(self._mixing_error(name, block, i, n, found))
+
+    def _mixing_error(self, name: str, block: nn.Module, i: int, n: int, found: str) -> SampleMixingError:
+        kind = type(block).__name__
+        return SampleMixingError(
+            [selfcheck.finding(
+                name, kind, Kind.MIXES_SAMPLES,
+                f"sample {i} alone through the block gives {found} than its rows of the batch's output ({n} "
+                "samples): what the block computes for a sample depends on the other samples (control flow on a "
+                "value of the whole batch: its sum, its largest value, its longest sequence)",
+                "read each sample's own values for the block's control flow (loop over the samples, or compute the "
+                "condition per row and select with torch.where), or make the block traceable by torch.fx",
+                selfcheck.forward_location(block))],
+            f"fxdp (hooks engine): block '{name}' ({kind}), which no front end captures and which runs as one op "
+            f"with each sample re-run alone, mixes samples: on a batch of {n} samples its output differs from each "
+            "sample's alone, so its per-sample gradients would be wrong; it is refused (on this batch and every "
+            "later one):")
+
+    def _self_check(self, args, kwargs, n: int, bags=None) -> None:
+        """The blocks are checked first, so that a block that mixes samples is named (the model-wide test would
+        only name the model)."""
+        if self.blocks:
+            previous = self._batch_size
+            self._batch_size, self._checking_blocks = n, True
+            try:
+                with selfcheck.preserved_state(self._module), torch.no_grad():
+                    self._module(*args, **kwargs)
+            finally:
+                self._batch_size, self._checking_blocks = previous, False
+        super()._self_check(args, kwargs, n, bags)
+
+
+def _difference(alone: torch.Tensor, rows: torch.Tensor, rtol: float) -> Optional[str]:
+    if alone.shape != rows.shape:
+        return f"an output of shape {tuple(alone.shape)}, other"
+    if not torch.allclose(alone.to(rows.dtype), rows, rtol=rtol, atol=rtol * max(1.0, float(rows.abs().max()))):
+        err = float((alone.to(rows.dtype) - rows).abs().max())
+        return f"outputs up to {err:.3g} other"
+    return None
