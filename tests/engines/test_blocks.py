@@ -1,0 +1,152 @@
+"""Models no front end captures (tests/support/untraceable_zoo.py): their untraceable submodules run as one op on the
+hooks engine (fxdp/engines/blocks.py). Per-sample gradients against batches of one in float64, and the refusals
+of the blocks that mix samples, on the first batch and on a later one."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxdp
+from fxdp.diagnostics import BatchMixingError, LayerBatchError, SampleMixingError
+from fxdp.engines import GradSampleModule
+from fxdp.engines.blocks import BlockGradSampleModule
+from tests.support.untraceable_zoo import ZOO, BatchBranchNet
+
+
+def _grads_alone(model, inputs, targets):
+    rows = []
+    for i in range(len(targets)):
+        model.zero_grad()
+        F.cross_entropy(model(*[t[i:i + 1] for t in inputs]), targets[i:i + 1]).backward()
+        rows.append({n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                     for n, p in model.named_parameters()})
+    return rows
+
+
+@pytest.mark.parametrize("name, engine_type, blocks", [
+    ("chunked_encoder", BlockGradSampleModule, ("block",)),
+    ("adaptive_depth", BlockGradSampleModule, ("depth",)),
+    ("root_item", GradSampleModule, ()),
+])
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_per_sample_gradients_equal_batches_of_one(name, engine_type, blocks, loss_reduction):
+    model, inputs, targets = ZOO[name]()
+    compiled = fxdp.compile_for_dp(model, example_inputs=inputs, loss_reduction=loss_reduction)
+    assert type(compiled) is engine_type
+    assert getattr(compiled, "blocks", ()) == blocks
+    assert fxdp.report(compiled).engine == "hooks"
+    F.cross_entropy(compiled(*inputs), targets, reduction=loss_reduction).backward()
+    assert compiled.verification == "verified on a batch of 4: outputs independent across samples, per-sample " \
+                                    "gradients equal to batches of one"
+    got = {n: p.grad_sample.clone() for n, p in model.named_parameters()}
+    assert all(g.shape[0] == len(targets) for g in got.values())
+    for i, alone in enumerate(_grads_alone(model, inputs, targets)):
+        for n, g in alone.items():
+            torch.testing.assert_close(got[n][i], g, rtol=1e-9, atol=1e-12, msg=f"{name}: {n}, sample {i}")
+
+
+def test_the_block_is_one_layer_and_its_inner_layers_are_not_hooked():
+    model, inputs, targets = ZOO["chunked_encoder"]()
+    compiled = fxdp.compile_for_dp(model, example_inputs=inputs)
+    assert compiled.grad_sample_layers == {
+        "embed": "rule for Embedding",
+        "head": "rule for Linear",
+        "block": "block: generic (its whole subtree), checked against each sample alone",
+    }
+
+
+def test_a_second_batch_of_another_length_trains_too():
+    model, inputs, targets = ZOO["chunked_encoder"]()
+    compiled = fxdp.compile_for_dp(model, example_inputs=inputs)
+    F.cross_entropy(compiled(*inputs), targets).backward()
+    compiled.zero_grad()
+    ids = torch.tensor([[4, 4, 4, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7, 8], [9, 0, 0, 0, 0, 0, 0, 0]])
+    y = torch.tensor([2, 0, 1])
+    F.cross_entropy(compiled(ids), y).backward()
+    got = {n: p.grad_sample.clone() for n, p in model.named_parameters()}
+    for i, alone in enumerate(_grads_alone(model, (ids,), y)):
+        for n, g in alone.items():
+            torch.testing.assert_close(got[n][i], g, rtol=1e-9, atol=1e-12)
+
+
+MIXING = {
+    "batch_branch": ("branch", "BatchBranch", 3, "outputs up to 1.01"),
+    "batch_loop": ("loop", "BatchLoopCount", 2, "outputs up to 0.861"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MIXING))
+def test_a_block_that_mixes_samples_is_refused_with_its_name(name):
+    path, kind, sample, found = MIXING[name]
+    model, inputs, targets = ZOO[name]()
+    compiled = fxdp.compile_for_dp(model, example_inputs=inputs)
+    assert compiled.blocks == (path,)
+    with pytest.raises(SampleMixingError) as info:
+        compiled(*inputs)
+    text = str(info.value)
+    assert text.startswith(
+        f"fxdp (hooks engine): block '{path}' ({kind}), which no front end captures and which runs as one op with "
+        "each sample re-run alone, mixes samples: on a batch of 4 samples its output differs from each sample's "
+        "alone, so its per-sample gradients would be wrong; it is refused (on this batch and every later one):")
+    (finding,) = info.value.findings
+    assert (finding.node, finding.op) == (path, kind)
+    assert finding.message == (
+        f"sample {sample} alone through the block gives {found} other than its rows of the batch's output (4 "
+        "samples): what the block computes for a sample depends on the other samples (control flow on a value of "
+        "the whole batch: its sum, its largest value, its longest sequence)")
+    assert finding.location is not None and finding.location.file.endswith("untraceable_zoo.py")
+    assert all(getattr(p, "grad_sample", None) is None for p in model.parameters())
+    with pytest.raises(SampleMixingError, match="was refused on an earlier batch"):
+        compiled(*inputs)
+
+
+def _rows(model, sign, count, seed):
+    """``count`` inputs whose hidden row (model.inp) sums to a value of ``sign``."""
+    g = torch.Generator().manual_seed(seed)
+    found = []
+    while len(found) < count:
+        x = torch.randn(1, 4, generator=g, dtype=torch.float64)
+        with torch.no_grad():
+            if (model.inp(x).sum() > 0) == (sign > 0):
+                found.append(x)
+    return torch.cat(found)
+
+
+def test_a_later_batch_that_mixes_samples_is_refused_at_its_forward():
+    torch.manual_seed(0)
+    model = BatchBranchNet().double()
+    first = _rows(model, +1, 4, 1)  # every sample alone takes the batch's branch: nothing mixes
+    compiled = fxdp.compile_for_dp(model, example_inputs=(first,))
+    y = torch.tensor([0, 1, 1, 0])
+    F.cross_entropy(compiled(first), y).backward()
+    got = {n: p.grad_sample.clone() for n, p in model.named_parameters()}
+    for i, alone in enumerate(_grads_alone(model, (first,), y)):
+        for n, g in alone.items():
+            torch.testing.assert_close(got[n][i], g, rtol=1e-9, atol=1e-12)
+    compiled.zero_grad()
+    later = torch.cat([_rows(model, +1, 3, 2) * 3, _rows(model, -1, 1, 3)])  # sample 3 alone takes the other branch
+    with torch.no_grad():
+        assert model.inp(later).sum() > 0 and model.inp(later[3:]).sum() < 0
+    with pytest.raises(SampleMixingError, match=r"block 'branch' \(BatchBranch\)") as info:
+        compiled(later)
+    assert info.value.findings[0].message.startswith("sample 3 alone through the block gives outputs up to")
+    assert all(getattr(p, "grad_sample", None) is None for p in model.parameters())
+
+
+def test_the_hooks_engine_asked_for_is_unchanged():
+    model, inputs, targets = ZOO["chunked_encoder"]()
+    compiled = fxdp.compile_for_dp(model, example_inputs=inputs, grad_sample_mode="hooks")
+    assert type(compiled) is GradSampleModule
+    with pytest.raises(LayerBatchError, match=r"layer 'block.mix' \(Linear\) does not see the batch"):
+        compiled(*inputs)
+
+
+def test_a_row_loop_torch_export_captures_is_refused_by_the_batch_analysis():
+    """torch.fx rejects the loop over the rows, torch.export captures it as an unbind of the batch dimension,
+    which the batch_dim pass refuses (it cannot tell that the rows are stacked back in order)."""
+    model, inputs, _ = ZOO["row_loop"]()
+    with pytest.raises(BatchMixingError) as info:
+        fxdp.compile_for_dp(model, example_inputs=inputs)
+    (finding,) = [f for f in info.value.findings if f.node == "unbind"]
+    assert finding.message == ("splits the batch dimension (dim 0) into groups of samples by position: what follows "
+                               "can combine them")
