@@ -21,11 +21,13 @@ from typing import Optional, Sequence
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from fxdp.diagnostics import Kind, SampleMixingError
+from fxdp.diagnostics.errors import PerSampleError
 from fxdp.engines import selfcheck
 from fxdp.engines.base import mark_engine_hook, without_own_hooks
-from fxdp.engines.hooks import GradSampleModule, first_tensor_output
+from fxdp.engines.hooks import GradSampleModule
 
 
 class BlockGradSampleModule(GradSampleModule):
@@ -82,22 +84,31 @@ class BlockGradSampleModule(GradSampleModule):
             mark_engine_hook(forward_hook, self), with_kwargs=True, prepend=True))
 
     def _check_block(self, name: str, block: nn.Module, inputs, kwargs, output) -> None:
-        """Each sample alone through the block gives the block's output rows for that sample, or the block mixes
-        samples (see the module docstring)."""
+        """Each sample alone through the block gives the block's output rows for that sample (every tensor output
+        with the batch's rows), or the block mixes samples (see the module docstring)."""
         n = self._batch_size
         if n is None or n < 2 or not any(p.requires_grad for p in block.parameters()):
             return  # a batch of one is its own sample alone
-        out, _ = first_tensor_output(name, block, output)
+        random = [f"'{name}.{k}'" if k else f"'{name}'" for k, m in block.named_modules()
+                  if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0]
+        if random:
+            raise PerSampleError(
+                f"fxdp (hooks engine): block '{name}' ({type(block).__name__}), which no front end captures, runs as "
+                f"one op with each sample re-run alone, but its dropout layer(s) {', '.join(random)} draw new numbers "
+                "when a sample is re-run, so its per-sample gradients would not be this step's; set their p to 0 (or "
+                "put them in eval mode), or make the block traceable by torch.fx")
         dim = self.batch_dim
-        rtol = 1e-9 if out.dtype == torch.float64 else selfcheck.gradient_rtol([out.dtype]) * 1e-1
+        outs = _batched_leaves(output, n, dim)
+        rtol = 1e-9 if outs and outs[0][1].dtype == torch.float64 else selfcheck.gradient_rtol(
+            [t.dtype for _, t in outs]) * 1e-1
         with torch.no_grad(), self._recompute(), without_own_hooks(block):
             for i in range(n):
                 args, kw = selfcheck.sample_alone(tuple(inputs), dict(kwargs), n, dim, i)
-                alone, _ = first_tensor_output(name, block, block(*args, **kw))
-                batch_rows = out.detach().narrow(dim, i, 1)
-                found = _difference(alone, batch_rows, rtol)
-                if found is not None:
-                    raise self._refused(self._mixing_error(name, block, i, n, found))
+                alone = [t for t in pytree.tree_leaves(block(*args, **kw)) if isinstance(t, torch.Tensor)]
+                for k, out in outs:
+                    found = _difference(alone[k] if k < len(alone) else None, out.detach().narrow(dim, i, 1), rtol)
+                    if found is not None:
+                        raise self._refused(self._mixing_error(name, block, i, n, found))
 
     def _mixing_error(self, name: str, block: nn.Module, i: int, n: int, found: str) -> SampleMixingError:
         kind = type(block).__name__
@@ -129,9 +140,15 @@ class BlockGradSampleModule(GradSampleModule):
         super()._self_check(args, kwargs, n, bags)
 
 
-def _difference(alone: torch.Tensor, rows: torch.Tensor, rtol: float) -> Optional[str]:
-    if alone.shape != rows.shape:
-        return f"an output of shape {tuple(alone.shape)}, other"
+def _batched_leaves(output, n: int, dim: int):
+    """(position among the output's tensors, tensor) of each floating-point output with the batch's ``n`` rows."""
+    leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+    return [(k, t) for k, t in enumerate(leaves) if t.is_floating_point() and t.dim() > dim and t.shape[dim] == n]
+
+
+def _difference(alone: Optional[torch.Tensor], rows: torch.Tensor, rtol: float) -> Optional[str]:
+    if alone is None or alone.shape != rows.shape:
+        return f"an output of shape {None if alone is None else tuple(alone.shape)}, other"
     if not torch.allclose(alone.to(rows.dtype), rows, rtol=rtol, atol=rtol * max(1.0, float(rows.abs().max()))):
         err = float((alone.to(rows.dtype) - rows).abs().max())
         return f"outputs up to {err:.3g} other"

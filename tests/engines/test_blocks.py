@@ -150,3 +150,93 @@ def test_a_row_loop_torch_export_captures_is_refused_by_the_batch_analysis():
     (finding,) = [f for f in info.value.findings if f.node == "unbind"]
     assert finding.message == ("splits the batch dimension (dim 0) into groups of samples by position: what follows "
                                "can combine them")
+
+
+@pytest.mark.parametrize("name", ["chunked_encoder", "adaptive_depth"])
+def test_make_private_steps_by_the_clipped_per_sample_gradients(name):
+    """A noise-free private step (book-kept, the default) on a model with a block: the update is the clipped
+    per-sample gradients (each sample alone) averaged, as DP-SGD defines it."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.support.opacus_examples import clipped_mean_update
+
+    model, inputs, targets = ZOO[name]()
+    loader = DataLoader(TensorDataset(*inputs, targets), batch_size=len(targets))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    private, optimizer, loader = fxdp.PrivacyEngine().make_private(
+        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=0.0, max_grad_norm=0.05)
+    assert isinstance(private, BlockGradSampleModule) and private.blocks == (ZOO_BLOCKS[name],)
+    *batch, y = next(iter(loader))  # sampling rate 1: every sample
+    assert len(y) == len(targets)
+
+    def loss_of_sample(m, i):
+        return F.cross_entropy(m(*[t[i:i + 1] for t in batch]), y[i:i + 1])
+
+    expected = clipped_mean_update(model, loss_of_sample, len(y), 0.05, optimizer.expected_batch_size)
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    optimizer.zero_grad()
+    F.cross_entropy(private(*batch), y).backward()
+    optimizer.step()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(before[k] - p.detach(), expected[k], rtol=1e-7, atol=1e-10, msg=k)
+
+
+ZOO_BLOCKS = {"chunked_encoder": "block", "adaptive_depth": "depth"}
+
+
+class _TwoOutputs(torch.nn.Module):
+    """Untraceable (a step count from each sample's own value); its second output is the batch's mean (``mix``)."""
+
+    def __init__(self, dropout: float = 0.0, mix: bool = True):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+        self.drop = torch.nn.Dropout(dropout)
+        self.mix = mix
+
+    def forward(self, h):
+        rows = []
+        for row in h.split(1):
+            for _ in range(1 + int(row.abs().sum().item()) % 2):
+                row = torch.tanh(self.drop(self.fc(row)))
+            rows.append(row)
+        out = torch.cat(rows)
+        return out, (out.mean(0, keepdim=True).expand_as(out) if self.mix else out.detach().clone())
+
+
+class _TwoOutputsNet(torch.nn.Module):
+    def __init__(self, dropout: float = 0.0, mix: bool = True):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 6)
+        self.block = _TwoOutputs(dropout, mix)
+        self.out = torch.nn.Linear(6, 2)
+
+    def forward(self, x):
+        h, mean = self.block(self.inp(x))
+        return self.out(h + mean.detach())
+
+
+def test_a_block_output_that_mixes_samples_is_found_whichever_output_it_is():
+    torch.manual_seed(0)
+    model = _TwoOutputsNet().double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    compiled = fxdp.compile_for_dp(model, example_inputs=(x,))
+    assert compiled.blocks == ("block",)
+    with pytest.raises(SampleMixingError, match=r"block 'block' \(_TwoOutputs\)") as info:
+        compiled(x)
+    assert info.value.findings[0].message.startswith("sample 0 alone through the block gives outputs up to")
+
+
+def test_a_block_with_dropout_in_training_is_refused():
+    from fxdp.diagnostics.errors import PerSampleError
+
+    torch.manual_seed(0)
+    model = _TwoOutputsNet(dropout=0.1, mix=False).double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    compiled = fxdp.compile_for_dp(model, example_inputs=(x,))
+    with pytest.raises(PerSampleError) as info:
+        compiled(x)
+    assert str(info.value) == (
+        "fxdp (hooks engine): block 'block' (_TwoOutputs), which no front end captures, runs as one op with each "
+        "sample re-run alone, but its dropout layer(s) 'block.drop' draw new numbers when a sample is re-run, so its "
+        "per-sample gradients would not be this step's; set their p to 0 (or put them in eval mode), or make the "
+        "block traceable by torch.fx")
