@@ -3,19 +3,28 @@ Python loop over the samples, windows of all samples stacked as rows) each run a
 every trainable parameter in the block, each sample re-run alone (``vmap`` of a ``vjp``, a loop where ``vmap``
 cannot follow the control flow). The rest of the model keeps the hooks engine's per-layer rules.
 
+Which untraceable submodules are blocks: those given as ``blocks``, and any of the ``candidates`` whose layers the
+per-layer rules cannot serve, found when the engine tests the model (its first batch of two samples or more, or a
+batch of one before that): a :class:`~fxdp.errors.LayerBatchError` naming a layer inside a candidate makes that
+candidate a block, and the test is taken again. A candidate whose layers see the batch keeps the per-layer rules
+(a mixture-of-experts block keeps its rule), and what it computes is checked at every forward as a block's is.
+
 What the per-layer rules cannot see inside a block (its layers may see rows that are not samples) does not
 matter to the block's rule, which only needs the block's input and output to carry the batch; that is checked
 at every forward (:meth:`~fxdp.engines.hooks.GradSampleModule._check_layer_batch`). What the generic rule
 assumes, that the block computes each sample's output from that sample alone, can stop holding on any batch
 (a branch taken on the batch's sum, a loop count read from the batch's largest value): so at every forward, the
 block is run again on each sample alone (no gradient) and its output compared with that sample's rows of the
-batch's; a difference is a :class:`~fxdp.errors.SampleMixingError` naming the block and its ``forward``, raised
-before any per-sample gradient of that batch exists (and again at every later forward). The cost: one extra
-forward of each block per sample.
+batch's (blocks and candidates both; on the first batch before the model-wide test, so that the part is named); a
+difference is a :class:`~fxdp.errors.SampleMixingError` naming the part and its ``forward``, raised before any
+per-sample gradient of that batch exists (and again at every later forward). The cost: one extra forward of each
+untraceable submodule per sample.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import weakref
 from typing import Optional, Sequence
 
@@ -23,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fxdp.diagnostics import Kind, SampleMixingError
+from fxdp.diagnostics import Kind, LayerBatchError, SampleMixingError, SelfCheckError
 from fxdp.diagnostics.errors import PerSampleError
 from fxdp.engines import selfcheck
 from fxdp.engines.base import mark_engine_hook, without_own_hooks
@@ -36,8 +45,9 @@ class BlockGradSampleModule(GradSampleModule):
     docstring). :attr:`blocks` lists them; :attr:`grad_sample_layers` says ``"block: ..."`` for each."""
 
     def __init__(self, model: nn.Module, batch_first: bool = True, loss_reduction: str = "mean",
-                 strict: bool = False, *, blocks: Sequence[str] = (), **kwargs):
+                 strict: bool = False, *, blocks: Sequence[str] = (), candidates: Sequence[str] = (), **kwargs):
         object.__setattr__(self, "blocks", tuple(blocks))  # read by _add_hooks, which nn.Module.__init__ precedes
+        object.__setattr__(self, "candidates", tuple(c for c in candidates if c not in blocks))
         object.__setattr__(self, "_checking_blocks", False)
         super().__init__(model, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict, **kwargs)
 
@@ -64,8 +74,10 @@ class BlockGradSampleModule(GradSampleModule):
             if any(p.requires_grad for p in block.parameters()):
                 self._hook_block(path, block)
                 self.grad_sample_layers[path] = "block: generic (its whole subtree), checked against each sample alone"
+        for path in self.candidates:  # per-layer rules inside, but what it computes is checked as a block's is
+            self._hook_block(path, self._module.get_submodule(path), check_only=True)
 
-    def _hook_block(self, name: str, block: nn.Module) -> None:
+    def _hook_block(self, name: str, block: nn.Module, check_only: bool = False) -> None:
         owner = weakref.ref(self)
 
         def forward_hook(mod, inputs, kwargs, output):
@@ -73,11 +85,11 @@ class BlockGradSampleModule(GradSampleModule):
             if wrapper is None or wrapper._recomputing:
                 return
             if wrapper._checking_blocks:
-                wrapper._check_block(name, mod, inputs, kwargs, output)
-                return
+                return  # _check_blocks_alone's own hook checks it
             if not torch.is_grad_enabled():
                 return
-            wrapper._on_layer_output(name, mod, inputs, kwargs, output)  # the batch checks, the generic rule
+            if not check_only:
+                wrapper._on_layer_output(name, mod, inputs, kwargs, output)  # the batch checks, the generic rule
             wrapper._check_block(name, mod, inputs, kwargs, output)
 
         self._hook_handles.append(block.register_forward_hook(
@@ -115,29 +127,78 @@ class BlockGradSampleModule(GradSampleModule):
         return SampleMixingError(
             [selfcheck.finding(
                 name, kind, Kind.MIXES_SAMPLES,
-                f"sample {i} alone through the block gives {found} than its rows of the batch's output ({n} "
-                "samples): what the block computes for a sample depends on the other samples (control flow on a "
+                f"sample {i} alone through the part gives {found} than its rows of the batch's output ({n} "
+                "samples): what the part computes for a sample depends on the other samples (control flow on a "
                 "value of the whole batch: its sum, its largest value, its longest sequence)",
-                "read each sample's own values for the block's control flow (loop over the samples, or compute the "
-                "condition per row and select with torch.where), or make the block traceable by torch.fx",
+                "read each sample's own values for the part's control flow (loop over the samples, or compute the "
+                "condition per row and select with torch.where), or make the part traceable by torch.fx",
                 selfcheck.forward_location(block))],
-            f"fxdp (hooks engine): block '{name}' ({kind}), which no front end captures and which runs as one op "
-            f"with each sample re-run alone, mixes samples: on a batch of {n} samples its output differs from each "
-            "sample's alone, so its per-sample gradients would be wrong; it is refused (on this batch and every "
-            "later one):")
+            f"fxdp (hooks engine): untraceable part '{name}' ({kind}), which no front end captures, mixes samples: on "
+            f"a batch of {n} samples its output differs from each sample's alone, so per-sample gradients would be "
+            "wrong; it is refused (on this batch and every later one):")
 
     def _self_check(self, args, kwargs, n: int, bags=None) -> None:
         """The blocks are checked first, so that a block that mixes samples is named (the model-wide test would
-        only name the model)."""
-        if self.blocks:
-            previous = self._batch_size
-            self._batch_size, self._checking_blocks = n, True
+        only name the model); a candidate whose layers do not see the batch becomes a block (module docstring)."""
+        while True:
             try:
-                with selfcheck.preserved_state(self._module), torch.no_grad():
-                    self._module(*args, **kwargs)
-            finally:
-                self._batch_size, self._checking_blocks = previous, False
-        super()._self_check(args, kwargs, n, bags)
+                self._check_blocks_alone(args, kwargs, n, (*self.blocks, *self.candidates))
+            except SelfCheckError as exc:
+                if self._refusal is None:
+                    self._refused(exc)
+                raise
+            try:
+                return super()._self_check(args, kwargs, n, bags)
+            except LayerBatchError as exc:
+                if not self._make_block(exc):
+                    raise
+
+    def _check_batch_of_one(self, args, kwargs, bags=None) -> None:
+        while True:
+            try:
+                return super()._check_batch_of_one(args, kwargs, bags)
+            except LayerBatchError as exc:
+                if not self._make_block(exc):
+                    raise
+
+    def _make_block(self, exc: LayerBatchError) -> bool:
+        """The candidate holding the layer ``exc`` names becomes a block (hooked again); False when none does."""
+        layers = [f.node for f in exc.findings]
+        found = next((c for c in self.candidates if any(node.startswith(c + ".") for node in layers)), None)
+        if found is None:
+            return False
+        object.__setattr__(self, "blocks", (*self.blocks, found))
+        object.__setattr__(self, "candidates", tuple(c for c in self.candidates if c != found))
+        self.remove_hooks()
+        self.grad_sample_layers, self.generic_fallbacks = {}, []
+        self._add_hooks()
+        self._refusal, self.verification = None, "running"
+        report = self.__dict__.get("fxdp_report")  # set by compile_for_dp / make_private
+        if report is not None:
+            self.fxdp_report = dataclasses.replace(report, notes=(*report.notes, (
+                f"block chosen on the first batch: '{found}' runs as one op (layer {layers[0]!r} does not see the "
+                "batch where the per-layer rules need it)")))
+        return True
+
+    def _check_blocks_alone(self, args, kwargs, n: int, paths: Sequence[str]) -> None:
+        """A forward without gradient in which each module of ``paths`` is run again on each sample alone."""
+        if not paths:
+            return
+        handles = [self._module.get_submodule(path).register_forward_hook(
+            functools.partial(self._check_hook, path), with_kwargs=True) for path in paths]
+        previous = self._batch_size
+        self._batch_size, self._checking_blocks = n, True
+        try:
+            with selfcheck.preserved_state(self._module), torch.no_grad():
+                self._module(*args, **kwargs)
+        finally:
+            self._batch_size, self._checking_blocks = previous, False
+            for handle in handles:
+                handle.remove()
+
+    def _check_hook(self, path, mod, inputs, kwargs, output):
+        if self._checking_blocks and not self._recomputing:
+            self._check_block(path, mod, inputs, kwargs, output)
 
 
 def _batched_leaves(output, n: int, dim: int):

@@ -6,9 +6,9 @@ each submodule is traced on its own (torch.fx, symbolically: no inputs needed) t
   an *untraceable part*: its own ``forward`` holds the code the tracer rejects (data-dependent control flow,
   ``.item()``, a loop over a tensor), named with the trace error and the user's line.
 
-The compiler runs an untraceable submodule (a *block*) as one op on the hooks engine (the generic rule, each
-sample re-run alone, checked against the batch at every forward: :mod:`fxdp.engines.blocks`); when the model's
-own ``forward`` is untraceable, its layers keep the hooks engine's per-layer rules.
+An untraceable submodule whose layers do not see the batch where the hooks engine's per-layer rules need it runs
+as one op, a *block* (the generic rule, each sample re-run alone, checked against the batch at every forward:
+:mod:`fxdp.engines.blocks`); the others, and the model's own ``forward``, keep the per-layer rules.
 """
 
 from __future__ import annotations
@@ -96,17 +96,22 @@ def find_parts(model: nn.Module) -> Parts:
     return Parts(tuple(untraceable), tuple(traceable))
 
 
-def describe_parts(parts: Parts, hooks_layers: Tuple[str, ...] = ()) -> List[str]:
-    """The compile report's lines: which part is untraceable (module path, reason, line) and the engine of each."""
+def describe_parts(parts: Parts, blocks: Tuple[str, ...] = ()) -> List[str]:
+    """The compile report's lines: which part is untraceable (module path, reason, line) and the engine of each
+    (``blocks``: the untraceable submodules that run as one op)."""
     lines = []
     for part in parts.untraceable:
         if part.path == ROOT:
             lines.append(f"untraceable part {part.describe()}; engine: hooks (its layers' per-layer rules; the model "
                          "is tested against batches of one on its first batch)")
-        else:
+        elif part.path in blocks:
             lines.append(f"untraceable part {part.describe()}; engine: hooks, the block as one op (the generic rule "
                          "over its parameters, each sample re-run alone; every forward checks that the block's output "
                          "for each sample equals that sample's alone)")
+        else:
+            lines.append(f"untraceable part {part.describe()}; engine: hooks (its layers' per-layer rules; every "
+                         "forward checks that its output for each sample equals that sample's alone; it runs as one op "
+                         "instead if one of its layers does not see the batch on the first batch)")
     if parts.traceable:
         listed = ", ".join(f"'{p}' ({t})" for p, t in parts.traceable)
         lines.append(f"traceable parts (torch.fx traces them alone): {listed}; engine: hooks (per-layer rules)")

@@ -80,19 +80,19 @@ def test_a_block_that_mixes_samples_is_refused_with_its_name(name):
     path, kind, sample, found = MIXING[name]
     model, inputs, targets = ZOO[name]()
     compiled = fxdp.compile_for_dp(model, example_inputs=inputs)
-    assert compiled.blocks == (path,)
+    assert (compiled.blocks, compiled.candidates) == ((), (path,))  # its layers see the batch: per-layer rules
     with pytest.raises(SampleMixingError) as info:
         compiled(*inputs)
     text = str(info.value)
     assert text.startswith(
-        f"fxdp (hooks engine): block '{path}' ({kind}), which no front end captures and which runs as one op with "
-        "each sample re-run alone, mixes samples: on a batch of 4 samples its output differs from each sample's "
-        "alone, so its per-sample gradients would be wrong; it is refused (on this batch and every later one):")
+        f"fxdp (hooks engine): untraceable part '{path}' ({kind}), which no front end captures, mixes samples: on a "
+        "batch of 4 samples its output differs from each sample's alone, so per-sample gradients would be wrong; it "
+        "is refused (on this batch and every later one):")
     (finding,) = info.value.findings
     assert (finding.node, finding.op) == (path, kind)
     assert finding.message == (
-        f"sample {sample} alone through the block gives {found} other than its rows of the batch's output (4 "
-        "samples): what the block computes for a sample depends on the other samples (control flow on a value of "
+        f"sample {sample} alone through the part gives {found} other than its rows of the batch's output (4 "
+        "samples): what the part computes for a sample depends on the other samples (control flow on a value of "
         "the whole batch: its sum, its largest value, its longest sequence)")
     assert finding.location is not None and finding.location.file.endswith("untraceable_zoo.py")
     assert all(getattr(p, "grad_sample", None) is None for p in model.parameters())
@@ -119,7 +119,9 @@ def test_a_later_batch_that_mixes_samples_is_refused_at_its_forward():
     compiled = fxdp.compile_for_dp(model, example_inputs=(first,))
     y = torch.tensor([0, 1, 1, 0])
     F.cross_entropy(compiled(first), y).backward()
-    got = {n: p.grad_sample.clone() for n, p in model.named_parameters()}
+    assert model.branch.b.weight.grad_sample is None  # the branch not taken: no per-sample gradient, none alone
+    got = {n: p.grad_sample.clone() if p.grad_sample is not None else torch.zeros(4, *p.shape, dtype=p.dtype)
+           for n, p in model.named_parameters()}
     for i, alone in enumerate(_grads_alone(model, (first,), y)):
         for n, g in alone.items():
             torch.testing.assert_close(got[n][i], g, rtol=1e-9, atol=1e-12)
@@ -127,9 +129,9 @@ def test_a_later_batch_that_mixes_samples_is_refused_at_its_forward():
     later = torch.cat([_rows(model, +1, 3, 2) * 3, _rows(model, -1, 1, 3)])  # sample 3 alone takes the other branch
     with torch.no_grad():
         assert model.inp(later).sum() > 0 and model.inp(later[3:]).sum() < 0
-    with pytest.raises(SampleMixingError, match=r"block 'branch' \(BatchBranch\)") as info:
+    with pytest.raises(SampleMixingError, match=r"untraceable part 'branch' \(BatchBranch\)") as info:
         compiled(later)
-    assert info.value.findings[0].message.startswith("sample 3 alone through the block gives outputs up to")
+    assert info.value.findings[0].message.startswith("sample 3 alone through the part gives outputs up to")
     assert all(getattr(p, "grad_sample", None) is None for p in model.parameters())
 
 
@@ -220,10 +222,10 @@ def test_a_block_output_that_mixes_samples_is_found_whichever_output_it_is():
     model = _TwoOutputsNet().double()
     x = torch.randn(4, 4, dtype=torch.float64)
     compiled = fxdp.compile_for_dp(model, example_inputs=(x,))
-    assert compiled.blocks == ("block",)
-    with pytest.raises(SampleMixingError, match=r"block 'block' \(_TwoOutputs\)") as info:
+    assert compiled.blocks + compiled.candidates == ("block",)
+    with pytest.raises(SampleMixingError, match=r"untraceable part 'block' \(_TwoOutputs\)") as info:
         compiled(x)
-    assert info.value.findings[0].message.startswith("sample 0 alone through the block gives outputs up to")
+    assert info.value.findings[0].message.startswith("sample 0 alone through the part gives outputs up to")
 
 
 def test_a_block_with_dropout_in_training_is_refused():

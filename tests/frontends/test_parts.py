@@ -99,6 +99,9 @@ def test_a_traceable_module_inside_a_block_is_not_a_part_of_its_own():
     assert parts.traceable == (("head", "Linear"),)
 
 
+PER_LAYER = ("batch_branch", "batch_loop")  # untraceable submodules whose layers see the batch
+
+
 def _part_lines(name):
     path, kind, reason, code, traceable = EXPECTED[name]
     where = f"{ZOO_FILE}:{line_of(code)}"
@@ -106,6 +109,10 @@ def _part_lines(name):
     if path == ROOT:
         engine = ("engine: hooks (its layers' per-layer rules; the model is tested against batches of one on its first "
                   "batch)")
+    elif name in PER_LAYER:
+        engine = ("engine: hooks (its layers' per-layer rules; every forward checks that its output for each sample "
+                  "equals that sample's alone; it runs as one op instead if one of its layers does not see the batch "
+                  "on the first batch)")
     else:
         engine = ("engine: hooks, the block as one op (the generic rule over its parameters, each sample re-run alone; "
                   "every forward checks that the block's output for each sample equals that sample's alone)")
@@ -133,8 +140,8 @@ def test_the_command_line_prints_the_parts(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert code == 1
     where = f"tests/support/untraceable_zoo.py:{line_of('return self.a(h) if h.sum() > 0 else self.b(h)')}"
-    assert f"untraceable part 'branch' (BatchBranch) at {where}: {CONTROL_FLOW}; engine: hooks, the block as one op" \
-        in out
+    assert f"untraceable part 'branch' (BatchBranch) at {where}: {CONTROL_FLOW}; engine: hooks (its layers' " \
+        "per-layer rules; every forward checks" in out
     assert "traceable parts (torch.fx traces them alone): 'inp' (Linear), 'out' (Linear); engine: hooks " \
            "(per-layer rules)" in out
     assert "mixes samples  branch  BatchBranch" in out
