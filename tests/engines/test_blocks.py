@@ -242,3 +242,26 @@ def test_a_block_with_dropout_in_training_is_refused():
         "sample re-run alone, but its dropout layer(s) 'block.drop' draw new numbers when a sample is re-run, so its "
         "per-sample gradients would not be this step's; set their p to 0 (or put them in eval mode), or make the "
         "block traceable by torch.fx")
+
+
+@pytest.mark.parametrize("first_rows", [4, 1])
+def test_without_example_inputs_the_block_is_chosen_on_the_first_batch(first_rows):
+    """No example inputs: the part keeps the per-layer rules until the engine's test (a batch of one, or the first
+    batch of two or more) finds one of its layers not seeing the batch; then it runs as one op."""
+    model, inputs, targets = ZOO["chunked_encoder"]()
+    compiled = fxdp.compile_for_dp(model)
+    assert (compiled.blocks, compiled.candidates) == ((), ("block",))
+    (line,) = [n for n in fxdp.report(compiled).notes if n.startswith("untraceable part 'block'")]
+    assert line.endswith("engine: hooks (its layers' per-layer rules; every forward checks that its output for each "
+                         "sample equals that sample's alone; it runs as one op instead if one of its layers does not "
+                         "see the batch on the first batch)")
+    ids, y = inputs[0][:first_rows], targets[:first_rows]
+    F.cross_entropy(compiled(ids), y).backward()
+    assert (compiled.blocks, compiled.candidates) == (("block",), ())
+    assert fxdp.report(compiled).notes[-1] == (
+        "block chosen on the first batch: 'block' runs as one op (layer 'block.mix' does not see the batch where the "
+        "per-layer rules need it)")
+    got = {n: p.grad_sample.clone() for n, p in model.named_parameters()}
+    for i, alone in enumerate(_grads_alone(model, (ids,), y)):
+        for n, g in alone.items():
+            torch.testing.assert_close(got[n][i], g, rtol=1e-9, atol=1e-12)
