@@ -101,14 +101,13 @@ class BlockGradSampleModule(GradSampleModule):
         n = self._batch_size
         if n is None or n < 2 or not any(p.requires_grad for p in block.parameters()):
             return  # a batch of one is its own sample alone
-        random = [f"'{name}.{k}'" if k else f"'{name}'" for k, m in block.named_modules()
-                  if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0]
-        if random:
-            raise PerSampleError(
-                f"fxdp (hooks engine): block '{name}' ({type(block).__name__}), which no front end captures, runs as "
-                f"one op with each sample re-run alone, but its dropout layer(s) {', '.join(random)} draw new numbers "
-                "when a sample is re-run, so its per-sample gradients would not be this step's; set their p to 0 (or "
-                "put them in eval mode), or make the block traceable by torch.fx")
+        is_block = name in self.blocks
+        dropouts = [f"'{name}.{k}'" if k else f"'{name}'" for k, m in block.named_modules()
+                    if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0]
+        if dropouts and not is_block:
+            return  # random: no comparison can be made; its layers' rules handle dropout (the first batch is tested)
+        if dropouts:
+            raise self._random_error(name, block, f"its dropout layer(s) {', '.join(dropouts)} draw")
         dim = self.batch_dim
         outs = _batched_leaves(output, n, dim)
         rtol = 1e-9 if outs and outs[0][1].dtype == torch.float64 else selfcheck.gradient_rtol(
@@ -116,11 +115,24 @@ class BlockGradSampleModule(GradSampleModule):
         with torch.no_grad(), self._recompute(), without_own_hooks(block):
             for i in range(n):
                 args, kw = selfcheck.sample_alone(tuple(inputs), dict(kwargs), n, dim, i)
-                alone = [t for t in pytree.tree_leaves(block(*args, **kw)) if isinstance(t, torch.Tensor)]
+                alone = _tensors(block(*args, **kw))
                 for k, out in outs:
                     found = _difference(alone[k] if k < len(alone) else None, out.detach().narrow(dim, i, 1), rtol)
-                    if found is not None:
-                        raise self._refused(self._mixing_error(name, block, i, n, found))
+                    if found is None:
+                        continue
+                    if _is_random(block, args, kw):  # functional dropout: no comparison can be made
+                        if not is_block:
+                            return
+                        raise self._random_error(name, block, "it draws random numbers (functional dropout?), which")
+                    raise self._refused(self._mixing_error(name, block, i, n, found))
+
+    @staticmethod
+    def _random_error(name: str, block: nn.Module, what: str) -> PerSampleError:
+        return PerSampleError(
+            f"fxdp (hooks engine): block '{name}' ({type(block).__name__}), which no front end captures, runs as "
+            f"one op with each sample re-run alone, but {what} new numbers when a sample is re-run, so its "
+            "per-sample gradients would not be this step's; set their p to 0 (or put them in eval mode), or make "
+            "the block traceable by torch.fx")
 
     def _mixing_error(self, name: str, block: nn.Module, i: int, n: int, found: str) -> SampleMixingError:
         kind = type(block).__name__
@@ -199,6 +211,17 @@ class BlockGradSampleModule(GradSampleModule):
     def _check_hook(self, path, mod, inputs, kwargs, output):
         if self._checking_blocks and not self._recomputing:
             self._check_block(path, mod, inputs, kwargs, output)
+
+
+def _tensors(value) -> list:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _is_random(block: nn.Module, args, kwargs) -> bool:
+    """Two runs of the block on the same sample under two seeds differ."""
+    first = _tensors(selfcheck.seeded(lambda: block(*args, **kwargs), 1))
+    second = _tensors(selfcheck.seeded(lambda: block(*args, **kwargs), 2))
+    return any(a.shape != b.shape or not torch.equal(a, b) for a, b in zip(first, second))
 
 
 def _batched_leaves(output, n: int, dim: int):
