@@ -74,8 +74,10 @@ class BlockGradSampleModule(GradSampleModule):
             if any(p.requires_grad for p in block.parameters()):
                 self._hook_block(path, block)
                 self.grad_sample_layers[path] = "block: generic (its whole subtree), checked against each sample alone"
+        parts = (*self.blocks, *self.candidates)
         for path in self.candidates:  # per-layer rules inside, but what it computes is checked as a block's is
-            self._hook_block(path, self._module.get_submodule(path), check_only=True)
+            if not any(path.startswith(outer + ".") for outer in parts):  # one inside another: the outer's check
+                self._hook_block(path, self._module.get_submodule(path), check_only=True)  # covers it
 
     def _hook_block(self, name: str, block: nn.Module, check_only: bool = False) -> None:
         owner = weakref.ref(self)
