@@ -7,7 +7,9 @@ This module is the ONE place an engine is chosen (:func:`choose_engine` for :fun
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -31,9 +33,11 @@ from fxdp.diagnostics.errors import expect_module
 from fxdp.diagnostics.report import REPORT_ATTR, refuse_if_not_private
 from fxdp.engines import WRAPPERS, GradSampleHooks, GradSampleModule, check_grad_sample_mode
 from fxdp.engines.base import user_hooks
+from fxdp.engines.blocks import BlockGradSampleModule
 from fxdp.engines.hooks import fallback_self_check
 from fxdp.engines.whole_model import whole_model_op
 from fxdp.frontends.export import FRONT_END
+from fxdp.frontends.parts import Parts, describe_parts, find_parts
 from fxdp.engines.wrappers import unwrap_or_refuse
 from fxdp.grad_sample.moe import describe_moe_blocks
 from fxdp.layout import PACKED, BatchLayout
@@ -113,7 +117,12 @@ def inspect(model: nn.Module, example_inputs: Any = None, batch_dim: int = 0, st
     gm, traced, reports = _analyse(model, example_inputs, batch_dim, strict, batch_inputs)
     notes = [NO_INPUTS_NOTE] if traced.ok and example_inputs is None else []
     if not traced.ok:
-        reports.append(fallback_self_check(model, example_inputs, batch_dim, strict))
+        parts = _untraceable_parts(model, traced)
+        candidates = tuple(b.path for b in parts.blocks) if parts is not None else ()
+        blocks = _probe_blocks(model, example_inputs, batch_dim, candidates)
+        make = functools.partial(BlockGradSampleModule, blocks=blocks, candidates=candidates) if candidates else None
+        reports.append(fallback_self_check(model, example_inputs, batch_dim, strict, make))
+        notes = describe_parts(parts, blocks) if parts is not None else []
     return _make_report(model, traced, reports, notes=notes)
 
 
@@ -179,9 +188,12 @@ def compile_for_dp(
     analysed = copy_graph_module(gm) if gm is not None and grad_sample_mode == "fx" else None  # (reanalyse's)
     choice = choose_engine(model, gm, traced, reports, grad_sample_mode=grad_sample_mode, strict=strict,
                            loss_reduction=loss_reduction, batch_dim=batch_dim, sink=sink)
-    compiled = _build(choice, model, traced, loss_reduction=loss_reduction, batch_dim=batch_dim)
+    compiled = _build(choice, model, traced, loss_reduction=loss_reduction, batch_dim=batch_dim,
+                      example_inputs=example_inputs)
 
     notes = _bookkeeping_notes(choice.sink, choice.engine, choice.graph if choice.engine == "fx" else None)
+    if choice.parts is not None:
+        notes = describe_parts(choice.parts, getattr(compiled, "blocks", ())) + notes
     if choice.engine == "fx":
         notes = ([NO_INPUTS_NOTE] if example_inputs is None else []) + private_parameters_note(model) + notes
     rep = _make_report(model, traced, reports, choice.engine, choice.reason, notes=notes)
@@ -205,6 +217,7 @@ class EngineChoice:
     reason: Optional[str]
     graph: Optional[torch.fx.GraphModule]
     sink: Optional[GradientSink]
+    parts: Optional[Parts] = None  # a model no front end captured: its untraceable parts (fxdp.frontends.parts)
 
 
 def choose_engine(model: nn.Module, gm: Optional[torch.fx.GraphModule], traced, reports: List[PassReport], *,
@@ -219,8 +232,9 @@ def choose_engine(model: nn.Module, gm: Optional[torch.fx.GraphModule], traced, 
     graphs engine before any trace, :mod:`fxdp.graphs`.)"""
     if gm is None or grad_sample_mode != "fx":  # an explicit engine is honoured (none of them needs a trace)
         engine = grad_sample_mode if grad_sample_mode != "fx" else "hooks"
+        parts = _untraceable_parts(model, traced) if gm is None and grad_sample_mode == "fx" else None
         return EngineChoice(engine, None if gm is None else f"grad_sample_mode={grad_sample_mode!r} was asked for",
-                            None, sink)
+                            None, sink, parts)
     hooked = _user_hooks(model, traced.front_end)
     if hooked:  # the graph would drop the root's hooks and see the layers' hooks twice
         where = f"the model has hooks of yours on {', '.join(hooked)}"
@@ -251,11 +265,17 @@ def choose_engine(model: nn.Module, gm: Optional[torch.fx.GraphModule], traced, 
                         gm, sink)
 
 
-def _build(choice: EngineChoice, model: nn.Module, traced, *, loss_reduction: str, batch_dim: int) -> nn.Module:
+def _build(choice: EngineChoice, model: nn.Module, traced, *, loss_reduction: str, batch_dim: int,
+           example_inputs=None) -> nn.Module:
     """The model on the engine ``choice`` names (``traced``: what the front end captured)."""
     if choice.engine == WHOLE_MODEL:
         return whole_model_op(model, choice.graph, loss_reduction=loss_reduction, batch_dim=batch_dim,
                               sink=choice.sink)
+    if choice.engine == "hooks" and choice.parts is not None and choice.parts.blocks:
+        candidates = tuple(b.path for b in choice.parts.blocks)
+        return BlockGradSampleModule(model, batch_first=(batch_dim == 0), loss_reduction=loss_reduction,
+                                     sink=choice.sink, candidates=candidates,
+                                     blocks=_probe_blocks(model, example_inputs, batch_dim, candidates))
     if choice.engine != "fx":
         return _wrap(model, choice.engine, batch_first=(batch_dim == 0), loss_reduction=loss_reduction,
                      sink=choice.sink)
@@ -263,6 +283,30 @@ def _build(choice: EngineChoice, model: nn.Module, traced, *, loss_reduction: st
     if traced.output_type is not None:  # the graph returns a plain dict: give back the model's own type
         gm.register_forward_hook(OutputType(traced.output_type))
     return gm
+
+
+def _probe_blocks(model: nn.Module, example_inputs, batch_dim: int, candidates: Tuple[str, ...]) -> Tuple[str, ...]:
+    """Which untraceable submodules become blocks on ``example_inputs`` (the engine's test on a copy of the model);
+    none known without them (the engine then chooses on its first batch)."""
+    if not candidates or example_inputs is None:
+        return ()
+    args, kwargs = ((), dict(example_inputs)) if isinstance(example_inputs, dict) else (
+        ((example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)), {})
+    probe = BlockGradSampleModule(copy.deepcopy(model), batch_first=batch_dim == 0, candidates=candidates)
+    try:
+        probe(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the engine raises it again on the model's batch; here only its choice counts
+        pass
+    finally:
+        probe.remove_hooks()
+    return probe.blocks
+
+
+def _untraceable_parts(model: nn.Module, traced) -> Optional[Parts]:
+    """A model no front end captured because of its code (not its inputs): its parts, each traced alone."""
+    if traced.ok or traced.error is None or isinstance(traced.error, UnsupportedInputError):
+        return None
+    return find_parts(model)
 
 
 def _refuse_checkpointing(model: nn.Module) -> None:

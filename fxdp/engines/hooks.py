@@ -621,10 +621,11 @@ def _count_forward_call(owner):
     return pre_hook
 
 
-def fallback_self_check(model: nn.Module, example_inputs, batch_dim: int, strict: bool) -> PassReport:
+def fallback_self_check(model: nn.Module, example_inputs, batch_dim: int, strict: bool, make=None) -> PassReport:
     """What the hooks fallback's self-check (its test on the first batch) finds on ``example_inputs``,
     run on a copy of the model: an error finding for what it refuses (the engine refuses it on the first batch
-    too), a warning when the example inputs could not run the test. Under ``strict`` both are raised."""
+    too), a warning when the example inputs could not run the test. Under ``strict`` both are raised. ``make``: the
+    engine's class (a hooks engine with blocks, :mod:`fxdp.engines.blocks`), GradSampleModule by default."""
     name, check = type(model).__name__, selfcheck.PASS_NAME
 
     def unverified(message: str, fix: str) -> PassReport:  # raised under strict, else reported
@@ -641,7 +642,7 @@ def fallback_self_check(model: nn.Module, example_inputs, batch_dim: int, strict
     args, kwargs = ((), dict(example_inputs)) if isinstance(example_inputs, dict) else (
         ((example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)), {})
     try:  # a module that mixes samples in its mode (BatchNorm in training) is refused here, before any batch
-        engine = GradSampleModule(copy.deepcopy(model), batch_first=batch_dim == 0)
+        engine = (make or GradSampleModule)(copy.deepcopy(model), batch_first=batch_dim == 0)
     except SampleMixingModuleError as exc:
         if strict:
             raise

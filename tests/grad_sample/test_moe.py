@@ -296,18 +296,16 @@ def test_router_jitter_noise_in_training_is_refused():
         compiled(tokens())
 
 
-def test_an_undeclared_moe_block_is_refused_with_what_to_do():
+def test_an_undeclared_moe_block_trains_as_one_op():
+    """Untraceable (data-dependent control flow) and undeclared, its router sees the batch's tokens flattened: the
+    per-layer rules cannot serve it, so it runs as one op, each sample re-run alone (fxdp/engines/blocks.py); with
+    fxdp.register_moe_block it gets the faster rule (above)."""
     torch.manual_seed(0)
-    model = MoENet(TopKMoE).double()
-    with pytest.raises(fxdp.errors.LayerBatchError) as info:
-        fxdp.compile_for_dp(model, example_inputs=(tokens(4),))(tokens(4))
-    assert "layer 'moe.router' (Linear) does not see the batch" in str(info.value)
-    (finding,) = info.value.findings
-    assert finding.message == "input #0 has shape (24, 8), but the batch of 4 samples is assumed in dimension 0"
-    assert finding.fix.endswith("; if 'moe' (TopKMoE) is a mixture-of-experts block that routes each token on its own "
-                                "(top-k, no capacity limit, no auxiliary loss), declare it with "
-                                "fxdp.register_moe_block(TopKMoE)")
-    assert all(getattr(p, "grad_sample", None) is None and p.grad is None for p in model.parameters())
+    compiled = assert_matches_batches_of_one(MoENet(TopKMoE).double(), tokens(4), "fx", atol=1e-12, rtol=1e-10)
+    assert compiled.blocks == ("moe",)
+    assert compiled.grad_sample_layers["moe"] == "block: generic (its whole subtree), checked against each sample alone"
+    (line,) = [note for note in fxdp.report(compiled).notes if note.startswith("untraceable part 'moe' (TopKMoE)")]
+    assert "engine: hooks, the block as one op" in line
 
 
 class PooledMoE(TopKMoE):
