@@ -212,8 +212,8 @@ def test_a_flag_of_another_value_is_captured_again_and_an_uncapturable_keyword_r
     assert "make it private with example_inputs= a dict of every keyword your training loop passes" in message
 
 
-def test_a_peft_model_without_task_type_takes_every_input_through_kwargs():
-    """``PeftModel.forward(*args, **kwargs)`` names no input: each keyword is captured by its own name."""
+def _peft_model_without_task_type():
+    """A LoRA BERT made with ``peft.get_peft_model`` and no ``task_type``: a plain ``PeftModel``, in float64."""
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=32, max_position_embeddings=16, num_labels=3,
@@ -225,6 +225,12 @@ def test_a_peft_model_without_task_type_takes_every_input_through_kwargs():
         if p.requires_grad:
             with torch.no_grad():
                 p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(p.numel()))
+    return model
+
+
+def test_a_peft_model_without_task_type_takes_every_input_through_kwargs():
+    """``PeftModel.forward(*args, **kwargs)`` names no input: each keyword is captured by its own name."""
+    model = _peft_model_without_task_type()
     ids, mask, segments, labels = _tensors(3)
     inputs = {"input_ids": ids, "attention_mask": mask, "token_type_ids": segments}
     compiled = fxdp.compile_for_dp(model, example_inputs=inputs, loss_reduction="sum")
@@ -236,17 +242,7 @@ def test_labels_given_to_a_peft_model_without_task_type_give_each_samples_own_lo
     """``PeftModel.forward(*args, **kwargs)`` names no labels: fxdp looks through it to the model it wraps, whose
     forward takes them, and the private model's loss is each sample's own (its per-sample gradients are those of
     batches of one), where the model's own loss would have been averaged over the batch inside the graph."""
-    torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=32, max_position_embeddings=16, num_labels=3,
-                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    model = peft.get_peft_model(transformers.BertForSequenceClassification(config),
-                                peft.LoraConfig(r=4, target_modules=["query", "value"])).double().train()
-    assert type(model) is peft.PeftModel
-    for p in model.parameters():
-        if p.requires_grad:
-            with torch.no_grad():
-                p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(p.numel()))
+    model = _peft_model_without_task_type()
     ids, mask, segments, labels = _tensors(4)
     loader = DataLoader(TensorDataset(ids, mask, segments, labels), batch_size=4)
     private, optimizer, _, _ = PrivacyEngine().make_private(

@@ -178,14 +178,6 @@ class BandedMatrixFactorization(FollowsCycle, NoiseMechanism):
     def _separation_reason(self) -> str:
         return "so that they meet disjoint bands of C" if self.planned_steps is None else "as the accounting assumes"
 
-    def check_step(self) -> None:
-        self._check_cycle()
-        if self.planned_steps is not None and self.steps >= self.planned_steps:
-            raise StepRefusedError(
-                f"fxdp: this banded MF noise was planned (its sensitivity computed) for {self.planned_steps} steps "
-                "and all have run: a further step would release more than the accounting covers. Build the "
-                "mechanism with steps= the whole run's number of steps")
-
     def add_noise_(self, outs: List[torch.Tensor], std: float, *, secure_mode: bool = False,
                    generator: Optional[torch.Generator] = None, draws: Optional[List[torch.Tensor]] = None) -> None:
         self.check_step()

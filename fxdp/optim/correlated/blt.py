@@ -172,6 +172,7 @@ class BufferedLinearToeplitz(FollowsCycle, NoiseMechanism):
 
     name = "blt"
     _label = "BLT"
+    _planned = "its sensitivity normalised"
     across_processes = True
     per_parameter_state = ("buffers",)
 
@@ -217,14 +218,6 @@ class BufferedLinearToeplitz(FollowsCycle, NoiseMechanism):
     @property
     def _separation(self) -> int:
         return self.min_separation
-
-    def check_step(self) -> None:
-        self._check_cycle()
-        if self.steps >= self.planned_steps:
-            raise StepRefusedError(
-                f"fxdp: this BLT noise was planned (its sensitivity normalised) for {self.planned_steps} steps and "
-                f"all have run: a further step would release more than the accounting covers. Build the mechanism "
-                "with steps= the whole run's number of steps")
 
     def add_noise_(self, outs: List[torch.Tensor], std: float, *, secure_mode: bool = False,
                    generator: Optional[torch.Generator] = None, draws: Optional[List[torch.Tensor]] = None) -> None:

@@ -7,8 +7,9 @@ enough ``partitions`` hands out when its batches are used in order, one per step
 of such mechanisms) reads the loader's ``cycle_position`` before each step and refuses a step whose batch is not
 the next one of the cycle, or a loader whose split of the samples differs from the one followed before.
 
-A mechanism using it sets ``_label`` (its name in messages), ``_separation`` (the fewest partitions it accepts)
-and ``steps`` (the noise draws made), and calls :meth:`_init_cycle` in its constructor.
+A mechanism using it sets ``_label`` (its name in messages), ``_separation`` (the fewest partitions it accepts),
+``steps`` (the noise draws made) and, where its sensitivity holds for a number of steps, ``planned_steps``, and
+calls :meth:`_init_cycle` in its constructor.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class FollowsCycle:
 
     _label: str = ""
     steps: int = 0
+    planned_steps: Optional[int] = None  # the steps its sensitivity was computed for (None: no such plan)
+    _planned: str = "its sensitivity computed"  # what the plan fixed, for the refusal of a step past it
 
     @property
     def _separation(self) -> int:
@@ -71,7 +74,13 @@ class FollowsCycle:
         return "as the accounting assumes"
 
     def check_step(self) -> None:
+        """Before each step's noise: the batch is the cycle's next, and the step is within the plan."""
         self._check_cycle()
+        if self.planned_steps is not None and self.steps >= self.planned_steps:
+            raise StepRefusedError(
+                f"fxdp: this {self._label} noise was planned ({self._planned}) for {self.planned_steps} steps and all "
+                "have run: a further step would release more than the accounting covers. Build the mechanism with "
+                "steps= the whole run's number of steps")
 
     def _check_cycle(self) -> None:
         if self._position is None:

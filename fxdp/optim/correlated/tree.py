@@ -147,14 +147,6 @@ class TreeAggregation(FollowsCycle, NoiseMechanism):
     def _separation(self) -> int:
         return self.min_separation
 
-    def check_step(self) -> None:
-        self._check_cycle()
-        if self.steps >= self.planned_steps:
-            raise StepRefusedError(
-                f"fxdp: this tree aggregation noise was planned (its sensitivity computed) for {self.planned_steps} "
-                "steps and all have run: a further step would release more than the accounting covers. Build the "
-                "mechanism with steps= the whole run's number of steps")
-
     def add_noise_(self, outs: List[torch.Tensor], std: float, *, secure_mode: bool = False,
                    generator: Optional[torch.Generator] = None) -> None:
         self.check_step()
