@@ -275,24 +275,10 @@ def test_the_checkpoint_holds_one_processs_noise_state_and_loads_in_one_process(
     assert_params_close(full_params(model), results[0][parallel, "banded"]["params"])
 
 
-# -- in this process: a world of one ---------------------------------------------------------------------
+# -- in this process: a mesh of one ----------------------------------------------------------------------
 
 
-@pytest.fixture
-def world_of_one():
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("this torch build has no torch.distributed with gloo")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_a_mesh_of_one_trains_as_one_process(world_of_one):
+def test_a_mesh_of_one_trains_as_one_process(mesh_of_one):
     from torch.distributed.fsdp import fully_shard
     from torch.utils.data.distributed import DistributedSampler
 
@@ -303,7 +289,7 @@ def test_a_mesh_of_one_trains_as_one_process(world_of_one):
     for sharded in (True, False):
         model = make_model()
         if sharded:
-            fully_shard(model, mesh=world_of_one)
+            fully_shard(model, mesh=mesh_of_one)
         sampler = DistributedSampler(ds, shuffle=False) if sharded else None
         # (one rank: its sampling seed is its draw from the loader's generator, as the one process is given)
         seed = LOADER_SEED if sharded else shared_sampling_seed()
@@ -329,7 +315,7 @@ def test_a_state_saved_by_a_rank_that_adds_no_noise_is_refused():
         fresh.load_state_dict(other.state_dict())
 
 
-def test_an_optimizer_overriding_the_noise_path_of_ddp_is_refused(world_of_one):
+def test_an_optimizer_overriding_the_noise_path_of_ddp_is_refused(mesh_of_one):
     from fxdp.distributed import DistributedDPOptimizer
     from fxdp.sinks.contract import PrivacySettingError
 
@@ -343,7 +329,7 @@ def test_an_optimizer_overriding_the_noise_path_of_ddp_is_refused(world_of_one):
                   expected_batch_size=4, noise_mechanism=mechanism("banded"))
 
 
-def test_a_mechanism_without_support_across_processes_is_refused(world_of_one):
+def test_a_mechanism_without_support_across_processes_is_refused(mesh_of_one):
     from fxdp.distributed import DistributedDPOptimizer
     from fxdp.optim.correlated import BandedMatrixFactorization
     from fxdp.sinks.contract import PrivacySettingError

@@ -418,20 +418,6 @@ def test_the_report_says_how_the_model_is_sharded_and_which_layers_are_book_kept
 # -- in this process: a mesh of one ---------------------------------------------------------------------
 
 
-@pytest.fixture
-def mesh_of_one():
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("this torch build has no torch.distributed with gloo")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_opacus_ghost_fsdp_is_the_default_on_a_fully_shard_model_and_other_engines_are_refused(mesh_of_one):
     from torch.distributed.fsdp import fully_shard
 

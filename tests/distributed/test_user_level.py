@@ -315,20 +315,6 @@ def test_ranks_that_hold_other_users_are_refused(ranks):
 # -- in this process: a mesh of one ---------------------------------------------------------------------
 
 
-@pytest.fixture
-def mesh_of_one():
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("this torch build has no torch.distributed with gloo")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_fsdp2_on_a_mesh_of_one_equals_one_process(mesh_of_one):
     from torch.distributed.fsdp import fully_shard
 

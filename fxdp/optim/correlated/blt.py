@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from fxdp.optim.correlated.banded import _product, _series_inverse
-from fxdp.optim.correlated.cycle import FollowsCycle
+from fxdp.optim.correlated.cycle import FollowsCycle, check_plan
 from fxdp.optim.correlated.mechanism import NoiseMechanism
 from fxdp.optim.correlated.processes import check_noise_state, unit_draws
 from fxdp.sinks.contract import PrivacySettingError, StepRefusedError
@@ -92,7 +92,7 @@ def optimize_blt(buffers: int, n: int, *, min_separation: Optional[int] = None, 
     arguments return the same strategy without optimising again (:func:`optimize_blt_cache_info`)."""
     if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
         raise PrivacySettingError(f"fxdp: buffers must be an int >= 1, got {buffers!r}")
-    _check_plan(n, min_separation)
+    check_plan(n, min_separation)
     if error not in ERRORS:
         raise ValueError(f"fxdp: error must be one of {ERRORS}, got {error!r}")
     theta, omega = _optimize_blt(buffers, n, min_separation or n, error, iterations)
@@ -144,7 +144,7 @@ def _optimize_blt(buffers: int, n: int, b: int, error: str, iterations: int) -> 
 
 def check_blt(theta: Any, omega: Any, n: int, min_separation: Optional[int]) -> None:
     """Refuse parameters outside the bounds under which this module's sensitivity holds (module docstring)."""
-    _check_plan(n, min_separation)
+    check_plan(n, min_separation)
     theta, omega = [float(x) for x in theta], [float(x) for x in omega]
     if len(theta) != len(omega) or not theta:
         raise PrivacySettingError(f"fxdp: a BLT needs as many decays (theta) as scales (omega), at least one; got "
@@ -290,13 +290,6 @@ def _groups(outs: Sequence[torch.Tensor]) -> List[List[int]]:
         held += out.numel()
     return groups
 
-
-def _check_plan(n: Any, min_separation: Any) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise PrivacySettingError(f"fxdp: steps (the number of steps planned) must be an int >= 1, got {n!r}")
-    if min_separation is not None and (isinstance(min_separation, bool) or not isinstance(min_separation, int)
-                                       or min_separation < 1):
-        raise PrivacySettingError(f"fxdp: min_separation must be an int >= 1, got {min_separation!r}")
 
 
 def _as_tensor(x: Any) -> torch.Tensor:

@@ -120,3 +120,12 @@ class FollowsCycle:
         self.steps, self._offset = int(state["steps"]), state["offset"]
         self.partitions = state["partitions"] if self.partitions is None else self.partitions
         self.partition_fingerprint = state["partition_fingerprint"]
+
+
+def check_plan(n: Any, min_separation: Any) -> None:
+    """A plan's ``steps`` (``n``) and ``min_separation`` (or None) are ints >= 1 (BLT and the tree take them)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise PrivacySettingError(f"fxdp: steps (the number of steps planned) must be an int >= 1, got {n!r}")
+    if min_separation is not None and (isinstance(min_separation, bool) or not isinstance(min_separation, int)
+                                       or min_separation < 1):
+        raise PrivacySettingError(f"fxdp: min_separation must be an int >= 1, got {min_separation!r}")

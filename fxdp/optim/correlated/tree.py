@@ -37,10 +37,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from fxdp.optim.correlated.cycle import FollowsCycle
+from fxdp.optim.correlated.cycle import FollowsCycle, check_plan
 from fxdp.optim.correlated.mechanism import NoiseMechanism
 from fxdp.optim.noise import add_gaussian_noise_all_
-from fxdp.sinks.contract import PrivacySettingError, StepRefusedError
+from fxdp.sinks.contract import StepRefusedError
 
 
 def lowbit(m: int) -> int:
@@ -80,7 +80,7 @@ def tree_sensitivity(n: int, min_separation: Optional[int] = None) -> float:
     upper bound, the smaller of the closed form of the module docstring and, where ``n^2 k`` is small enough
     (:data:`_ALGORITHM_4_WORK`), the bound of Choquette-Choo et al. 2023 (arXiv:2306.08153, Algorithm 4, which
     jax_privacy's ``get_min_sep_sensitivity_upper_bound`` also computes) on the explicit ``C^T C``."""
-    _check_plan(n, min_separation)
+    check_plan(n, min_separation)
     h = tree_height(n)
     b = min_separation or n
     k = -(-n // b)
@@ -125,7 +125,7 @@ class TreeAggregation(FollowsCycle, NoiseMechanism):
     _label = "tree aggregation"
 
     def __init__(self, *, steps: int, min_separation: Optional[int] = None):
-        _check_plan(steps, min_separation)
+        check_plan(steps, min_separation)
         self.planned_steps, self.min_separation = steps, min_separation or steps
         self._sensitivity = tree_sensitivity(steps, min_separation)
         self.steps = 0  # noise draws made
@@ -186,10 +186,3 @@ class TreeAggregation(FollowsCycle, NoiseMechanism):
     def __repr__(self) -> str:
         return f"TreeAggregation(steps={self.planned_steps}, min_separation={self.min_separation})"
 
-
-def _check_plan(n: Any, min_separation: Any) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise PrivacySettingError(f"fxdp: steps (the number of steps planned) must be an int >= 1, got {n!r}")
-    if min_separation is not None and (isinstance(min_separation, bool) or not isinstance(min_separation, int)
-                                       or min_separation < 1):
-        raise PrivacySettingError(f"fxdp: min_separation must be an int >= 1, got {min_separation!r}")
