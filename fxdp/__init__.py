@@ -15,7 +15,8 @@ then a per-sample engine (fxdp.engines) chosen by fxdp.compiler: the compiled gr
 model as one DP-aware op ("fx+whole-model"), or one that does not compile ("hooks", "ew", "functorch",
 "no_op"). docs/pipeline.md ("Words") lists what each word means.
 What compiled code calls at run time (the DP-aware ops, the guards, the compiled module class) is
-fxdp.runtime; the per-layer per-sample rules are fxdp.grad_sample, the gradient sinks they feed fxdp.sinks.
+fxdp.runtime; the per-layer per-sample rules are fxdp.grad_sample, the gradient sinks they feed fxdp.sinks, and
+fxdp.layers registers each layer family's per-sample rule, book-keeping and batch rule side by side.
 
 Training privately: fxdp.PrivacyEngine (fxdp.privacy_engine) combines the compiled model, the DP optimizer
 (fxdp.optim), Poisson sampling (fxdp.data) and the accountant (fxdp.accounting); fxdp.audit measures an
@@ -28,7 +29,7 @@ pipeline: fxdp.meta (every node.meta key), fxdp.layout (where the batch sits: Ba
 fxdp.registry (the type registry that walks the MRO).
 """
 
-from fxdp import errors, grad_sample, validators  # grad_sample registers the built-in per-sample rules
+from fxdp import errors, grad_sample, layers, validators  # layers registers the built-in layer families
 from fxdp.checker import check_per_sample_gradients_are_correct, per_sample_gradient_diagnostics
 from fxdp.compiler import compile_for_dp, inspect, report
 from fxdp.diagnostics import CompileReport, Finding, Kind, Severity
@@ -36,6 +37,7 @@ from fxdp.engines import GradSampleModule
 from fxdp.grad_sample.accumulate import zero_grad_sample
 from fxdp.grad_sample.moe import register_moe_block
 from fxdp.grad_sample.registry import register_grad_sampler
+from fxdp.layers import register_layer
 from fxdp.passes.batch_dim import find_batch_dim_violations
 from fxdp.passes.batch_rules import register_batch_rule
 from fxdp.data import BatchMemoryManager, DPDataLoader
@@ -71,6 +73,7 @@ __all__ = [
     "per_sample_mean",
     "register_batch_rule",
     "register_grad_sampler",
+    "register_layer",
     "register_moe_block",
     "report",
     "shared",

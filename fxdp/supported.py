@@ -13,11 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List
 
-import fxdp.grad_sample  # noqa: F401  (the built-in per-sample rules)
-import fxdp.passes.batch_rules  # noqa: F401  (the built-in batch rules)
-import fxdp.sinks.bookkeeping  # noqa: F401  (the built-in book-keeping plans)
+import fxdp.layers  # noqa: F401  (the built-in layer families: per-sample rules, book-keeping, batch rules)
+import fxdp.passes.batch_rules  # noqa: F401  (the batch rules of ops and of layers without parameters)
 from fxdp.grad_sample.registry import GRAD_SAMPLERS
-from fxdp.passes.batch_rules.core import _LAYER_RULES
+from fxdp.passes.batch_rules.core import LAYER_RULES
 from fxdp.registry import TypeRegistry
 from fxdp.sinks.bookkeeping.registry import BOOKKEEPING
 
@@ -50,7 +49,7 @@ def _names(registry: TypeRegistry) -> List[str]:
 def supported_layers() -> List[LayerSupport]:
     """Every layer class one of the three registries names, sorted by name."""
     has: Dict[str, List[bool]] = {}
-    for column, registry in enumerate((GRAD_SAMPLERS, BOOKKEEPING, _LAYER_RULES)):
+    for column, registry in enumerate((GRAD_SAMPLERS, BOOKKEEPING, LAYER_RULES)):
         for name in _names(registry):
             has.setdefault(name, [False, False, False])[column] = True
     return [LayerSupport(name, *flags) for name, flags in sorted(has.items(), key=lambda kv: kv[0].lower())]

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from fxdp.grad_sample.registry import GRAD_SAMPLERS
-from fxdp.passes.batch_rules.core import _LAYER_RULES
+from fxdp.passes.batch_rules.core import LAYER_RULES
 from fxdp.sinks.bookkeeping.registry import BOOKKEEPING
 from fxdp.supported import layers_table, supported_layers
 
@@ -39,7 +39,7 @@ def test_each_row_says_what_the_registries_find_for_the_class():
         row = rows[f"torch.nn.{cls.__name__}"]
         assert row.per_sample_rule == (GRAD_SAMPLERS.find(cls) is not None), cls
         assert row.bookkeeping_plan == (BOOKKEEPING.find(cls) is not None), cls
-        assert row.batch_rule == (_LAYER_RULES.find(cls) is not None), cls
+        assert row.batch_rule == (LAYER_RULES.find(cls) is not None), cls
     linear = rows["torch.nn.Linear"]
     assert linear.per_sample_rule and linear.bookkeeping_plan and linear.batch_rule
     assert "`transformers.pytorch_utils.Conv1D` | yes | yes | yes |" in layers_table()  # by path, not imported

@@ -15,14 +15,15 @@
 The gradient sinks, which receive what the rules compute, are :mod:`fxdp.sinks`; this package imports
 nothing from them (book-keeping there reads the rules registered here).
 
-Importing this package registers the built-in rules (the imports below are what registers them).
+The built-in rules are registered for their layer classes by the layer families, :mod:`fxdp.layers` (one module
+per family, each with the layer's book-keeping and batch rule beside its per-sample rule); ``import fxdp`` imports
+them.
 """
 
 from __future__ import annotations
 
 from fxdp.grad_sample.registry import find_grad_sampler, register_grad_sampler, rule_name
 from fxdp.grad_sample.accumulate import compute_grad_samples, zero_grad_sample
-from fxdp.grad_sample import conv, embedding, linear, moe, norms  # noqa: F401  (registers the built-in rules)
 from fxdp.grad_sample.generic import functional_grad_samples, generic_grad_sampler
 from fxdp.grad_sample.moe import moe_block_grad_sampler, register_moe_block
 

@@ -9,49 +9,23 @@ measurement against unfold + einsum).
 
 Padding: non-zero padding modes (reflect, replicate, circular) and asymmetric ``padding="same"``
 are applied to the activations with ``F.pad`` first; the convolution then runs with padding 0,
-exactly as the module's own forward does.
+exactly as the module's own forward does (:mod:`fxdp.grad_sample.conv_padding`, which book-keeping shares).
+
+Registered for ``nn.Conv1d`` / ``Conv2d`` / ``Conv3d`` in :mod:`fxdp.layers.conv`.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple, Union
+from typing import Dict, List, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from fxdp.grad_sample.registry import register_grad_sampler
+from fxdp.grad_sample.conv_padding import pad_activations
 
 _Conv = Union[nn.Conv1d, nn.Conv2d, nn.Conv3d]
 
 
-def conv_padding(module: _Conv) -> List[Tuple[int, int]]:
-    """(before, after) padding of each spatial dimension, as the module's forward applies it."""
-    nd = len(module.kernel_size)
-    if isinstance(module.padding, str):
-        if module.padding == "valid":
-            return [(0, 0)] * nd
-        # "same": total d*(k-1), the odd element goes after, as in torch's own "same" convolution
-        pads = []
-        for d, k in zip(module.dilation, module.kernel_size):
-            total = d * (k - 1)
-            pads.append((total // 2, total - total // 2))
-        return pads
-    return [(p, p) for p in module.padding]
-
-
-def _pad_activations(module: _Conv, x: torch.Tensor) -> Tuple[torch.Tensor, Sequence[int]]:
-    """The input padded as the forward pads it, and the padding left for the convolution itself."""
-    pads = conv_padding(module)
-    symmetric = all(before == after for before, after in pads)
-    if symmetric and (module.padding_mode == "zeros" or not any(before for before, _ in pads)):
-        return x, [before for before, _ in pads]
-    flat = [p for before_after in reversed(pads) for p in before_after]  # F.pad wants the last dim first
-    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-    return F.pad(x, flat, mode=mode), [0] * len(pads)
-
-
-@register_grad_sampler([nn.Conv1d, nn.Conv2d, nn.Conv3d])
 def conv_grad_sample(
     module: _Conv, activations: List[torch.Tensor], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
@@ -59,7 +33,7 @@ def conv_grad_sample(
     n = x.shape[0]
     ret: Dict[nn.Parameter, torch.Tensor] = {}
     if module.weight.requires_grad:
-        x, padding = _pad_activations(module, x)
+        x, padding = pad_activations(module, x)
         weight_shape = module.weight.shape
         out_channels = weight_shape[0]
         folded_input = x.reshape(1, n * x.shape[1], *x.shape[2:])

@@ -12,8 +12,6 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from fxdp.grad_sample.registry import register_grad_sampler
-
 
 def _scatter_rows(
     num_samples: int,
@@ -34,7 +32,6 @@ def _scatter_rows(
     return out.view(num_samples, num_rows, values.shape[-1])
 
 
-@register_grad_sampler(nn.Embedding)
 def embedding_grad_sample(
     module: nn.Embedding, activations: List[torch.Tensor], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
@@ -76,7 +73,6 @@ def _bag_inputs(activations: List[torch.Tensor]):
     return indices, offsets, weights
 
 
-@register_grad_sampler(nn.EmbeddingBag)
 def embedding_bag_grad_sample(
     module: nn.EmbeddingBag, activations: List[torch.Tensor], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:

@@ -13,7 +13,7 @@ from typing import Dict, List
 import torch
 from torch import nn
 
-from fxdp.grad_sample.registry import find_grad_sampler, register_grad_sampler, register_grad_sampler_by_path
+from fxdp.grad_sample.registry import find_grad_sampler
 
 
 def _matmul_grad_samples(module: nn.Module, x: torch.Tensor, backprops: torch.Tensor,
@@ -34,14 +34,12 @@ def _matmul_grad_samples(module: nn.Module, x: torch.Tensor, backprops: torch.Te
     return ret
 
 
-@register_grad_sampler(nn.Linear)
 def linear_grad_sample(
     module: nn.Linear, activations: List[torch.Tensor], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
     return _matmul_grad_samples(module, activations[0], backprops, weight_in_out=False)
 
 
-@register_grad_sampler_by_path("transformers.pytorch_utils.Conv1D")
 def transformers_conv1d_grad_sample(
     module: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:

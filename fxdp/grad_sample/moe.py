@@ -19,8 +19,8 @@ That holds only while nothing couples the samples, so these are refused, with th
   other samples' tokens fill its expert): refused;
 - router jitter noise in training (a random draw a per-sample re-run cannot repeat): refused.
 
-Blocks registered here (by class path; fxdp never imports transformers): Hugging Face's Mixtral, Qwen2-MoE
-(its shared expert too), Qwen3-MoE and OLMoE blocks.
+Blocks registered (by class path, in :mod:`fxdp.layers.moe`; fxdp never imports transformers): Hugging Face's
+Mixtral, Qwen2-MoE (its shared expert too), Qwen3-MoE and OLMoE blocks.
 Your own block: ``fxdp.register_moe_block(MyMoE)``: a declaration that its forward routes each token
 on its own (top-k, no capacity, no batch statistics) and returns a tensor shaped like its input; the
 hooks engine's check on the first batch tests it against batches of one.
@@ -40,7 +40,7 @@ from torch import nn
 from fxdp.diagnostics import Kind
 from fxdp.diagnostics.errors import PerSampleError
 from fxdp.grad_sample.generic import generic_grad_sampler
-from fxdp.grad_sample.registry import find_grad_sampler, register_grad_sampler, register_grad_sampler_by_path
+from fxdp.grad_sample.registry import find_grad_sampler, register_grad_sampler
 
 # attributes that limit how many tokens an expert takes from the whole batch
 _CAPACITY_ATTRIBUTES = ("expert_capacity", "capacity_factor")
@@ -145,8 +145,3 @@ def fake_output(module: nn.Module, args) -> Optional[torch.Tensor]:
         return None
     return torch.empty_like(args[0])
 
-
-# Hugging Face blocks whose router picks each token's top-k experts on its own (read in transformers 5's code)
-for _module, _block in (("mixtral", "MixtralSparseMoeBlock"), ("qwen2_moe", "Qwen2MoeSparseMoeBlock"),
-                        ("qwen3_moe", "Qwen3MoeSparseMoeBlock"), ("olmoe", "OlmoeSparseMoeBlock")):
-    register_grad_sampler_by_path(f"transformers.models.{_module}.modeling_{_module}.{_block}")(moe_block_grad_sampler)

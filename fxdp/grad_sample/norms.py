@@ -14,8 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxdp.grad_sample.registry import register_grad_sampler
-
 
 def _affine_grad_samples(
     weight: Optional[nn.Parameter],
@@ -50,7 +48,6 @@ def _needs_grad(*params: Optional[nn.Parameter]) -> bool:
     return any(p is not None and p.requires_grad for p in params)
 
 
-@register_grad_sampler(nn.LayerNorm)
 def layer_norm_grad_sample(
     module: nn.LayerNorm, activations: List[torch.Tensor], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
@@ -66,7 +63,6 @@ def layer_norm_grad_sample(
     )
 
 
-@register_grad_sampler(nn.RMSNorm)
 def rms_norm_grad_sample(
     module: nn.RMSNorm, activations: List[torch.Tensor], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
@@ -79,7 +75,6 @@ def rms_norm_grad_sample(
     )
 
 
-@register_grad_sampler(nn.GroupNorm)
 def group_norm_grad_sample(
     module: nn.GroupNorm, activations: List[torch.Tensor], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
@@ -93,7 +88,6 @@ def group_norm_grad_sample(
 _InstanceNorm = Union[nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d]
 
 
-@register_grad_sampler([nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d])
 def instance_norm_grad_sample(
     module: _InstanceNorm, activations: List[torch.Tensor], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:

@@ -14,8 +14,8 @@ import torch
 
 from fxdp.layout import UNBATCHED_LAYOUT, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
-    _FIX_CONTRACT, _FIX_PAIR, BatchRule, OpCall, Verdict, _at, _dims, _fn, _keys, _modules, _norm_dim, _ordinal,
-    mirror, carries_batch, register_batch_rule, register_batch_rule_by_path,
+    _FIX_CONTRACT, _FIX_PAIR, BatchRule, OpCall, Verdict, _at, _dims, _fn, _keys, nn_layers, _norm_dim, _ordinal,
+    mirror, carries_batch, register_batch_rule,
 )
 
 
@@ -248,8 +248,9 @@ register_batch_rule(_keys("inner"))(contraction(_label_inner))
 register_batch_rule(_keys("einsum", methods=False))(contraction(_label_einsum))
 register_batch_rule(_keys("tensordot", methods=False))(contraction(_label_tensordot))
 register_batch_rule(_keys("cdist", methods=False))(contraction(_label_cdist))
-register_batch_rule(_fn("linear") + _modules("Linear", "LazyLinear"))(contraction(_label_linear))
-# transformers' Conv1D (GPT-2): x @ weight + bias over the last dimension, as nn.Linear
-register_batch_rule_by_path("transformers.pytorch_utils.Conv1D")(contraction(_label_linear))
-register_batch_rule(_fn("bilinear") + _modules("Bilinear"))(contraction(_label_bilinear))
+# F.linear's rule, and nn.Linear's and transformers' Conv1D's (x @ weight + bias over the last dimension), which
+# fxdp/layers/linear.py and fxdp/layers/transformers_conv1d.py register for those classes
+linear_rule = contraction(_label_linear)
+register_batch_rule(_fn("linear"))(linear_rule)
+register_batch_rule(_fn("bilinear") + nn_layers("Bilinear"))(contraction(_label_bilinear))
 register_batch_rule(_fn("scaled_dot_product_attention"))(contraction(_label_sdpa))

@@ -132,7 +132,7 @@ BatchRule = Callable[[OpCall], Verdict]
 
 _OP_RULES: Dict[Any, BatchRule] = {}  # functions, getattr, Tensor method names
 # classes (nn.Module types): MRO lookup, not for subclasses that override forward
-_LAYER_RULES: TypeRegistry[BatchRule] = TypeRegistry(unless_overridden="forward")
+LAYER_RULES: TypeRegistry[BatchRule] = TypeRegistry(unless_overridden="forward")
 # rules derived for ops nobody registered (an ATen op gets the rule of its torch equivalent, .aten)
 _RESOLVERS: List[Callable[[Any], Optional[BatchRule]]] = []
 
@@ -152,7 +152,7 @@ def register_batch_rule(ops, *, subclasses: bool = False):
             if not isinstance(op, type):
                 _OP_RULES[op] = rule
         if layers:
-            _LAYER_RULES.register(layers, subclasses=subclasses)(rule)
+            LAYER_RULES.register(layers, subclasses=subclasses)(rule)
         return rule
 
     return decorator
@@ -161,7 +161,7 @@ def register_batch_rule(ops, *, subclasses: bool = False):
 def find_batch_rule(op) -> Optional[BatchRule]:
     """The rule for an op (a module instance or type walks its MRO); ``None`` if there is none."""
     if isinstance(op, (nn.Module, type)):
-        rule = _LAYER_RULES.find(op)
+        rule = LAYER_RULES.find(op)
         if rule is None and find_grad_sampler(op) is not None:
             return _registered_layer
         return rule
@@ -181,7 +181,7 @@ def find_batch_rule(op) -> Optional[BatchRule]:
 def register_batch_rule_by_path(path: str, *, subclasses: bool = False):
     """Decorator: register ``rule`` for the layer class ``path`` ("module.ClassName") of a library fxdp does
     not import, as soon as that module has been imported (:meth:`TypeRegistry.register_by_path`)."""
-    return _LAYER_RULES.register_by_path(path, subclasses=subclasses)
+    return LAYER_RULES.register_by_path(path, subclasses=subclasses)
 
 
 def add_rule_resolver(resolve: Callable[[Any], Optional[BatchRule]]) -> None:
@@ -191,14 +191,14 @@ def add_rule_resolver(resolve: Callable[[Any], Optional[BatchRule]]) -> None:
 
 def snapshot_batch_rules():
     """The registrations as they are now, for :func:`restore_batch_rules` (tests undo what they add)."""
-    return dict(_OP_RULES), _LAYER_RULES.snapshot()
+    return dict(_OP_RULES), LAYER_RULES.snapshot()
 
 
 def restore_batch_rules(snapshot) -> None:
     ops, layers = snapshot
     _OP_RULES.clear()
     _OP_RULES.update(ops)
-    _LAYER_RULES.restore(layers)
+    LAYER_RULES.restore(layers)
 
 
 def _keys(*names: str, methods: bool = True, functional: bool = False, namespaces=(torch,)) -> list:
@@ -224,12 +224,12 @@ def _fn(*names: str) -> list:
     return _keys(*names, methods=False, functional=True, namespaces=())
 
 
-def _modules(*names: str) -> list:
+def nn_layers(*names: str) -> list:
     """torch.nn layer types by name (the ones this torch version has)."""
     return [getattr(nn, n) for n in names if isinstance(getattr(nn, n, None), type)]
 
 
-def _family(base: type) -> list:
+def nn_family(base: type) -> list:
     """``base`` and the torch.nn layers derived from it (torch's LSTM overrides RNNBase's forward, so
     each is registered by name rather than the base with ``subclasses=True``, which would also cover
     a user's subclass that computes something else)."""

@@ -17,7 +17,7 @@ import torch.fx
 from fxdp.runtime import inplace_ops as out_of_place
 from fxdp.layout import BROADCAST, UNBATCHED_LAYOUT, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
-    _FIX_PAIR, OpCall, Verdict, _at, _first_tensor, _fn, _keys, _modules, _ordinal, find_batch_rule,
+    _FIX_PAIR, OpCall, Verdict, _at, _first_tensor, _fn, _keys, nn_layers, _ordinal, find_batch_rule,
     keeps_layout, mirror, carries_batch, rearranging, register_batch_rule,
 )
 
@@ -156,7 +156,7 @@ _FACTORIES = "zeros ones empty full rand randn randint randperm tensor eye linsp
 register_batch_rule(_keys(*_UNARY, *_BINARY, *_INPLACE) + _fn(*_F_ELEMENTWISE) + _OPERATORS
                     + _keys(*_SPECIAL, methods=False, namespaces=(torch.special,)))(elementwise)
 register_batch_rule(_keys(*_IDENTITY))(rearranging(lambda call: keeps_layout(call)))
-register_batch_rule(_modules(*_ACTIVATION_LAYERS))(elementwise)
+register_batch_rule(nn_layers(*_ACTIVATION_LAYERS))(elementwise)
 register_batch_rule(_fn("one_hot"))(keeps_layout)  # appends a class dimension
 # tensors made from sizes, not from data
 register_batch_rule(_keys(*_FACTORIES, methods=False) + ["new_zeros", "new_ones", "new_empty", "new_full"]

@@ -17,7 +17,7 @@ import torch
 from fxdp.runtime import inplace_ops as out_of_place
 from fxdp.layout import BROADCAST, PACKED, UNBATCHED, UNBATCHED_LAYOUT, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
-    _FIX_INDEX, _FIX_LAYER, _FIX_PAIR, OpCall, Verdict, _at, _fn, _inner, _keys, _modules, _moved, _norm_dim,
+    _FIX_INDEX, _FIX_LAYER, _FIX_PAIR, OpCall, Verdict, _at, _fn, _inner, _keys, _moved, _norm_dim,
     _where, mirror, carries_batch, rearranging, register_batch_rule,
 )
 
@@ -260,7 +260,7 @@ def _take(call: OpCall) -> Verdict:
     return Verdict(mirror(call.out, index_lay if carries_batch(index_lay) else UNBATCHED_LAYOUT))
 
 
-def _embedding(call: OpCall) -> Verdict:
+def embedding_rule(call: OpCall) -> Verdict:
     """F.embedding(indices, weight) / nn.Embedding: one row per index, the batch stays with the indices."""
     lay = call.arg_layouts[0]
     if call.module is None and carries_batch(call.layout(1, "weight")):
@@ -268,7 +268,7 @@ def _embedding(call: OpCall) -> Verdict:
     return Verdict(mirror(call.out, lay if isinstance(lay, BatchLayout) else UNBATCHED_LAYOUT))
 
 
-def _embedding_bag(call: OpCall) -> Verdict:
+def embedding_bag_rule(call: OpCall) -> Verdict:
     """nn.EmbeddingBag: a 2-D input holds one bag per row; a 1-D one (packed) the bags one after another,
     each starting at its offset: one offset per sample, so the offsets carry the batch, and the output has
     one row per bag."""
@@ -311,8 +311,7 @@ register_batch_rule(_keys("scatter", "scatter_add", "scatter_reduce", "index_add
                           "scatter_", "scatter_add_", "scatter_reduce_", "index_add_", "index_copy_",
                           "index_fill_"))(_scatter)
 register_batch_rule(_keys("take"))(_take)
-register_batch_rule(_fn("embedding") + _modules("Embedding"))(_embedding)
-_embedding_bag.reads_packed = True  # see fxdp.layout.PACKED
-register_batch_rule(_modules("EmbeddingBag"))(_embedding_bag)
+register_batch_rule(_fn("embedding"))(embedding_rule)  # nn.Embedding's too: fxdp/layers/embedding.py
+embedding_bag_rule.reads_packed = True  # see fxdp.layout.PACKED; nn.EmbeddingBag's rule (fxdp/layers/embedding.py)
 # x[index] = value, as the inplace pass rewrites it
 register_batch_rule([out_of_place.index_assign])(_index_assign)

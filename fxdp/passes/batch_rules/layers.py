@@ -18,7 +18,7 @@ from torch import nn
 from fxdp.layout import UNBATCHED_LAYOUT, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
     _FIX_ALONG, _FIX_BATCHNORM, _FIX_CAT, _FIX_LAYER, _FIX_LOSS, OpCall, Verdict, _at, _first_tensor, _fn,
-    _family, _keys, _modules, _where, carries_batch, keeps_layout, mirror, mixes_from, register_batch_rule,
+    nn_family, _keys, nn_layers, _where, carries_batch, keeps_layout, mirror, mixes_from, register_batch_rule,
     tensor_pairs,
 )
 
@@ -53,12 +53,12 @@ def _instance_norm_k(call: OpCall, x: torch.Tensor) -> int:
     return 2
 
 
-_CONV = mixes_from(_conv_k, "mixes its channel and spatial dimensions")
+conv_rule = mixes_from(_conv_k, "mixes its channel and spatial dimensions")
 _POOL = mixes_from(_pool_k, "pools over its spatial dimensions")
 _SPATIAL = mixes_from(lambda c, x: 2, "resamples its spatial dimensions")
-_LAYER_NORM = mixes_from(_layer_norm_k, "normalises over its last dimensions", fix=_FIX_ALONG)
-_GROUP_NORM = mixes_from(lambda c, x: 1, "normalises over channels and space per sample", fix=_FIX_LAYER)
-_INSTANCE_NORM = mixes_from(_instance_norm_k, "normalises over its spatial dimensions", fix=_FIX_LAYER)
+layer_norm_rule = mixes_from(_layer_norm_k, "normalises over its last dimensions", fix=_FIX_ALONG)
+group_norm_rule = mixes_from(lambda c, x: 1, "normalises over channels and space per sample", fix=_FIX_LAYER)
+instance_norm_rule = mixes_from(_instance_norm_k, "normalises over its spatial dimensions", fix=_FIX_LAYER)
 _PIXEL = mixes_from(lambda c, x: x.dim() - 3, "rearranges channels and space")
 _FEATURES = mixes_from(lambda c, x: x.dim() - 1, "mixes its last dimension")
 _PER_SAMPLE_ROWS = mixes_from(lambda c, x: 1, "treats dim 0 as the batch and mixes the other dimensions")
@@ -133,7 +133,7 @@ def _sequence_check(call: OpCall, name: str, t: Optional[torch.Tensor], lay, bat
     return ""
 
 
-def _rnn(call: OpCall) -> Verdict:
+def rnn_rule(call: OpCall) -> Verdict:
     """nn.LSTM / nn.GRU / nn.RNN: the recurrence runs along the time dimension."""
     m = call.module
     x, lay = call.args[0], call.arg_layouts[0]
@@ -155,11 +155,11 @@ def _rnn(call: OpCall) -> Verdict:
     return Verdict(layout, mixes=why, fix=fix if why else "")
 
 
-def _rnn_cell(call: OpCall) -> Verdict:
+def rnn_cell_rule(call: OpCall) -> Verdict:
     return _FEATURES(call)
 
 
-def _multihead_attention(call: OpCall) -> Verdict:
+def multihead_attention_rule(call: OpCall) -> Verdict:
     m = call.module
     batch_at, seq_at = (0, 1) if m.batch_first else (1, 0)
     why = ""
@@ -182,7 +182,7 @@ def _multihead_attention(call: OpCall) -> Verdict:
     return Verdict(layout, mixes=why, fix=fix if why else "")
 
 
-def _transformer_layer(call: OpCall) -> Verdict:
+def transformer_layer_rule(call: OpCall) -> Verdict:
     """nn.TransformerEncoderLayer & co.: attention along the sequence dimension."""
     m = call.module
     batch_at, seq_at = (0, 1) if _batch_first(m) else (1, 0)
@@ -222,31 +222,26 @@ _LOSSES = (
     "multilabel_margin_loss multilabel_soft_margin_loss multi_margin_loss ctc_loss triplet_margin_with_distance_loss"
 ).split()
 _CONVS = ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
-_INSTANCE_NORMS = ("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d",
-                   "LazyInstanceNorm1d", "LazyInstanceNorm2d", "LazyInstanceNorm3d")
 
 # convolution, pooling, resampling
-register_batch_rule(_keys(*_CONVS, methods=False, functional=True) + _family(nn.modules.conv._ConvNd))(_CONV)
+register_batch_rule(_keys(*_CONVS, methods=False, functional=True))(conv_rule)
 register_batch_rule(_keys(*_POOLS, methods=False, functional=True)
                     + _fn("max_pool1d_with_indices", "max_pool2d_with_indices", "max_pool3d_with_indices")
-                    + _modules(*_POOL_LAYERS))(_POOL)
+                    + nn_layers(*_POOL_LAYERS))(_POOL)
 register_batch_rule(_fn("interpolate", "upsample", "upsample_nearest", "upsample_bilinear")
-                    + _modules("Upsample", "UpsamplingNearest2d", "UpsamplingBilinear2d"))(_SPATIAL)
+                    + nn_layers("Upsample", "UpsamplingNearest2d", "UpsamplingBilinear2d"))(_SPATIAL)
 register_batch_rule(_keys("pixel_shuffle", "pixel_unshuffle", methods=False, functional=True)
-                    + _modules("PixelShuffle", "PixelUnshuffle"))(_PIXEL)
+                    + nn_layers("PixelShuffle", "PixelUnshuffle"))(_PIXEL)
 register_batch_rule(_fn("unfold", "fold", "grid_sample", "affine_grid", "channel_shuffle")
-                    + _modules("Unfold", "Fold", "ChannelShuffle"))(_PER_SAMPLE_ROWS)
-register_batch_rule(_fn("pad") + _modules(*_PAD_LAYERS))(_pad)
+                    + nn_layers("Unfold", "Fold", "ChannelShuffle"))(_PER_SAMPLE_ROWS)
+register_batch_rule(_fn("pad") + nn_layers(*_PAD_LAYERS))(_pad)
 # normalisation
-register_batch_rule(_fn("layer_norm", "rms_norm") + _modules("LayerNorm", "RMSNorm"))(_LAYER_NORM)
-register_batch_rule(_fn("group_norm") + _modules("GroupNorm"))(_GROUP_NORM)
-register_batch_rule(_fn("instance_norm") + _modules(*_INSTANCE_NORMS))(_INSTANCE_NORM)
-register_batch_rule(_fn("batch_norm") + _family(nn.modules.batchnorm._BatchNorm))(_batch_norm)
+register_batch_rule(_fn("layer_norm", "rms_norm"))(layer_norm_rule)
+register_batch_rule(_fn("group_norm"))(group_norm_rule)
+register_batch_rule(_fn("instance_norm"))(instance_norm_rule)
+register_batch_rule(_fn("batch_norm") + nn_family(nn.modules.batchnorm._BatchNorm))(_batch_norm)
 # losses (every nn loss derives from _Loss)
-register_batch_rule(_fn(*_LOSSES) + _family(nn.modules.loss._Loss))(_loss)
-# sequence and attention layers
-register_batch_rule(_family(nn.RNNBase))(_rnn)
-register_batch_rule(_family(nn.RNNCellBase))(_rnn_cell)
-register_batch_rule(_modules("MultiheadAttention"))(_multihead_attention)
-register_batch_rule(_modules("TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
-                             "TransformerDecoder", "Transformer"))(_transformer_layer)
+register_batch_rule(_fn(*_LOSSES) + nn_family(nn.modules.loss._Loss))(_loss)
+# The layer classes of the families with parameters get their rules (conv_rule, layer_norm_rule, group_norm_rule,
+# instance_norm_rule, rnn_rule, rnn_cell_rule, multihead_attention_rule, transformer_layer_rule) in their family's
+# module, beside their per-sample rule and book-keeping: fxdp/layers/<family>.py.

@@ -14,7 +14,7 @@ import torch
 from fxdp.layout import BATCHED, BROADCAST, MERGED, UNBATCHED_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
     _FIX_ALONG, _FIX_PAIR, _FIX_REDUCE, BatchRule, OpCall, Verdict, _at, _dims, _first_tensor, _fn, _keys,
-    _modules, _where, mirror, carries_batch, register_batch_rule,
+    nn_layers, _where, mirror, carries_batch, register_batch_rule,
 )
 from fxdp.passes.batch_rules.elementwise import _combine, elementwise
 
@@ -160,7 +160,7 @@ register_batch_rule(_keys("kthvalue"))(reduction(2))
 register_batch_rule(_keys("trace", "dist"))(reduction(None))
 register_batch_rule(_fn("cosine_similarity") + [torch.cosine_similarity])(_binary_reduction(2, 1))
 register_batch_rule(_fn("pairwise_distance") + [torch.pairwise_distance])(_binary_reduction(None, -1))
-register_batch_rule(_modules("CosineSimilarity", "PairwiseDistance"))(_module_reduction)
+register_batch_rule(nn_layers("CosineSimilarity", "PairwiseDistance"))(_module_reduction)
 # along a dimension
 register_batch_rule(_keys("softmax", "log_softmax", functional=True) + _fn("softmin"))(
     along(1, default=_softmax_default_dim))
@@ -176,7 +176,7 @@ register_batch_rule(_fn("normalize"))(along(2, default=1))
 register_batch_rule(_fn("glu"))(along(1, default=-1))
 register_batch_rule(_fn("gumbel_softmax"))(along(4, default=-1))
 register_batch_rule(_fn("local_response_norm"))(along(None, default=1))
-register_batch_rule(_modules("Softmax", "LogSoftmax", "Softmin"))(_module_along("dim", None))
-register_batch_rule(_modules("Softmax2d"))(_module_along("", -3))
-register_batch_rule(_modules("GLU"))(_module_along("dim", -1))
-register_batch_rule(_modules("LocalResponseNorm"))(_module_along("", 1))
+register_batch_rule(nn_layers("Softmax", "LogSoftmax", "Softmin"))(_module_along("dim", None))
+register_batch_rule(nn_layers("Softmax2d"))(_module_along("", -3))
+register_batch_rule(nn_layers("GLU"))(_module_along("dim", -1))
+register_batch_rule(nn_layers("LocalResponseNorm"))(_module_along("", 1))

@@ -20,7 +20,7 @@ import torch
 from fxdp.layout import BROADCAST, UNBATCHED_LAYOUT, UNKNOWN, UNKNOWN_LAYOUT, BatchLayout
 from fxdp.passes.batch_rules.core import (
     _FIX_CAT, _FIX_INDEX, _FIX_PAIR, BatchRule, OpCall, Verdict, _at, _dims, _first_tensor, _inner, _keys,
-    _modules, _moved, _norm_dim, _ordinal, _where, keeps_layout, mirror, carries_batch, rearranging,
+    nn_layers, _moved, _norm_dim, _ordinal, _where, keeps_layout, mirror, carries_batch, rearranging,
     register_batch_rule,
 )
 from fxdp.passes.batch_rules.elementwise import _batch_size_position
@@ -452,8 +452,8 @@ def _getattr(call: OpCall) -> Verdict:
 for _kind in _VIEW_MAPS:
     register_batch_rule(_keys(_kind, methods=True))(view(_kind))
 register_batch_rule([builtins.getattr])(_getattr)
-register_batch_rule(_modules("Flatten"))(_flatten_module)
-register_batch_rule(_modules("Unflatten"))(_unflatten_module)
+register_batch_rule(nn_layers("Flatten"))(_flatten_module)
+register_batch_rule(nn_layers("Unflatten"))(_unflatten_module)
 register_batch_rule(_keys("repeat", "tile"))(_repeat)
 register_batch_rule(_keys("repeat_interleave"))(_repeat_interleave)
 # concatenation and splitting

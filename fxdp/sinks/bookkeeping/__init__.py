@@ -10,8 +10,9 @@ for a ghost norm. After backward the optimizer asks for the norms and, with one 
 factor ``c_i`` per sample, for each parameter's clipped sum ``sum_i c_i g_i``: that is the layer's ordinary
 weight-gradient product with ``G`` scaled by ``c_i`` row by row, so no ``(N, *p.shape)`` tensor is needed.
 
-Each layer type that has a cheaper form than its per-sample gradient has ONE registration, in one file per
-family (:func:`register_bookkeeping`, :mod:`~fxdp.sinks.bookkeeping.registry`): how it is planned, how its
+Each layer type that has a cheaper form than its per-sample gradient has ONE registration (a
+:class:`LayerBookkeeping`, :mod:`~fxdp.sinks.bookkeeping.registry`), written in one file per family here and
+registered beside the layer's per-sample rule and batch rule in :mod:`fxdp.layers`: how it is planned, how its
 uses form norms and clipped sums, and how it runs forward without parameter gradients. A layer joins the fast
 path by one registration (docs/bookkeeping_a_new_layer.md); one without any is materialised by its rule.
 How each layer's norms are computed is chosen from static shapes (:func:`plan_layer`; the sink keeps the
@@ -57,7 +58,8 @@ from fxdp.sinks.bookkeeping.registry import (METHODS, Captured, LayerBookkeeping
                                              pick, register_bookkeeping)
 from fxdp.sinks.bookkeeping.sink import BookkeepingSink
 from fxdp.sinks.bookkeeping.uses import Materialised, Summed, Use
-# the built-in registrations, one file per family (importing them registers them)
+# the built-in book-keeping, one file per family (fxdp/layers/<family>.py registers each for its layer classes;
+# broadcast registers itself for the functions that add a parameter to per-sample data)
 from fxdp.sinks.bookkeeping import (broadcast, conv, embedding, linear, norms, recurrent,  # noqa: F401
                                     transformer, transformers_conv1d)
 

@@ -10,9 +10,10 @@ import math
 import torch
 from torch import nn
 
-from fxdp.grad_sample.conv import _pad_activations, conv_grad_sample
+from fxdp.grad_sample.conv import conv_grad_sample
+from fxdp.grad_sample.conv_padding import pad_activations
 from fxdp.sinks.bookkeeping.linear import ghost_norms
-from fxdp.sinks.bookkeeping.registry import LayerBookkeeping, LayerPlan, pick, register_bookkeeping
+from fxdp.sinks.bookkeeping.registry import LayerBookkeeping, LayerPlan, pick
 from fxdp.sinks.bookkeeping.uses import Summed, Use
 
 
@@ -37,7 +38,7 @@ class ConvWeight(Use):
 
     def clipped_sum(self, c):
         m = self.module
-        x, padding = _pad_activations(m, self.a)
+        x, padding = pad_activations(m, self.a)
         g = self.g * (c * self.scale).to(self.g.dtype).view(-1, *[1] * (self.g.dim() - 1))
         _, weight_grad, _ = torch.ops.aten.convolution_backward(
             g, x, m.weight.detach().to(g.dtype), None, list(m.stride), list(padding), list(m.dilation),
@@ -51,7 +52,7 @@ def _patches(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     for any number of spatial dims, stride, padding and dilation. Channels are innermost (one copy of a
     channels-last view: faster than unfolding channels-first); the columns are then not in the weight's
     order, which the Gram matrix ``U U^T`` does not see."""
-    x, padding = _pad_activations(module, x)
+    x, padding = pad_activations(module, x)
     if any(padding):
         x = torch.nn.functional.pad(x, [p for p in reversed(padding) for _ in (0, 1)])
     x = x.movedim(1, -1).contiguous()  # (N, *S, C)
@@ -80,7 +81,7 @@ def _as_autocast_would(x, weight, bias):
 def _convolution(module: nn.Module):
     """``fn(x, weight, bias)``: the layer's convolution (its padding mode included) of these tensors."""
     def fn(x, weight, bias):
-        x, padding = _pad_activations(module, x)
+        x, padding = pad_activations(module, x)
         x, weight, bias = _as_autocast_would(x, weight, bias)
         return torch.convolution(x, weight, bias, list(module.stride), list(padding), list(module.dilation), False,
                                  [0] * len(padding), module.groups)
@@ -88,7 +89,6 @@ def _convolution(module: nn.Module):
     return fn
 
 
-@register_bookkeeping([nn.Conv1d, nn.Conv2d, nn.Conv3d])
 class ConvBookkeeping(LayerBookkeeping):
     rule = conv_grad_sample
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fxdp.grad_sample.embedding import embedding_grad_sample
-from fxdp.sinks.bookkeeping.registry import LayerBookkeeping, LayerPlan, register_bookkeeping
+from fxdp.sinks.bookkeeping.registry import LayerBookkeeping, LayerPlan
 from fxdp.sinks.bookkeeping.uses import Use
 
 
@@ -107,7 +107,6 @@ def _lookup(padding_idx):
     return fn
 
 
-@register_bookkeeping(nn.Embedding)
 class EmbeddingBookkeeping(LayerBookkeeping):
     rule = embedding_grad_sample
 

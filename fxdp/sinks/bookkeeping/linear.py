@@ -13,11 +13,10 @@ import math
 from typing import List, Optional
 
 import torch
-from torch import nn
 
 from fxdp.grad_sample.linear import linear_grad_sample
 from fxdp.sinks.bookkeeping.lanes import GradSampleLane, LaneGradSamples, LaneMember, OuterLane, small
-from fxdp.sinks.bookkeeping.registry import LayerBookkeeping, LayerPlan, pick, register_bookkeeping
+from fxdp.sinks.bookkeeping.registry import LayerBookkeeping, LayerPlan, pick
 from fxdp.sinks.bookkeeping.uses import Summed, Use
 
 
@@ -122,7 +121,6 @@ def plan_matmul(layer: str, a: List[int], g: List[int], d_in: int, d_out: int, p
     return pick(layer, t * t * (d + p), t * d * p, prefer, f"sequence T={t}, d={d}, p={p}")
 
 
-@register_bookkeeping(nn.Linear)
 class LinearBookkeeping(LayerBookkeeping):
     rule = linear_grad_sample
     #: form G's Gram blocks as G is delivered (:meth:`LinearWeight.gram_of_g`); a recurrent layer's two

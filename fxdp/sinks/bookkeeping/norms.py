@@ -7,21 +7,18 @@ backward and read as they are. Small LayerNorms alike (shape, ``eps``) have them
 from __future__ import annotations
 
 import torch.nn.functional as F
-from torch import nn
 
 from fxdp.grad_sample.norms import layer_norm_grad_sample
 from fxdp.sinks.bookkeeping.lanes import LaneGradSamples, LayerNormLane, small
-from fxdp.sinks.bookkeeping.registry import LayerBookkeeping, LayerPlan, register_bookkeeping
+from fxdp.sinks.bookkeeping.registry import LayerBookkeeping, LayerPlan
 
 
-@register_bookkeeping([nn.RMSNorm, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d])
 class NormBookkeeping(LayerBookkeeping):
     def plan(self, module, a, g, prefer):
         return LayerPlan(type(module).__name__, "materialise",
                          "a norm layer: per-sample gradients from its rule, as small as its parameters")
 
 
-@register_bookkeeping(nn.LayerNorm)
 class LayerNormBookkeeping(NormBookkeeping):
     rule = layer_norm_grad_sample
     forms_small_together = True

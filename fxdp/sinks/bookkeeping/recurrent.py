@@ -9,18 +9,16 @@ from __future__ import annotations
 
 from typing import List
 
-from fxdp.grad_sample.recurrent import RECURRENT, RecurrentProjection, projections, recurrent_rule_applies
+from fxdp.grad_sample.recurrent import projections, recurrent_rule_applies
 from fxdp.sinks.bookkeeping.linear import LinearBookkeeping
 from fxdp.sinks.bookkeeping.plans import plan_layer
-from fxdp.sinks.bookkeeping.registry import LayerBookkeeping, LayerPlan, register_bookkeeping
+from fxdp.sinks.bookkeeping.registry import LayerBookkeeping, LayerPlan
 
 
-@register_bookkeeping(RecurrentProjection)
 class RecurrentProjectionBookkeeping(LinearBookkeeping):
     gram_on_delivery = False  # the two projections' one G: its Gram is formed once for both (shared_ghost_norms)
 
 
-@register_bookkeeping(list(RECURRENT))
 class RecurrentLayerBookkeeping(LayerBookkeeping):
     def applies(self, module):
         return recurrent_rule_applies(module)

@@ -12,11 +12,11 @@ from typing import List, Tuple
 import torch
 from torch import nn
 
-from fxdp.grad_sample.transformer import (BLOCKS, batch_at, bind_block_call, in_projection, inputs_fit,
+from fxdp.grad_sample.transformer import (batch_at, bind_block_call, in_projection, inputs_fit,
                                           transformer_rule_applies)
 from fxdp.layout import BATCHED, BROADCAST, BatchLayout
 from fxdp.sinks.bookkeeping.plans import fake_shape, plan_layer
-from fxdp.sinks.bookkeeping.registry import LayerBookkeeping, LayerPlan, register_bookkeeping
+from fxdp.sinks.bookkeeping.registry import LayerBookkeeping, LayerPlan
 
 
 def _attention(m: nn.MultiheadAttention, name: str, n: int, length: int, rows: int, prefer) -> list:
@@ -63,7 +63,6 @@ def plan_transformer(module: nn.Module, n: int, length: int, source: int, rows: 
     return plans
 
 
-@register_bookkeeping(list(BLOCKS))
 class TransformerBlockBookkeeping(LayerBookkeeping):
     def applies(self, module):
         return transformer_rule_applies(module)

@@ -9,7 +9,7 @@ import torch
 
 from fxdp.grad_sample.linear import is_transformers_conv1d
 from fxdp.sinks.bookkeeping.linear import LinearWeight, plan_matmul
-from fxdp.sinks.bookkeeping.registry import LayerBookkeeping, register_bookkeeping
+from fxdp.sinks.bookkeeping.registry import LayerBookkeeping
 from fxdp.sinks.bookkeeping.uses import Summed
 
 
@@ -17,7 +17,6 @@ def _transposed_linear(x, weight, bias):
     return torch.nn.functional.linear(x, weight.t(), bias)
 
 
-@register_bookkeeping(by_path="transformers.pytorch_utils.Conv1D")
 class TransformersConv1DBookkeeping(LayerBookkeeping):
     def applies(self, module):
         # its rule is transformers_conv1d_grad_sample, and the weight (in, out) and bias (out,) are its forward's

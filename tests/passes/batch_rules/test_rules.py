@@ -128,7 +128,7 @@ def test_a_registered_rule_for_a_base_class_serves_its_subclasses():
         assert find_batch_rule(Scale()) is keeps_layout
     finally:
         _GRAD_SAMPLERS.pop(Scale, None)
-        batch_rules.core._LAYER_RULES.entries.pop(ScaleBase, None)
+        batch_rules.core.LAYER_RULES.entries.pop(ScaleBase, None)
 
 
 def test_registry_lookup_walks_the_mro_and_names_ops():
