@@ -142,6 +142,13 @@ def test_the_leaves_import_nothing_else_from_fxdp(prefix, allowed):
     ("fxdp.accounting", "fxdp"),  # pure math
     ("fxdp.grad_sample", "fxdp.sinks"),  # the sinks read the rules, never the other way round
     ("fxdp.runtime", "fxdp.sinks.bookkeeping"),  # DP-aware ops reach a sink through the contract alone
+    # the layer families (fxdp.layers) register rules of the three kinds side by side: no package of rules, nor
+    # what runs a compiled model, reaches them (the optimizer's own test covers fxdp.optim)
+    ("fxdp.grad_sample", "fxdp.layers"),
+    ("fxdp.sinks", "fxdp.layers"),
+    ("fxdp.passes", "fxdp.layers"),
+    ("fxdp.runtime", "fxdp.layers"),
+    ("fxdp.engines", "fxdp.layers"),
 ])
 def test_one_way_imports(importer, forbidden):
     """What a module reaches through any chain of imports (lazy ones too), not only what it names."""
