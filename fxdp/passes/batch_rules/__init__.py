@@ -20,7 +20,9 @@ The package, one file per family, each registering its own ops next to its rules
   :class:`Split`, ...), concatenation and splitting;
 - :mod:`.contractions`: matmul, einsum, linear, attention, labelled like einsum;
 - :mod:`.indexing`: indexing, gathering, scattering, embeddings;
-- :mod:`.layers`: convolution, pooling, normalisation, losses, recurrent and attention layers;
+- :mod:`.layers`: convolution, pooling, normalisation, losses, recurrent and attention layers (the rules of the
+  layer classes with parameters are registered for those classes in :mod:`fxdp.layers`, beside their per-sample
+  rule and book-keeping; ``linear_rule`` and ``embedding_rule`` likewise);
 - :mod:`.torchvision`: the functions torchvision's models wrap for fx (stochastic depth, Swin's
   window attention), registered by dotted name;
 - :mod:`.aten`: ATen ops (graphs captured by torch.export): each gets the rule of the torch function or

@@ -14,8 +14,10 @@ registers one instance of it for
 
 A registration applies to a layer only while the layer's per-sample rule is the one its formulas reproduce
 (:attr:`LayerBookkeeping.rule`; a user's rule or a parametrization then decides, by materialising). One file
-per family registers the built-in ones (``linear``, ``conv``, ``embedding``, ``norms``, ``transformers_conv1d``,
-``recurrent``, ``transformer``, ``broadcast``); docs/bookkeeping_a_new_layer.md adds one.
+per family here holds the built-in ones (``linear``, ``conv``, ``embedding``, ``norms``, ``transformers_conv1d``,
+``recurrent``, ``transformer``, ``broadcast``), and :mod:`fxdp.layers` registers each for its layer classes
+beside the layer's per-sample rule and batch rule (``fxdp.register_layer``; ``broadcast`` registers itself, for
+functions, not layer classes); docs/bookkeeping_a_new_layer.md adds one.
 """
 
 from __future__ import annotations
