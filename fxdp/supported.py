@@ -1,8 +1,9 @@
 """What fxdp supports, read from its three registries: per layer class, whether it has a per-sample rule
 (:mod:`fxdp.grad_sample`), a book-keeping plan (:mod:`fxdp.sinks.bookkeeping`: norms and clipped sums without
 materialising per-sample gradients) and a batch rule (:mod:`fxdp.passes.batch_rules`: where the batch goes through
-the layer when the graph calls it whole). ``fxdp layers`` prints the table; docs/layers.md holds it (a test keeps
-the two equal).
+the layer when the graph calls it whole). The built-in layer families register the three side by side
+(:mod:`fxdp.layers`, :func:`fxdp.register_layer`). ``fxdp layers`` prints the table; docs/layers.md holds it (a test
+keeps the two equal).
 
 A layer with none of the three may still be supported: the graph engine traces into it and handles the ops it is
 made of (an ``nn.Sequential``, a user's block), and the generic rule covers what no rule names (docs/per_sample.md).
