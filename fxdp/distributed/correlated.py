@@ -1,12 +1,13 @@
 """Correlated noise (banded MF, BLT) under FSDP2: each rank keeps its shard's rows of the mechanism's state.
 
-:class:`~fxdp.distributed.FullyShardedDPOptimizer` calls these (see :mod:`fxdp.optim.correlated.processes` for the
-whole design, DDP included):
+How :class:`~fxdp.distributed.FullyShardedDPOptimizer` runs a mechanism (see :mod:`fxdp.optim.correlated.processes` for
+the whole design, DDP included):
 
-- :func:`add_sharded_mechanism_noise`: each parameter's unit noise drawn whole, in the order one process draws it,
-  this rank's rows kept (one parameter's draw exists at a time), then the mechanism runs its recursion on the rows:
-  every coordinate's noise, and every coordinate of the state, is one process's. Each rank's state is its rows:
-  ``mechanism.memory_bytes()`` is ``buffers x`` the shard, not the parameters.
+- the noise: :class:`~fxdp.distributed.FullyShardedDPOptimizer` says which rows of each parameter it holds, and
+  :mod:`fxdp.optim.noise_rows` hands the mechanism those rows of the unit draws one process makes (one parameter's
+  draw exists at a time); the mechanism runs its recursion on the rows: every coordinate's noise, and every
+  coordinate of the state, is one process's. Each rank's state is its rows: ``mechanism.memory_bytes()`` is
+  ``buffers x`` the shard, not the parameters.
 - :func:`gathered_mechanism_state` / :func:`sharded_mechanism_state`: the checkpoint holds the mechanism's
   per-parameter state as whole tensors (gathered from every rank's rows, as FSDP2's checkpoint holds the optimizer
   state), the state one process would hold; loading keeps this rank's rows. So a checkpoint of one process, of any
@@ -15,27 +16,11 @@ whole design, DDP included):
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from fxdp.optim.noise import add_gaussian_noise_
-
-
-def add_sharded_mechanism_noise(optimizer: Any, params: List[nn.Parameter], shards: List[torch.Tensor],
-                                std: float) -> None:
-    """This step's correlated noise added to this rank's ``shards`` of ``params`` (std ``std`` per unit draw)."""
-    draws = []
-    for p, shard in zip(params, shards):
-        full = torch.zeros(p.shape, dtype=shard.dtype, device=shard.device)
-        add_gaussian_noise_(full, 1.0, secure_mode=optimizer.secure_mode, generator=optimizer.generator)
-        start = optimizer.rank * optimizer._chunk(p)
-        draws.append(full[start:start + shard.shape[0]].clone())
-        del full
-    optimizer.noise_mechanism.add_noise_(shards, std, secure_mode=optimizer.secure_mode,
-                                         generator=optimizer.generator, draws=draws)
 
 
 def gathered_mechanism_state(optimizer: Any, saved: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:

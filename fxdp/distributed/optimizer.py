@@ -25,12 +25,13 @@ number of times: a rank with an empty share still steps (its clipped sum is zero
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from fxdp.errors import StepRefusedError
 from fxdp.optim import DPOptimizer
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DistributedDataParallel's default bucket size
@@ -70,6 +71,15 @@ class DistributedDPOptimizer(DPOptimizer):
     def _adds_noise(self) -> bool:
         return self.rank == 0
 
+    def _check_before_reduce(self, noised_sums: List[torch.Tensor]) -> None:
+        """The check one process runs after dropping samples (:meth:`_check_finite_after_dropping`), made on each
+        rank before the all-reduce and agreed on by every rank (one all-reduce of one value per step): a refused
+        step is refused on every rank, before any gradient is written, and no rank waits in an all-reduce that
+        another, having raised, will not reach."""
+        device = noised_sums[0].device if noised_sums else torch.device("cpu")
+        refuse_on_every_rank_if_unfinished(self._unfinished_after_dropping(noised_sums), device, self.process_group,
+                                           self.rank, self.world_size)
+
     def _reduce(self, noised_sums: List[torch.Tensor]) -> List[torch.Tensor]:
         """Sum every rank's (noised, on rank 0) clipped sums: one all-reduce per bucket of flattened
         tensors of one device and dtype."""
@@ -86,7 +96,7 @@ class DistributedDPOptimizer(DPOptimizer):
     def state_dict(self) -> Dict[str, Any]:
         """As :meth:`DPOptimizer.state_dict`; refused in the middle of a logical batch, whose clipped
         sums are spread over the ranks (save after a step without a skip signal)."""
-        if self._summed:
+        if self.step_state.summed:
             raise RuntimeError(
                 "fxdp: cannot save a distributed DP optimizer in the middle of a logical batch (after "
                 "signal_skip_step): its clipped sums so far are spread over the ranks and rank 0's file "
@@ -106,6 +116,21 @@ class DistributedDPOptimizer(DPOptimizer):
 
     def __repr__(self) -> str:
         return f"Distributed{super().__repr__()[:-1]},\n  rank={self.rank}, world_size={self.world_size})"
+
+
+def refuse_on_every_rank_if_unfinished(unfinished: Union[bool, torch.Tensor], device: torch.device, process_group: Any,
+                                       rank: int, world_size: int) -> None:
+    """Every rank of ``process_group`` calls it once per step with whether its clipped sums are not finite after it
+    dropped samples (``unfinished``); one all-reduce (MAX) of one value on ``device`` (the collectives' device:
+    NCCL's is a GPU), then every rank raises the same refusal if any rank's sums were not finite."""
+    flag = torch.as_tensor(unfinished).to(device=device, dtype=torch.int32).reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
+    if bool(flag.item()):
+        raise StepRefusedError(
+            f"fxdp: a clipped sum is not finite after the samples with a non-finite per-sample gradient were "
+            f"dropped (on {'this rank' if bool(unfinished) else 'another rank'}, rank {rank} of {world_size} "
+            "reporting), so every rank refuses the step. Look for inf/nan in the inputs and the loss; this is also a "
+            "bug in the gradient sink: please report it")
 
 
 def _buckets(tensors: List[torch.Tensor], bucket_bytes: int) -> Iterator[List[int]]:

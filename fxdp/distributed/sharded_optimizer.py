@@ -8,13 +8,14 @@ Per logical step, on every rank (see docs/distributed.md, "FSDP2")::
         S_p   = sum_i c_i g_i(p) / B, full shape        from the sink; this rank's samples only ("mean": B the
                                                          GLOBAL expected batch size)
         shard = reduce_scatter_sum(S_p)[this rank's rows]     the global clipped sum, this rank's shard
-    for each trainable parameter p, in order:            (_add_noise)
+    for each trainable parameter p, in order:            (DPOptimizer._add_noise of the rows _noise_rows says)
         shard += (N(0, std^2 / B^2) drawn for all of p)[this rank's rows]
     p.grad = shard (as a DTensor shard)                  (_set_grads)
     inner_optimizer.step()                               on the shards: optimizer state is sharded too
 
 These are the parts of DPOptimizer's one template of the private gradient (``_write_private_grads``) this class
-overrides; the rest (the clip factors, the checks, the skipped steps' accumulation) is the one-process code.
+overrides; the rest (the clip factors, the checks, the skipped steps' accumulation, the noise itself: formed in
+:mod:`fxdp.optim.noise_rows`, this class says only which rows) is the one-process code.
 
 One parameter's full clipped sum exists at a time (plus its noise). Communication: one reduce-scatter of
 ``p.numel()`` values per trainable parameter (padded to a multiple of the world size on dimension 0, as
@@ -40,10 +41,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from fxdp.distributed.correlated import add_sharded_mechanism_noise, gathered_mechanism_state, sharded_mechanism_state
+from fxdp.distributed.correlated import gathered_mechanism_state, sharded_mechanism_state
+from fxdp.distributed.optimizer import refuse_on_every_rank_if_unfinished
 from fxdp.optim import DPOptimizer
-from fxdp.errors import StepRefusedError
-from fxdp.optim.noise import add_gaussian_noise_
 from fxdp.sinks.contract import GradientSink, GradSampleSink, PerSampleError, wide_dtype
 
 
@@ -145,7 +145,7 @@ class FullyShardedDPOptimizer(DPOptimizer):
     :class:`~fxdp.distributed.fsdp.ShardingPlan`; ``expected_batch_size`` the *global* one. Other
     arguments are :class:`~fxdp.optim.DPOptimizer`'s. ``PrivacyEngine.make_private`` builds one."""
 
-    _MECHANISM_READY = ("_scaled_sums", "_add_noise", "_set_grads")  # a noise mechanism's noise kept (sharded)
+    _MECHANISM_READY = ("_scaled_sums", "_noise_rows", "_set_grads")  # a noise mechanism's noise kept (sharded)
 
     def __init__(self, optimizer: Optimizer, *, plan, sink: Optional[GradientSink] = None, **kwargs: Any):
         super().__init__(optimizer, sink=ShardedSink(sink if sink is not None else GradSampleSink(), plan.gathered),
@@ -174,10 +174,10 @@ class FullyShardedDPOptimizer(DPOptimizer):
             dtype = wide_dtype(p.dtype)  # as one process forms the sum: at least float32
             full = torch.zeros(p.shape, dtype=dtype, device=p.device) if full is None else \
                 full.to(dtype).reshape(p.shape)
-            earlier = self._summed.pop(p, None)
+            earlier = self.step_state.summed.pop(p, None)
             if earlier is not None:
                 full.add_(earlier.view_as(full), alpha=scale)
-            if self._dropped_samples:
+            if self.step_state.dropped_samples:
                 unfinished |= ~torch.isfinite(full).all().cpu()
             shards.append(self._reduce_scatter(full, self._chunk(p))[:p.to_local().shape[0]])
             del full
@@ -185,18 +185,10 @@ class FullyShardedDPOptimizer(DPOptimizer):
         self._refuse_if_any_rank_unfinished(unfinished, params[0].device if params else torch.device("cpu"))
         return shards
 
-    def _add_noise(self, params: List[nn.Parameter], shards: List[torch.Tensor], std: float) -> None:
-        """Each parameter's noise drawn whole, in order, as one process draws it; this rank adds its rows."""
-        if self.noise_mechanism is not None:  # correlated noise: this rank's rows of its state (distributed.correlated)
-            return add_sharded_mechanism_noise(self, params, shards, std)
-        if std <= 0:
-            return
-        for p, shard in zip(params, shards):
-            noise = torch.zeros(p.shape, dtype=shard.dtype, device=p.device)
-            add_gaussian_noise_(noise, std, secure_mode=self.secure_mode, generator=self.generator)
-            start = self.rank * self._chunk(p)
-            shard += noise[start:start + shard.shape[0]]
-            del noise
+    def _noise_rows(self, params: List[nn.Parameter]) -> List[int]:
+        """This rank's shard of each parameter starts at row ``rank * chunk``: the optimizer adds those rows of the
+        noise one process draws (:mod:`fxdp.optim.noise_rows`)."""
+        return [self.rank * self._chunk(p) for p in params]
 
     def _set_grads(self, params: List[nn.Parameter], shards: List[torch.Tensor]) -> None:
         from torch.distributed.tensor import DTensor
@@ -212,16 +204,8 @@ class FullyShardedDPOptimizer(DPOptimizer):
     def _refuse_if_any_rank_unfinished(self, unfinished: torch.Tensor, device: torch.device) -> None:
         """The check one process runs after dropping samples (:meth:`_check_finite_after_dropping`), made on the
         rank that dropped them, before its sums are reduce-scattered, and agreed on by every rank (one all-reduce
-        of one value per step): a refused step is refused everywhere, before any gradient is written, and no rank
-        waits for another in a collective it will not reach."""
-        flag = unfinished.to(device=device, dtype=torch.int32).reshape(1)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
-        if bool(flag.item()):
-            raise StepRefusedError(
-                f"fxdp: a clipped sum is not finite after the samples with a non-finite per-sample gradient were "
-                f"dropped (on {'this rank' if bool(unfinished) else 'another rank'}, rank {self.rank} of "
-                f"{self.world_size} reporting), so every rank refuses the step. Look for inf/nan in the inputs and the "
-                "loss; this is also a bug in the gradient sink: please report it")
+        of one value per step, :func:`~fxdp.distributed.optimizer.refuse_on_every_rank_if_unfinished`)."""
+        refuse_on_every_rank_if_unfinished(unfinished, device, self.process_group, self.rank, self.world_size)
 
     def _reduce_scatter(self, full: torch.Tensor, chunk: int) -> torch.Tensor:
         """The sum over ranks of ``full``, this rank's ``chunk`` rows of dimension 0 (padded with zeros to
@@ -237,7 +221,7 @@ class FullyShardedDPOptimizer(DPOptimizer):
         """As :meth:`DPOptimizer.state_dict`, with the wrapped optimizer's state as whole tensors under the
         parameters' names (``torch.distributed.checkpoint``'s full optimizer state dict): a collective, every rank
         calls it. Refused in the middle of a logical batch, whose clipped sums are spread over the ranks."""
-        if self._summed:
+        if self.step_state.summed:
             raise RuntimeError(
                 "fxdp: cannot save a sharded DP optimizer in the middle of a logical batch (after "
                 "signal_skip_step): its clipped sums so far are spread over the ranks. Save after optimizer.step() "

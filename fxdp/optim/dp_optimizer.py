@@ -57,7 +57,9 @@ from fxdp.optim.correlated.mechanism import (NoiseMechanism, mechanism_state, no
 from fxdp.optim.correlated.processes import check_noise_path
 from fxdp.optim.extension_points import OpacusExtensionPoints
 from fxdp.optim.step_checks import StepChecks, stacked_norms
+from fxdp.optim.step_state import MOVED, MovedToStepState, StepState
 from fxdp.optim.noise import add_gaussian_noise_all_
+from fxdp.optim.noise_rows import add_noise_rows_
 from fxdp.sinks.contract import (LOSS_REDUCTIONS, GradientSink, GradSampleSink, PrivacySettingError, StepRefusedError,
                                  clip_factor, wide, wide_dtype)
 
@@ -70,7 +72,7 @@ _NEEDS_EXPECTED_BATCH_SIZE = (
     "sample_rate * len(dataset) under Poisson sampling); the gradient is divided by it, not by the actual batch size")
 # what a subclass overrides to form or add the noise its own way (a noise mechanism needs the default path)
 _NOISE_PATH = ("_write_private_grads", "_scaled_sums", "_add_noise", "_set_grads", "_adds_noise", "_reduce",
-               "_before_update")
+               "_before_update", "_noise_rows")
 _SECURE_WITH_GENERATOR = ("fxdp: secure_mode draws noise from the OS's cryptographic source; a seeded generator "
                           "would make the noise predictable. Pass generator=None")
 
@@ -152,17 +154,8 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
                 "std noise_multiplier * max_grad_norm, one step per Poisson batch); if yours differs, the ε they "
                 "report is not yours: account for your mechanism yourself", stacklevel=2)
         self._step_hooks: List[Callable[["DPOptimizer"], None]] = []
-        self._summed: Dict[nn.Parameter, torch.Tensor] = {}  # clipped sums of this logical batch so far
-        self._skip_next = False
-        self._step_factors: Optional[Dict[nn.Parameter, torch.Tensor]] = None  # (for clip_and_accumulate)
-        self._dropped_samples = False  # whether this step dropped samples whose per-sample gradient is not finite
-        self._needs_zero_grad = False  # a logical step ran and zero_grad() has not been called since
+        self.step_state = StepState()  # what one logical step carries between calls (fxdp.optim.step_state)
         self.steps = 0  # logical steps taken
-        # what the data loader said (observe_batch): logical batches begun since the last step (None: no
-        # loader reports), and whether the last one was empty
-        self._logical_batches: Optional[int] = None
-        self._batch_empty = False
-        self._padding: Optional[tuple] = None  # (real rows, padded size) of a padded batch the loader handed out
 
     # -- settings ------------------------------------------------------------------------------------
 
@@ -309,7 +302,7 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
 
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """The next :meth:`step` only clips and accumulates its physical batch (no noise, no update)."""
-        self._skip_next = do_skip
+        self.step_state.skip_next = do_skip
 
     def __repr__(self) -> str:
         return (f"DPOptimizer(noise_multiplier={self.noise_multiplier}, max_grad_norm={self.max_grad_norm}, "
@@ -325,21 +318,21 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         self.sink.clear(self._all_params())
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         # (an override accumulates in p.summed_grad; skipped steps' sums are the next step's)
-        for p in [] if self._overrides or self._summed else self._all_params():
+        for p in [] if self._overrides or self.step_state.summed else self._all_params():
             if getattr(p, "summed_grad", None) is not None:
                 p.summed_grad = None
-        self._needs_zero_grad = False
-        if self._logical_batches and not self._accumulating():
+        self.step_state.needs_zero_grad = False
+        if self.step_state.logical_batches and not self._accumulating():
             # what earlier batches left is gone: only the batch handed out last can still reach the step
-            self._logical_batches = 1
+            self.step_state.logical_batches = 1
 
     def expect_observed_batches(self) -> None:
         """From now on every step needs a batch told by :meth:`observe_batch` since the last step
         (``make_private`` calls it when it wires its loader): a step on a batch from anywhere else — the
         loader given to ``make_private`` instead of the one it returned, or one batch used for two steps —
         would be accounted as a fresh Poisson batch that it is not."""
-        if self._logical_batches is None:
-            self._logical_batches = 0
+        if self.step_state.logical_batches is None:
+            self.step_state.logical_batches = 0
 
     def observe_batch(self, *, empty: bool, new_epoch: bool = False, real_rows: Optional[int] = None,
                       padded_to: Optional[int] = None) -> None:
@@ -352,12 +345,12 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         A padded batch (``DPDataLoader(padded_batches=...)``) also says that its first ``real_rows`` rows of
         ``padded_to`` are samples and the rest padding: the step drops the padding rows before clipping
         (:meth:`~fxdp.optim.step_checks.StepChecks._real_rows_of`)."""
-        if self._logical_batches is None or (new_epoch and not self._accumulating()):
+        if self.step_state.logical_batches is None or (new_epoch and not self._accumulating()):
             # a pass left by break is forgotten, unless skip steps accumulated part of its batch for the next step
-            self._logical_batches = 0
-        self._logical_batches += 1
-        self._batch_empty = bool(empty)
-        self._padding = None if padded_to is None else (int(real_rows), int(padded_to))
+            self.step_state.logical_batches = 0
+        self.step_state.logical_batches += 1
+        self.step_state.batch_empty = bool(empty)
+        self.step_state.padding = None if padded_to is None else (int(real_rows), int(padded_to))
 
     def step(self, closure: Optional[Callable[[], Any]] = None):
         """Clip and accumulate this physical batch; unless a skip was signalled, add noise once, scale,
@@ -371,7 +364,7 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_settings()
-        if self._needs_zero_grad:
+        if self.step_state.needs_zero_grad:
             raise StepRefusedError(
                 "fxdp: DPOptimizer.step() was called again without optimizer.zero_grad() since the last "
                 "step. Call optimizer.zero_grad() (the DP optimizer's: model.zero_grad() does not reset it) "
@@ -387,19 +380,16 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         if self._overrides:
             if not self._step_through_overrides(params, factors):
                 return None
-        elif self._skip_next:
-            self._skip_next = False
+        elif self.step_state.skip_next:
+            self.step_state.skip_next = False
             self._accumulate(params, factors)
             return None
         else:
             self._write_private_grads(params, factors)
         self._before_update()
         result = self.original_optimizer.step()
-        self._needs_zero_grad = True
+        self.step_state.stepped()
         self.steps += 1
-        self._logical_batches = None if self._logical_batches is None else 0
-        self._batch_empty = False
-        self._padding = None
         for hook in self._step_hooks:
             hook(self)
         return loss if closure is not None else result
@@ -415,19 +405,19 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         if real < rows:  # a padded batch: its padding rows are dropped, and the checks and clipping see the real ones
             norms = self._drop_padding(norms, real, rows)
         stacked = stacked_norms(norms)
-        self._stacked = (norms, stacked)  # for _clip_factors (an extension point: its signature stays)
+        self.step_state.stacked = (norms, stacked)  # for _clip_factors (an extension point: its signature stays)
         self._check_not_negative(norms, stacked)
         dropped = self._drop_non_finite(norms, real, rows, stacked)
         self._check_every_gradient_is_per_sample(params, norms, rows)
         factors = self._clip_factors(norms) if norms else {}
-        self._stacked = None
+        self.step_state.stacked = None
         if dropped is not None:  # (their factor C / (inf + eps) would be 0, or NaN: 0 either way)
             factors = {p: c.masked_fill(dropped.to(c.device), 0.0) for p, c in factors.items()}
         if real < rows:  # the padding rows' factors: 0 (their records are zeros already); one tensor stays one
             padded: Dict[int, torch.Tensor] = {}
             factors = {p: padded[id(c)] if id(c) in padded else padded.setdefault(id(c), torch.cat(
                 [c, c.new_zeros(rows - real)])) for p, c in factors.items()}
-        self._dropped_samples = dropped is not None
+        self.step_state.dropped_samples = dropped is not None
         return factors
 
     def _accumulate(self, params: List[nn.Parameter], factors: Dict[nn.Parameter, torch.Tensor]) -> None:
@@ -435,10 +425,11 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         sums = self.sink.take_clipped_sums(list(factors), factors) if factors else {}
         self.sink.clear(params)
         self._check_finite_after_dropping(sums.values())
+        summed = self.step_state.summed
         for p, s in sums.items():
-            self._summed[p] = self._summed[p] + s if p in self._summed else s
+            summed[p] = summed[p] + s if p in summed else s
         if isinstance(self.sink, GradSampleSink):  # the logical batch's clipped sum so far, as Opacus shows it
-            for p, s in self._summed.items():
+            for p, s in summed.items():
                 p.summed_grad = s.to(p.dtype, copy=True).view_as(p)
         # the plain (unclipped) gradient of this physical batch is not private: nothing reads it
         for p in params:
@@ -450,7 +441,7 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         if self.clipping == "per_layer":
             return {p: clip_factor(self._bound(p), wide(sq).sqrt()) for p, sq in norms.items()}
         device = next(iter(norms.values())).device
-        kept = getattr(self, "_stacked", None)  # the (P, N) stack _factors formed of these very norms
+        kept = self.step_state.stacked  # the (P, N) stack _factors formed of these very norms
         stacked = kept[1] if kept is not None and kept[0] is norms else stacked_norms(norms)
         total = stacked.sum(0) if stacked is not None else sum(wide(sq).to(device) for sq in norms.values())
         factor = clip_factor(self._max_grad_norm, total.sqrt())
@@ -462,9 +453,11 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         """``p.grad = (S + N(0, std^2)) * scale``, S the clipped sum of the logical batch: this physical
         batch's plus those accumulated by skipped steps. The ONE template of the private gradient: every optimizer
         runs it (one process, DDP, FSDP2, per-layer clipping, AdaClip), each overriding only the part that differs:
-        the sums (:meth:`_scaled_sums`; FSDP2 reduce-scatters them into its shards), the noise
-        (:meth:`_add_noise`; FSDP2 adds its rows), who adds it and the reduction (:meth:`_adds_noise`,
-        :meth:`_reduce`; DDP), how a gradient is written (:meth:`_set_grads`; FSDP2: a DTensor shard).
+        the sums (:meth:`_scaled_sums`; FSDP2 reduce-scatters them into its shards), which rows of the noise
+        :meth:`_add_noise` adds (:meth:`_noise_rows`; FSDP2: its shards'), who adds it, the check before the
+        reduction and the reduction (:meth:`_adds_noise`, :meth:`_check_before_reduce`, :meth:`_reduce`; DDP: rank
+        0, agreed by every rank, an all-reduce), how a gradient is written (:meth:`_set_grads`; FSDP2: a DTensor
+        shard).
 
         Written as ``scale * S + N(0, (std * scale)^2)`` into the sum's own buffer: the sink forms each
         scaled sum and frees that layer's inputs and output gradients as it goes (``take_clipped_sums``),
@@ -479,9 +472,9 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
         scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
         grads = self._scaled_sums(params, factors, scale)
         self._add_noise(params, grads, std * scale)
-        self._check_finite_after_dropping(grads)
+        self._check_before_reduce(grads)
         self._set_grads(params, self._reduce(grads))
-        self._summed.clear()
+        self.step_state.summed.clear()
 
     def _scaled_sums(self, params: List[nn.Parameter], factors: Dict[nn.Parameter, torch.Tensor],
                      scale: float) -> List[torch.Tensor]:
@@ -506,7 +499,7 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
                 grad = torch.zeros(p.shape, dtype=dtype, device=p.device)
             elif grad.dtype != dtype or grad.shape != p.shape:  # (the usual sum is both already: two calls spared)
                 grad = grad.to(dtype).reshape(p.shape)
-            earlier = self._summed.pop(p, None) if self._summed else None
+            earlier = self.step_state.summed.pop(p, None) if self.step_state.summed else None
             if earlier is not None:
                 grad.add_(earlier.view_as(grad), alpha=scale)
             if keep_summed:
@@ -516,13 +509,23 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
 
     def _add_noise(self, params: List[nn.Parameter], grads: List[torch.Tensor], std: float) -> None:
         """N(0, std^2) added in place to each of ``grads`` (``params``' gradients), in the parameters' order (or as
-        the noise mechanism adds it)."""
+        the noise mechanism adds it); where ``grads`` are rows of their parameters (:meth:`_noise_rows`), their rows
+        of the noise one process adds."""
+        starts = self._noise_rows(params)
         if self.noise_mechanism is not None and not self._adds_noise():  # another process adds it (DDP's rank 0)
             self.noise_mechanism.advance_()
+        elif starts is not None:  # rows of each parameter (FSDP2's shards): the rows of one process's noise
+            add_noise_rows_(params, grads, starts, std, mechanism=self.noise_mechanism, secure_mode=self.secure_mode,
+                            generator=self.generator)
         elif self.noise_mechanism is not None:  # correlated noise (fxdp.optim.correlated): its state advances
             self.noise_mechanism.add_noise_(grads, std, secure_mode=self.secure_mode, generator=self.generator)
         elif std > 0:  # in the parameters' order; the large ones' blocks drawn in parallel
             add_gaussian_noise_all_(grads, std, secure_mode=self.secure_mode, generator=self.generator)
+
+    def _noise_rows(self, params: List[nn.Parameter]) -> Optional[List[int]]:
+        """Where the gradients :meth:`_add_noise` is handed are rows of dimension 0 of their parameters (a sharded
+        optimizer's shards), the row each starts at; ``None``: each is its parameter whole."""
+        return None
 
     def _set_grads(self, params: List[nn.Parameter], grads: List[torch.Tensor]) -> None:
         """``p.grad``, in the parameter's dtype."""
@@ -531,7 +534,7 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
 
     def _accumulating(self) -> bool:
         """Whether skip steps have accumulated part of a logical batch for the next step."""
-        return bool(self._summed) or (bool(self._overrides)
+        return bool(self.step_state.summed) or (bool(self._overrides)
                                       and any(getattr(p, "summed_grad", None) is not None for p in self.params))
 
     def _before_update(self) -> None:
@@ -543,6 +546,11 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
     def _adds_noise(self) -> bool:
         """Whether this process adds the noise of the logical step (across processes: exactly one)."""
         return True
+
+    def _check_before_reduce(self, noised_sums: List[torch.Tensor]) -> None:
+        """The check after dropping samples (:meth:`_check_finite_after_dropping`) of the sums :meth:`_reduce` is
+        about to combine; across processes (DDP) every rank must agree on it before any of them reduces."""
+        self._check_finite_after_dropping(noised_sums)
 
     def _reduce(self, noised_sums: List[torch.Tensor]) -> List[torch.Tensor]:
         """This process's noised clipped sums (one per trainable parameter, in order) combined with
@@ -564,9 +572,9 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
                 "loss_reduction": self.loss_reduction,
                 "clipping": self.clipping,
                 "steps": self.steps,
-                "skip_next": self._skip_next,
+                "skip_next": self.step_state.skip_next,
                 "generator_state": None if self.generator is None else self.generator.get_state(),
-                "accumulated": [self._summed.get(p) for p in params],
+                "accumulated": [self.step_state.summed.get(p) for p in params],
                 "noise_mechanism": mechanism_state(self.noise_mechanism),
             },
         }
@@ -607,14 +615,14 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
                           stacklevel=2)
         self._check_settings()
         self.steps = own["steps"]
-        self._skip_next = own["skip_next"]
+        self.step_state.skip_next = own["skip_next"]
         if own["generator_state"] is not None:
             if self.generator is None:
                 warnings.warn("fxdp: the checkpoint holds a noise generator's state but this optimizer has no "
                               "generator; the noise will not continue the saved sequence", stacklevel=2)
             else:
                 self.generator.set_state(own["generator_state"])
-        self._summed = {p: s.to(p.device) for p, s in zip(params, own["accumulated"]) if s is not None}
+        self.step_state.summed = {p: s.to(p.device) for p, s in zip(params, own["accumulated"]) if s is not None}
 
     # -- helpers -------------------------------------------------------------------------------------
 
@@ -642,6 +650,10 @@ class DPOptimizer(StepChecks, OpacusExtensionPoints, Optimizer):
 
     def _names_of(self, params: List[nn.Parameter]) -> str:
         return ", ".join(self._name(p) for p in params)
+
+
+for _old_name in MOVED:  # the step's state is in step_state: the old private names fail loudly
+    setattr(DPOptimizer, _old_name, MovedToStepState(_old_name))
 
 
 def _overridden_extension_points(cls: type) -> List[str]:

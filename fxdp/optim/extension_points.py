@@ -25,8 +25,8 @@ from fxdp.optim.noise import add_gaussian_noise_all_
 
 
 class OpacusExtensionPoints:
-    """Mixed into :class:`~fxdp.optim.dp_optimizer.DPOptimizer` (which supplies the sink, the settings and the
-    checks)."""
+    """Mixed into :class:`~fxdp.optim.dp_optimizer.DPOptimizer` (which supplies the sink, the settings, the checks
+    and the step's state ``step_state``: the clip factors ``clip_and_accumulate`` reads are its ``factors``)."""
 
     @property
     def params(self) -> List[nn.Parameter]:
@@ -44,11 +44,11 @@ class OpacusExtensionPoints:
         ``clip_and_accumulate``, then unless a skip was signalled ``add_noise`` and ``scale_grad``). Every check
         of the default step has run before (the settings, the batch bookkeeping, the per-sample norms, whose
         clip factors ``clip_and_accumulate`` reads); the records are cleared after, whatever the override did."""
-        self._step_factors = factors
+        self.step_state.factors = factors
         try:
             stepped = self.pre_step()
         finally:
-            self._step_factors = None
+            self.step_state.factors = None
             self.sink.clear(params)
         if stepped:
             for p, grad in zip(params, self._reduce([torch.zeros_like(p) if p.grad is None else p.grad
@@ -61,8 +61,8 @@ class OpacusExtensionPoints:
         """Clip and accumulate this physical batch; unless a skip was signalled, add the noise and scale.
         Returns whether the wrapped optimizer should step."""
         self.clip_and_accumulate()
-        if self._skip_next:
-            self._skip_next = False
+        if self.step_state.skip_next:
+            self.step_state.skip_next = False
             for p in self.params:
                 p.grad = None  # the plain (unclipped) gradient is not private: nothing reads it
             return False
@@ -73,7 +73,8 @@ class OpacusExtensionPoints:
     def clip_and_accumulate(self) -> None:
         """Add this physical batch's clipped per-sample gradients (factors ``min(1, C / norm)``) to each
         parameter's ``p.summed_grad``."""
-        factors = self._step_factors if self._step_factors is not None else self._factors(self.params)
+        factors = self.step_state.factors
+        factors = factors if factors is not None else self._factors(self.params)
         sums = self.sink.take_clipped_sums(list(factors), factors) if factors else {}
         for p in self.params:
             s = sums.pop(p, None)

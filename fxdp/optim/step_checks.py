@@ -35,8 +35,8 @@ def stacked_norms(norms: Dict[nn.Parameter, torch.Tensor]) -> Optional[torch.Ten
 
 
 class StepChecks:
-    """Mixed into :class:`~fxdp.optim.dp_optimizer.DPOptimizer` (which supplies the sink, the settings, the
-    logical-batch bookkeeping and ``_name``)."""
+    """Mixed into :class:`~fxdp.optim.dp_optimizer.DPOptimizer` (which supplies the sink, the settings, the step's
+    state ``step_state``, a :class:`~fxdp.optim.step_state.StepState`, and ``_name``)."""
 
     def _check_rows(self, norms: Dict[nn.Parameter, torch.Tensor]) -> int:
         """Every parameter must have one row per sample seen since the last step."""
@@ -78,7 +78,7 @@ class StepChecks:
         step at the sampling rate. Two Poisson batches in one step would be clipped as if one batch and
         accounted at the rate of one; none (once a loader tells its batches) means the batch came from
         elsewhere, and would be accounted as a Poisson sample it is not."""
-        if self._logical_batches == 0:
+        if self.step_state.logical_batches == 0:
             raise StepRefusedError(
                 "fxdp: optimizer.step() without a batch from the data loader make_private returned since the last "
                 "step: this step's batch came from elsewhere (the loader you passed to make_private, or a batch "
@@ -86,9 +86,10 @@ class StepChecks:
                 "dataset. Iterate the loader make_private returned (model, optimizer, loader = "
                 "engine.make_private(...)), one step per batch"
             )
-        if self._logical_batches is not None and self._logical_batches > 1:
+        batches = self.step_state.logical_batches
+        if batches is not None and batches > 1:
             raise StepRefusedError(
-                f"fxdp: the data loader handed out {self._logical_batches} batches since the last optimizer step, "
+                f"fxdp: the data loader handed out {batches} batches since the last optimizer step, "
                 "but one private step takes one batch (the accountant records one step at the sampling rate). "
                 "Call optimizer.step() once per batch, an empty one too (it adds noise only); to cut a batch that "
                 "does not fit in memory into physical batches, use BatchMemoryManager, which signals the skip steps"
@@ -113,7 +114,7 @@ class StepChecks:
                 "the returned model: it shares the original's parameters and records the per-sample gradients "
                 "DP-SGD clips; this step would have discarded the gradient and added noise only"
             )
-        if not self._batch_empty and params:
+        if not self.step_state.batch_empty and params:
             raise StepRefusedError(
                 "fxdp: optimizer.step() found no per-sample gradient since the last step: no backward pass ran "
                 "through the private model (loss.backward() missing, or called after step()?). The step would add "
@@ -141,9 +142,9 @@ class StepChecks:
         batch (:meth:`observe_batch`'s ``real_rows`` of ``padded_to``, the padding rows last). The model must then
         have run on the padded batch (``padded_to`` rows) or on its real rows alone; anything else is refused, as
         rows that cannot be matched to samples."""
-        if self._padding is None:
+        if self.step_state.padding is None:
             return rows
-        real, padded_to = self._padding
+        real, padded_to = self.step_state.padding
         if self._overrides:
             raise StepRefusedError(
                 f"fxdp: {type(self).__name__} overrides {', '.join(self._overrides)}, which read the per-sample "
@@ -215,11 +216,16 @@ class StepChecks:
     def _check_finite_after_dropping(self, sums) -> None:
         """After samples were dropped, every clipped sum must be finite (a record the sink did not zero would let
         an inf or NaN through the noise): checked only then, so a normal step pays nothing."""
-        if self._dropped_samples and not all(bool(torch.isfinite(s).all()) for s in sums):
+        if self._unfinished_after_dropping(sums):
             raise StepRefusedError(
                 "fxdp: a clipped sum is not finite after the samples with a non-finite per-sample gradient were "
                 "dropped, so the optimizer refuses to step. Look for inf/nan in the inputs and the loss; this is "
                 "also a bug in the gradient sink: please report it")
+
+    def _unfinished_after_dropping(self, sums) -> bool:
+        """Whether samples were dropped from this physical batch and a clipped sum of ``sums`` is still not finite
+        (what :meth:`_check_finite_after_dropping` refuses)."""
+        return self.step_state.dropped_samples and not all(bool(torch.isfinite(s).all()) for s in sums)
 
     def _check_every_gradient_is_per_sample(self, params, norms, rows: int) -> None:
         """A parameter that got a gradient in backward but no per-sample gradient would silently lose

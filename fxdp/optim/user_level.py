@@ -127,7 +127,7 @@ class UserLevelDPOptimizer(DPOptimizer):
             factors = {p: factor for p in weights}
         if dropped_users is not None:  # (their factor would be 0 or NaN: 0 either way; their records are zeros)
             factors = {p: f.masked_fill(dropped_users, 0.0) for p, f in factors.items()}
-        self._dropped_samples = dropped_users is not None
+        self.step_state.dropped_samples = dropped_users is not None
         # the record's factor: its user's, times 1/k_u (one tensor stays one: flat clipping sums all layers at once)
         expanded: Dict[int, torch.Tensor] = {}
         out = {}

@@ -420,7 +420,7 @@ def test_a_rank_other_than_0_drops_a_single_process_checkpoints_partial_sum(worl
                                      max_grad_norm=1.0, expected_batch_size=4)
         opt.rank = rank  # as rank 1 of two would be (the group here has one)
         opt.load_state_dict(saved)
-        assert len(opt._summed) == (len(saved["fxdp"]["accumulated"]) if rank == 0 else 0)
+        assert len(opt.step_state.summed) == (len(saved["fxdp"]["accumulated"]) if rank == 0 else 0)
     assert all(s is not None for s in saved["fxdp"]["accumulated"])  # the caller's dict is left as it was
 
 

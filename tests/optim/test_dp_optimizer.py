@@ -585,7 +585,7 @@ def test_load_state_dict_refuses_a_logical_batch_in_progress_clipped_to_another_
         opt.load_state_dict(saved.state_dict())
     opt.max_grad_norm = 2.0
     opt.load_state_dict(saved.state_dict())
-    assert len(opt._summed) == len(list(model.parameters()))
+    assert len(opt.step_state.summed) == len(list(model.parameters()))
 
 
 def test_optim_imports_nothing_from_fxdp_but_the_sink_contract():
