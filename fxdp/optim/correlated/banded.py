@@ -35,7 +35,7 @@ import torch
 
 from fxdp.optim.correlated.banded_strategy import (_check_bands, _normalised, _product,  # noqa: F401 (re-exported)
                                                    _series_inverse, banded_toeplitz_matrix, check_pattern,
-                                                   expected_prefix_sum_error, max_column_norm,
+                                                   effective_bands, expected_prefix_sum_error, max_column_norm,
                                                    optimize_banded_toeplitz, pattern_sensitivity,
                                                    sqrt_toeplitz_coefficients)
 from fxdp.optim.correlated.cycle import FollowsCycle
@@ -104,8 +104,10 @@ class BandedMatrixFactorization(FollowsCycle, NoiseMechanism):
           ``ceil(steps / min_separation)`` participations (make_private's fixed-epoch loader: ``min_separation =
           len(loader)``, ``steps = epochs * len(loader)``). Where ``bands > min_separation`` the strategy minimises
           the error under the overlapping participations, among non-negative, non-increasing coefficients (the
-          strategies whose sensitivity is known then); where ``bands <= min_separation`` it is the
-          single-participation optimum (up to the last participation's cut columns).
+          strategies whose sensitivity is known then), and where that optimum is the ``min_separation``-band one
+          (zeros after it: with ``ceil(steps / min_separation)`` participations it was, in every case tried) the
+          mechanism keeps only those bands (``bands`` is then ``min_separation``: less state). Where ``bands <=
+          min_separation`` it is the single-participation optimum (up to the last participation's cut columns).
         - ``amplified=True``: accounted with amplification by cyclic Poisson sampling (no plan, as
           ``BandedMatrixFactorization(bands)``); the accountant's epsilon depends on the strategy only through its
           largest column norm, so the strategy is the single-participation optimum for ``steps`` steps, whatever the
@@ -122,6 +124,7 @@ class BandedMatrixFactorization(FollowsCycle, NoiseMechanism):
             return cls(coefficients=optimize_banded_toeplitz(bands, steps, iterations=iterations))
         check_pattern(steps, min_separation)
         coefficients = optimize_banded_toeplitz(bands, steps, min_separation=min_separation, iterations=iterations)
+        coefficients = coefficients[:effective_bands(coefficients)]  # zeros after the b-band optimum: no state
         return cls(coefficients=coefficients, steps=steps, min_separation=min_separation)
 
     @property
