@@ -51,7 +51,8 @@ class BandedMatrixFactorization(FollowsCycle, NoiseMechanism):
         bands: b, the number of bands (steps over which the noise is correlated); the strategy is then
             :func:`sqrt_toeplitz_coefficients`.
         coefficients: ``c_0 .. c_(b-1)`` of a banded Toeplitz ``C`` instead (``c_0 > 0``), e.g. from
-            :func:`optimize_banded_toeplitz`; scaled here to unit column norm.
+            :func:`optimize_banded_toeplitz`; scaled here to unit column norm. :meth:`optimized` builds the
+            mechanism with the strategy optimised for its steps and participation pattern.
 
         steps: n, to account *without amplification* (min-separation participation, as for BLT): the noise is
             planned for ``n`` steps (a step past them is refused) and :attr:`sensitivity` is ``C``'s under a
