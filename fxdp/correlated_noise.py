@@ -12,7 +12,8 @@ For banded MF noise (:mod:`fxdp.optim.correlated.banded`) with amplification:
 - ``make_private_with_epsilon`` calibrates sigma for that accountant's composition.
 
 For BLT noise (:mod:`fxdp.optim.correlated.blt`), banded MF planned for a number of steps
-(``BandedMatrixFactorization(bands, steps=n, min_separation=b)``) and tree aggregation
+(``BandedMatrixFactorization(bands, steps=n, min_separation=b)``; ``BandedMatrixFactorization.optimized(bands,
+steps=n, min_separation=b)`` with its strategy optimised for that pattern) and tree aggregation
 (:mod:`fxdp.optim.correlated.tree`), all without amplification (min-separation participation):
 
 - the loader becomes a cyclic loader of ``partitions = len(loader)`` and sample rate 1 (fixed-epoch participation:

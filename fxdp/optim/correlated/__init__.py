@@ -7,9 +7,10 @@ before) or a :class:`NoiseMechanism`; :class:`BandedMatrixFactorization` adds no
 (docs/correlated_noise.md).
 """
 
-from fxdp.optim.correlated.banded import (BandedMatrixFactorization, banded_toeplitz_matrix, expected_prefix_sum_error,
-                                          max_column_norm, min_separation_sensitivity_of_banded,
-                                          optimize_banded_toeplitz, sqrt_toeplitz_coefficients)
+from fxdp.optim.correlated.banded import BandedMatrixFactorization, min_separation_sensitivity_of_banded
+from fxdp.optim.correlated.banded_strategy import (banded_toeplitz_matrix, expected_prefix_sum_error, max_column_norm,
+                                                   optimize_banded_toeplitz, optimize_banded_toeplitz_cache_info,
+                                                   pattern_sensitivity, sqrt_toeplitz_coefficients)
 from fxdp.optim.correlated.blt import (BufferedLinearToeplitz, blt_prefix_sum_error, blt_toeplitz_coefficients,
                                        min_separation_sensitivity, optimize_blt)
 from fxdp.optim.correlated.mechanism import GAUSSIAN, NoiseMechanism, noise_mechanism_from
@@ -21,4 +22,4 @@ __all__ = ["BandedMatrixFactorization", "BufferedLinearToeplitz", "blt_prefix_su
            "GAUSSIAN", "NoiseMechanism", "banded_toeplitz_matrix",
            "expected_prefix_sum_error", "max_column_norm", "noise_mechanism_from", "optimize_banded_toeplitz",
            "sqrt_toeplitz_coefficients", "TreeAggregation", "tree_matrices", "tree_sensitivity",
-           "min_separation_sensitivity_of_banded"]
+           "min_separation_sensitivity_of_banded", "optimize_banded_toeplitz_cache_info", "pattern_sensitivity"]

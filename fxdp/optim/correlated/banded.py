@@ -19,10 +19,11 @@ participation), ``sqrt(c_0^2 + ... + c_(b-1)^2)``, is 1; ``noise_multiplier`` th
 DP-SGD, and the accountant (:class:`fxdp.accounting.CyclicPoissonBandedMFAccountant`) composes Gaussian
 mechanisms of that multiplier.
 
-Strategies here: :func:`sqrt_toeplitz_coefficients` (the first ``bands`` coefficients of ``(1 - x)^(-1/2)``,
-whose full Toeplitz matrix squares to ``A``: banded square root, a good strategy without optimisation) and
-:func:`optimize_banded_toeplitz` (coefficients minimising the expected total squared error of the ``n`` prefix
-sums per unit of sensitivity, :func:`expected_prefix_sum_error`).
+Strategies (:mod:`.banded_strategy`): :func:`sqrt_toeplitz_coefficients` (the first ``bands`` coefficients of
+``(1 - x)^(-1/2)``, whose full Toeplitz matrix squares to ``A``: banded square root, a good strategy without
+optimisation) and :func:`optimize_banded_toeplitz` (coefficients minimising the expected total squared error of the
+``n`` prefix sums per unit of sensitivity under a participation pattern, :func:`expected_prefix_sum_error`);
+:meth:`BandedMatrixFactorization.optimized` builds the mechanism with the strategy for its accounting's pattern.
 """
 
 from __future__ import annotations
@@ -32,69 +33,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from fxdp.optim.correlated.banded_strategy import (_check_bands, _normalised, _product,  # noqa: F401 (re-exported)
+                                                   _series_inverse, banded_toeplitz_matrix, check_pattern,
+                                                   effective_bands, expected_prefix_sum_error, max_column_norm,
+                                                   optimize_banded_toeplitz, pattern_sensitivity,
+                                                   sqrt_toeplitz_coefficients)
 from fxdp.optim.correlated.cycle import FollowsCycle
 from fxdp.optim.correlated.mechanism import NoiseMechanism
 from fxdp.optim.correlated.processes import check_noise_state, unit_draws
 from fxdp.sinks.contract import PrivacySettingError, StepRefusedError
-
-
-def sqrt_toeplitz_coefficients(bands: int) -> List[float]:
-    """``c_k = binom(2k, k) / 4^k`` for ``k < bands`` (the series of ``(1 - x)^(-1/2)``), scaled to unit norm."""
-    _check_bands(bands)
-    coefficients = [1.0]
-    for k in range(1, bands):  # binom(2k, k) / 4^k = previous * (2k - 1) / (2k)
-        coefficients.append(coefficients[-1] * (2 * k - 1) / (2 * k))
-    return _normalised(coefficients)
-
-
-def banded_toeplitz_matrix(coefficients: Sequence[float], n: int) -> torch.Tensor:
-    """The ``n x n`` lower-triangular Toeplitz matrix ``C[t, s] = c_(t-s)`` (0 beyond the bands), float64."""
-    matrix = torch.zeros(n, n, dtype=torch.float64)
-    for k, c in enumerate(coefficients[:n]):
-        matrix += torch.diag(torch.full((n - k,), float(c), dtype=torch.float64), -k)
-    return matrix
-
-
-def max_column_norm(coefficients: Sequence[float], n: int) -> float:
-    """C's largest column norm for ``n`` steps, in closed form: column ``s`` holds ``c_0 .. c_(min(b, n-s)-1)``, so
-    the first column is the largest, ``sqrt(sum of c_k^2 over k < min(bands, n))``."""
-    return math.sqrt(sum(float(c) ** 2 for c in list(coefficients)[:max(1, n)]))
-
-
-def expected_prefix_sum_error(coefficients: Sequence[float], n: int) -> float:
-    """``||A C^-1||_F^2 * sens(C)^2``: the expected total squared error of the ``n`` prefix sums of the noise,
-    ``sum_t E||sum_(s<=t) w_s||^2`` per coordinate, at noise multiplier 1 and sensitivity normalised to 1 (the
-    objective of Choquette-Choo et al. 2023, per unit of sigma^2 C^2). DP-SGD's (C = I) is ``n (n + 1) / 2``."""
-    c = torch.tensor([float(x) for x in coefficients], dtype=torch.float64)
-    return float(_prefix_error(c, n))
-
-
-def optimize_banded_toeplitz(bands: int, n: int, *, iterations: int = 200) -> List[float]:
-    """Banded Toeplitz coefficients minimising :func:`expected_prefix_sum_error` for ``n`` steps (L-BFGS in
-    float64 from :func:`sqrt_toeplitz_coefficients`, ``c_0`` held at 1: the objective does not depend on the
-    scale), normalised to unit column norm. A local optimum: never worse than the start, which is returned if
-    the optimiser does not improve on it."""
-    _check_bands(bands)
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"fxdp: n (the number of steps) must be a positive int, got {n!r}")
-    start = torch.tensor(sqrt_toeplitz_coefficients(bands), dtype=torch.float64)
-    start = start / start[0]
-    if bands == 1:
-        return [1.0]
-    tail = start[1:].clone().requires_grad_(True)
-    optimizer = torch.optim.LBFGS([tail], lr=1.0, max_iter=iterations, line_search_fn="strong_wolfe",
-                                  tolerance_grad=1e-12, tolerance_change=1e-15)
-
-    def objective() -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = torch.log(_prefix_error(torch.cat([start[:1], tail]), n))
-        loss.backward()
-        return loss
-
-    optimizer.step(objective)
-    found = torch.cat([start[:1], tail.detach()])
-    best = found if bool(torch.isfinite(found).all()) and _prefix_error(found, n) < _prefix_error(start, n) else start
-    return _normalised(best.tolist())
 
 
 class BandedMatrixFactorization(FollowsCycle, NoiseMechanism):
@@ -104,7 +51,8 @@ class BandedMatrixFactorization(FollowsCycle, NoiseMechanism):
         bands: b, the number of bands (steps over which the noise is correlated); the strategy is then
             :func:`sqrt_toeplitz_coefficients`.
         coefficients: ``c_0 .. c_(b-1)`` of a banded Toeplitz ``C`` instead (``c_0 > 0``), e.g. from
-            :func:`optimize_banded_toeplitz`; scaled here to unit column norm.
+            :func:`optimize_banded_toeplitz`; scaled here to unit column norm. :meth:`optimized` builds the
+            mechanism with the strategy optimised for its steps and participation pattern.
 
         steps: n, to account *without amplification* (min-separation participation, as for BLT): the noise is
             planned for ``n`` steps (a step past them is refused) and :attr:`sensitivity` is ``C``'s under a
@@ -145,6 +93,40 @@ class BandedMatrixFactorization(FollowsCycle, NoiseMechanism):
         self.steps = 0  # noise draws made
         self._history: List[List[torch.Tensor]] = []  # [w_(t-1), w_(t-2), ...], each one tensor per parameter
         self._init_cycle()
+
+    @classmethod
+    def optimized(cls, bands: int, *, steps: int, min_separation: Optional[int] = None, amplified: bool = False,
+                  iterations: int = 200) -> "BandedMatrixFactorization":
+        """Banded MF whose strategy is optimised (:func:`optimize_banded_toeplitz`) for ``steps`` steps and the
+        participation pattern it is accounted under:
+
+        - ``amplified=False`` (default): accounted without amplification, planned for ``steps`` steps with a
+          sample's steps ``min_separation`` (default ``steps``: one participation) or more apart, so
+          ``ceil(steps / min_separation)`` participations (make_private's fixed-epoch loader: ``min_separation =
+          len(loader)``, ``steps = epochs * len(loader)``). Where ``bands > min_separation`` the strategy minimises
+          the error under the overlapping participations, among non-negative, non-increasing coefficients (the
+          strategies whose sensitivity is known then), and where that optimum is the ``min_separation``-band one
+          (zeros after it: with ``ceil(steps / min_separation)`` participations it was, in every case tried) the
+          mechanism keeps only those bands (``bands`` is then ``min_separation``: less state). Where ``bands <=
+          min_separation`` it is the single-participation optimum (up to the last participation's cut columns).
+        - ``amplified=True``: accounted with amplification by cyclic Poisson sampling (no plan, as
+          ``BandedMatrixFactorization(bands)``); the accountant's epsilon depends on the strategy only through its
+          largest column norm, so the strategy is the single-participation optimum for ``steps`` steps, whatever the
+          participations. ``min_separation`` is then the cyclic loader's ``partitions`` (at least ``bands``,
+          checked when the loader is followed) and is not given here.
+
+        (module docstring of :mod:`fxdp.optim.correlated.banded_strategy`: the derivation.)"""
+        if amplified:
+            if min_separation is not None:
+                raise PrivacySettingError(
+                    "fxdp: BandedMatrixFactorization.optimized(amplified=True) is accounted by cyclic Poisson "
+                    "sampling, whose partitions (at least bands) separate a sample's steps; min_separation= is for "
+                    "the accounting without amplification (amplified=False)")
+            return cls(coefficients=optimize_banded_toeplitz(bands, steps, iterations=iterations))
+        check_pattern(steps, min_separation)
+        coefficients = optimize_banded_toeplitz(bands, steps, min_separation=min_separation, iterations=iterations)
+        coefficients = coefficients[:effective_bands(coefficients)]  # zeros after the b-band optimum: no state
+        return cls(coefficients=coefficients, steps=steps, min_separation=min_separation)
 
     @property
     def amplified(self) -> bool:
@@ -232,20 +214,17 @@ class BandedMatrixFactorization(FollowsCycle, NoiseMechanism):
         return f"BandedMatrixFactorization(bands={self.bands}, coefficients={list(self.coefficients)}{plan})"
 
 
-def min_separation_sensitivity_of_banded(coefficients: Sequence[float], n: int, min_separation: int) -> float:
+def min_separation_sensitivity_of_banded(coefficients: Sequence[float], n: int, min_separation: int,
+                                        max_participations: Optional[int] = None) -> float:
     """The banded Toeplitz ``C``'s sensitivity over ``n`` steps when a sample's steps are ``min_separation`` (b) or
-    more apart, without amplification: ``||c + S^b c + ... + S^((k-1) b) c||`` over the first ``n`` rows, the sum of
-    the columns of the earliest, densest pattern ``0, b, .., (k-1) b`` (``k = ceil(n / b)``). It is the largest
-    over all such patterns when ``b >= bands`` (the columns' supports are then disjoint: the squared norm of a sum
-    is the sum of the columns' squared norms, each at most its earlier ones'), or when the coefficients are
-    non-negative and non-increasing (McMahan et al. 2024, "Hassle-free", Theorem 2; as for BLT).
-    :func:`check_min_separation_plan` refuses other cases."""
-    c = torch.tensor([float(x) for x in coefficients][:n], dtype=torch.float64)
-    c = torch.cat([c, c.new_zeros(n - len(c))])
-    comb = torch.zeros(n, dtype=torch.float64)
-    comb[::min_separation] = 1.0  # the earliest, densest pattern: steps 0, b, 2b, ...
-    column_sum = c if min_separation >= n else _product(c, comb, n)
-    return float(torch.sqrt((column_sum * column_sum).sum()))
+    more apart, at most ``max_participations`` (k, default ``ceil(n / b)``) of them, without amplification: ``||c +
+    S^b c + ... + S^((k-1) b) c||`` over the first ``n`` rows, the sum of the columns of the earliest, densest
+    pattern ``0, b, .., (k-1) b``. It is the largest over all such patterns when ``b >= bands`` (the columns'
+    supports are then disjoint: the squared norm of a sum is the sum of the columns' squared norms, each at most its
+    earlier ones'), or when the coefficients are non-negative and non-increasing (McMahan et al. 2024, "Hassle-free",
+    Theorem 2; as for BLT); other cases are refused (:func:`~fxdp.optim.correlated.banded_strategy.
+    pattern_sensitivity`, whose module docstring has the derivation)."""
+    return pattern_sensitivity(coefficients, n, min_separation, max_participations)
 
 
 def check_min_separation_plan(coefficients: Sequence[float], steps: Any,
@@ -261,48 +240,5 @@ def check_min_separation_plan(coefficients: Sequence[float], steps: Any,
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise PrivacySettingError(f"fxdp: {name} must be an int >= 1, got {value!r}")
     separation = min_separation or steps
-    monotone = all(c >= 0 for c in coefficients) and all(a >= b for a, b in zip(coefficients, coefficients[1:]))
-    if separation < len(coefficients) and separation < steps and not monotone:
-        raise PrivacySettingError(
-            f"fxdp: banded MF with {len(coefficients)} bands and min_separation={separation}: a sample's bands of C "
-            "overlap, and fxdp's sensitivity holds then only for non-negative, non-increasing coefficients; got "
-            f"{list(coefficients)}. Use min_separation >= bands, or such coefficients (sqrt_toeplitz_coefficients)")
+    pattern_sensitivity(coefficients, steps, separation)  # refuses overlapping bands it does not cover
     return steps, separation
-
-
-def _check_bands(bands: Any) -> None:
-    if isinstance(bands, bool) or not isinstance(bands, int) or bands < 1:
-        raise PrivacySettingError(f"fxdp: bands must be an int >= 1, got {bands!r}")
-
-
-def _normalised(coefficients: Sequence[float]) -> List[float]:
-    norm = math.sqrt(sum(c * c for c in coefficients))
-    return [c / norm for c in coefficients]
-
-
-def _series_inverse(c: torch.Tensor, n: int) -> torch.Tensor:
-    """The first ``n`` coefficients of ``1 / c(x)`` (C^-1's Toeplitz coefficients), by Newton's iteration
-    ``g <- g (2 - c g)`` on power series, each product an FFT convolution (differentiable)."""
-    g = (1.0 / c[:1])
-    m = 1
-    while m < n:
-        m = min(2 * m, n)
-        cg = _product(c[:m], g, m)
-        two_minus = -cg
-        two_minus = torch.cat([two_minus[:1] + 2.0, two_minus[1:]])
-        g = _product(g, two_minus, m)
-    return g
-
-
-def _product(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
-    size = 1 << (len(a) + len(b) - 1).bit_length()
-    full = torch.fft.irfft(torch.fft.rfft(a, size) * torch.fft.rfft(b, size), size)
-    return full[:n] if full.numel() >= n else torch.cat([full, full.new_zeros(n - full.numel())])
-
-
-def _prefix_error(c: torch.Tensor, n: int) -> torch.Tensor:
-    """``||A C^-1||_F^2 * sens^2``: A C^-1 is Toeplitz with coefficients the prefix sums ``e_k`` of C^-1's, so its
-    squared Frobenius norm is ``sum_k (n - k) e_k^2``."""
-    e = torch.cumsum(_series_inverse(c, n), 0)
-    weights = torch.arange(n, 0, -1, dtype=c.dtype)
-    return (weights * e * e).sum() * (c[:n] ** 2).sum()

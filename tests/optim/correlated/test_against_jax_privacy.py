@@ -119,3 +119,51 @@ def test_tree_min_separation_bound_is_jax_privacys_and_covers_its_fixed_epoch_se
     ours = tree_sensitivity(n, min_sep)
     assert ours >= lower * (1 - 1e-9)
     assert ours == pytest.approx(float(sensitivity.get_min_sep_sensitivity_upper_bound(C, min_sep)), rel=1e-6)
+
+
+# -- banded MF strategies under k participations b apart (fxdp.optim.correlated.banded_strategy) ------------------
+
+
+def their_pattern_loss(coefficients, n, b, k):
+    """jax_privacy's expected total squared error under (k, b) participation: the mean over the n prefix sums of
+    their squared error (``toeplitz.per_query_error``) times n, times ``toeplitz.minsep_sensitivity_squared``
+    (which checks the coefficients are non-negative and non-increasing, where it holds for overlapping bands; for
+    bands <= b, the columns' supports are disjoint and its sum of the columns 0, b, .. holds for any signs, as its
+    ``sensitivity.get_sensitivity_banded`` of the explicit matrix says: the check is skipped there)."""
+    coef = jnp.asarray(coefficients, dtype=jnp.float64)
+    error = jnp.mean(toeplitz.per_query_error(strategy_coef=coef, n=n)) * n
+    disjoint = len(coefficients) <= b
+    return float(error * toeplitz.minsep_sensitivity_squared(coef, b, k, n=n, skip_checks=disjoint))
+
+
+@pytest.mark.parametrize("n, b, k", [(100, 4, None), (100, 4, 7), (1000, 64, 5), (250, 7, None), (64, 2, 3),
+                                     (300, 30, 2), (90, 30, None)])
+def test_sensitivity_and_error_under_k_participations_equal_jax_privacys(n, b, k):
+    from fxdp.optim.correlated import pattern_sensitivity
+    sensitivity = pytest.importorskip("jax_privacy.matrix_factorization.sensitivity")
+    for coefficients in (sqrt_toeplitz_coefficients(4), sqrt_toeplitz_coefficients(16)):  # overlapping or not
+        coef = jnp.asarray(coefficients, dtype=jnp.float64)
+        theirs = float(toeplitz.minsep_sensitivity_squared(coef, b, k, n=n))
+        assert pattern_sensitivity(coefficients, n, b, k) ** 2 == pytest.approx(theirs, rel=1e-6)
+        assert expected_prefix_sum_error(coefficients, n, min_separation=b, max_participations=k) == pytest.approx(
+            their_pattern_loss(coefficients, n, b, k), rel=1e-6)
+    # any signs where the bands do not overlap: their exact sensitivity of the explicit (min_sep-banded) matrix
+    skewed = [c * (1 + 0.3 * (-1) ** j) for j, c in enumerate(sqrt_toeplitz_coefficients(4))]
+    if b >= len(skewed):
+        C = jnp.asarray(banded_toeplitz_matrix(skewed, n).numpy())
+        assert pattern_sensitivity(skewed, n, b, k) == pytest.approx(
+            float(sensitivity.get_sensitivity_banded(C, b, k)), rel=1e-6)
+
+
+@pytest.mark.parametrize("bands, n, b, k", [(4, 256, 64, None), (16, 1000, 100, 3), (16, 100, 30, None),
+                                            (16, 1000, 8, None), (32, 1000, 10, None), (16, 1000, 8, 5)])
+def test_the_strategy_optimised_for_a_pattern_is_within_one_percent_of_jax_privacys(bands, n, b, k):
+    """jax_privacy optimises banded Toeplitz strategies for one participation (``toeplitz.optimize_banded_toeplitz``),
+    to be used under several (post hoc, its docstring says) or with bands <= min_sep (its recommendation): the
+    reference is the better of the two under the pattern, by jax_privacy's own loss."""
+    ours = optimize_banded_toeplitz(bands, n, min_separation=b, max_participations=k)
+    candidates = [toeplitz.optimize_banded_toeplitz(n, bands)]
+    if b < bands:
+        candidates.append(jnp.concatenate([toeplitz.optimize_banded_toeplitz(n, b), jnp.zeros(bands - b)]))
+    reference = min(their_pattern_loss(c, n, b, k) for c in candidates)
+    assert their_pattern_loss(ours, n, b, k) <= 1.01 * reference
