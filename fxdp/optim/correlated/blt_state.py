@@ -26,7 +26,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from fxdp.optim.noise import add_gaussian_noise_all_
+from fxdp.optim.noise import gaussian_noise_into_
 from fxdp.sinks.contract import StepRefusedError
 
 
@@ -34,13 +34,14 @@ class _Block:
     """The buffers of the parameters of one dtype and device: ``state`` (d, values), parameter ``k``'s columns
     ``offsets[k] .. offsets[k] + sizes[k]``."""
 
-    __slots__ = ("indices", "shapes", "sizes", "offsets", "state", "theta", "omega")
+    __slots__ = ("indices", "shapes", "strides", "sizes", "offsets", "state", "theta", "omega")
 
     def __init__(self, indices: List[int], outs: Sequence[torch.Tensor], theta: Sequence[float],
                  omega: Sequence[float]):
         first = outs[indices[0]]
         self.indices = indices
-        self.shapes = [outs[k].shape for k in indices]
+        self.shapes = [tuple(outs[k].shape) for k in indices]
+        self.strides = [torch.empty(shape, device="meta").stride() for shape in self.shapes]  # (contiguous)
         self.sizes = [outs[k].numel() for k in indices]
         self.offsets = [sum(self.sizes[:j]) for j in range(len(indices))]
         self.state = torch.zeros((len(theta), sum(self.sizes)), dtype=first.dtype, device=first.device)
@@ -49,8 +50,12 @@ class _Block:
 
     def views(self, flat: torch.Tensor) -> List[torch.Tensor]:
         """The parameters' views of ``flat``, a tensor of the block's values (or ``(rows, values)``: the last dim)."""
-        lead = flat.shape[:-1]
-        return [part.view(*lead, *shape) for part, shape in zip(flat.split(self.sizes, dim=-1), self.shapes)]
+        if flat.dim() == 1 and flat.is_contiguous():  # (as_strided: the views of split().view() at less cost)
+            start = flat.storage_offset()
+            return [flat.as_strided(shape, stride, start + offset)
+                    for shape, stride, offset in zip(self.shapes, self.strides, self.offsets)]
+        lead = tuple(flat.shape[:-1])
+        return [part.view(lead + shape) for part, shape in zip(flat.split(self.sizes, dim=-1), self.shapes)]
 
 
 class FlatBuffers:
@@ -82,7 +87,7 @@ class FlatBuffers:
             raise StepRefusedError(f"fxdp: the {self.label} noise was handed draws of shapes "
                                    f"{[tuple(d.shape) for d in draws]} for tensors of shapes "
                                    f"{[tuple(o.shape) for o in outs]}; report this")
-        ws = [torch.zeros(block.state.shape[1], dtype=block.state.dtype, device=block.state.device)
+        ws = [torch.empty(block.state.shape[1], dtype=block.state.dtype, device=block.state.device)
               for block in self._blocks]
         if len(self._blocks) == 1:
             views = self._blocks[0].views(ws[0])
@@ -90,7 +95,7 @@ class FlatBuffers:
             in_blocks = [block.views(w) for block, w in zip(self._blocks, ws)]
             views = [in_blocks[b][j] for b, j in self._order]
         if draws is None:  # z: the values add_gaussian_noise_all_ adds to zero tensors of the outs' shapes
-            add_gaussian_noise_all_(views, 1.0, secure_mode=secure_mode, generator=generator)
+            gaussian_noise_into_(views, 1.0, secure_mode=secure_mode, generator=generator)
         else:
             for view, draw in zip(views, draws):
                 view.copy_(draw)
