@@ -77,16 +77,15 @@ class FlatBuffers:
         """One step of the recurrence: this step's unit draws ``z`` (drawn here as one process draws them, in the
         order of ``outs``, or ``draws``, a sharded optimizer's rows), the buffers advanced, ``alpha * w`` added to
         each of ``outs`` (nothing added when ``alpha`` is 0)."""
-        layout = [(o.shape, o.dtype, o.device) for o in outs]
-        if self._layout is None:
-            self._start(outs, layout)
-        elif layout != self._layout:
-            raise StepRefusedError(f"fxdp: the trainable parameters changed since the {self.label} noise began (its "
-                                   "state holds buffers per parameter); keep them for the whole run")
         if draws is not None and [tuple(d.shape) for d in draws] != [tuple(o.shape) for o in outs]:
             raise StepRefusedError(f"fxdp: the {self.label} noise was handed draws of shapes "
                                    f"{[tuple(d.shape) for d in draws]} for tensors of shapes "
                                    f"{[tuple(o.shape) for o in outs]}; report this")
+        layout = [(o.shape, o.dtype, o.device) for o in outs]
+        if self._layout is None:
+            self._start(outs, layout)
+        elif layout != self._layout:
+            raise self._changed()
         ws = [torch.empty(block.state.shape[1], dtype=block.state.dtype, device=block.state.device)
               for block in self._blocks]
         if len(self._blocks) == 1:
@@ -107,10 +106,9 @@ class FlatBuffers:
 
     def _start(self, outs: List[torch.Tensor], layout: List[Tuple[Any, ...]]) -> None:
         """The blocks for ``outs``: zero buffers, or the loaded checkpoint's (its shapes checked against ``outs``)."""
-        loaded, self._loaded = self._loaded, None
+        loaded = self._loaded
         if loaded is not None and [tuple(u.shape) for u in loaded[0]] != [tuple(o.shape) for o in outs]:
-            raise StepRefusedError(f"fxdp: the trainable parameters changed since the {self.label} noise began (its "
-                                   "state holds buffers per parameter); keep them for the whole run")
+            raise self._changed()  # (the checkpoint's buffers kept: a refused step changes nothing)
         groups: dict = {}
         for k, out in enumerate(outs):
             groups.setdefault((out.dtype, out.device), []).append(k)
@@ -124,7 +122,11 @@ class FlatBuffers:
                 for k, columns in zip(block.indices, block.views(block.state)):  # columns: (d, *shape)
                     for i, buffer in enumerate(loaded):
                         columns[i].copy_(buffer[k])
-        self._layout = layout
+        self._layout, self._loaded = layout, None
+
+    def _changed(self) -> StepRefusedError:
+        return StepRefusedError(f"fxdp: the trainable parameters changed since the {self.label} noise began (its "
+                                "state holds buffers per parameter); keep them for the whole run")
 
     def per_parameter(self) -> List[List[torch.Tensor]]:
         """The buffers as one list per buffer of one tensor per parameter (copies; empty before the first step)."""

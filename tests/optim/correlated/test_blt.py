@@ -179,3 +179,32 @@ def test_the_noise_is_the_per_parameter_recurrence_in_float64_within_rounding():
             if out.dtype == torch.float32:
                 loop_error = float((0.5 + 1.3 * mechanism.scale * w_loop.double() - expected).abs().max())
                 assert float((out.double() - expected).abs().max()) <= max(2 * loop_error, 4 * eps * size)
+
+
+def test_changed_parameters_are_refused_and_a_refused_step_keeps_the_checkpoints_state():
+    """The state is buffers per parameter: tensors of other shapes or dtypes than the first step's are refused, and
+    so are a checkpoint's buffers for other shapes; the refusal changes nothing (the right tensors then continue the
+    checkpoint's noise, bit for bit)."""
+    whole = following(BufferedLinearToeplitz(THETA, OMEGA, steps=6), 6)
+    expected = run(whole, 4, seed=2)
+    first = following(BufferedLinearToeplitz(THETA, OMEGA, steps=6), 6)
+    generator = torch.Generator().manual_seed(2)
+    rows = []
+    for _ in range(2):
+        outs = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+        first.add_noise_(outs, 1.0, generator=generator)
+        rows.append(torch.cat([o.flatten() for o in outs]))
+    for changed in ([torch.zeros(3, 3, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)],
+                    [torch.zeros(s, dtype=torch.float32) for s in SHAPES]):
+        with pytest.raises(StepRefusedError, match="trainable parameters changed since the BLT noise began"):
+            first.add_noise_(changed, 1.0, generator=torch.Generator())
+    resumed = following(BufferedLinearToeplitz(THETA, OMEGA, steps=6), 6)
+    resumed.load_state_dict(first.state_dict())
+    with pytest.raises(StepRefusedError, match="trainable parameters changed since the BLT noise began"):
+        resumed.add_noise_([torch.zeros(4, dtype=torch.float64)], 1.0, generator=torch.Generator())
+    assert resumed.steps == 2 and resumed.memory_bytes() == 3 * 11 * 8
+    for _ in range(2):
+        outs = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+        resumed.add_noise_(outs, 1.0, generator=generator)
+        rows.append(torch.cat([o.flatten() for o in outs]))
+    assert torch.equal(torch.stack(rows), expected)
