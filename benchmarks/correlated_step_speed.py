@@ -8,8 +8,10 @@ model, the book-keeping sink, fxdp's ``DPOptimizer``):
 - ``plain``: plain PyTorch (forward, backward, SGD step), the floor;
 - ``gaussian``: fxdp's DP step with independent noise (``noise_mechanism="gaussian"``, the default);
 - ``blt``: the same step with ``BufferedLinearToeplitz`` noise of ``--buffers`` buffers;
+- ``blt-foreach``: the same BLT noise computed as fxdp did before its state became one flat tensor
+  (:class:`ForeachBLT`: ``torch._foreach_*`` calls per buffer over groups of parameters), to measure what that bought;
 - ``blt-loop``: the same BLT noise computed as before the ``torch._foreach_*`` change, one loop over the parameters
-  of per-tensor operations (the same values; :class:`LoopBLT`), to measure what that change bought;
+  of per-tensor operations (:class:`LoopBLT`);
 - ``banded``: with ``BandedMatrixFactorization(--bands)`` noise;
 - ``tree``: with ``TreeAggregation`` noise (at most ``log2(steps) + 1`` node noises kept).
 
@@ -21,7 +23,8 @@ alone (the fastest of 60 calls), and its extra cost over the independent draw ad
 ("implied vs gaussian"): the ratio the correlated noise costs, less disturbed by the machine.
 
 Usage: python benchmarks/correlated_step_speed.py [--repeats 20] [--cpu-time] [--threads 2]
-       [--models mlp,cnn,resnet,transformer,lstm] [--engines blt,blt-loop,banded,tree] [--buffers 4] [--bands 8]
+       [--models mlp,cnn,resnet,transformer,lstm] [--engines blt,blt-foreach,blt-loop,banded,tree]
+       [--buffers 4] [--bands 8]
 (``--cpu-time``: one intra-op thread, each step timed by that thread's CPU time: steadier on a shared machine.)
 """
 
@@ -47,6 +50,7 @@ from dp_step_speed import BATCH, CLIP, LR, NOISE, plain_step  # noqa: E402
 import fxdp  # noqa: E402
 from fxdp.optim import DPOptimizer  # noqa: E402
 from fxdp.optim.correlated import BandedMatrixFactorization, BufferedLinearToeplitz, TreeAggregation  # noqa: E402
+from fxdp.optim.noise import add_gaussian_noise_all_  # noqa: E402
 from fxdp.sinks.bookkeeping import BookkeepingSink  # noqa: E402
 
 PLANNED = 100_000  # the steps the BLT and tree noise are planned for (more than any run here takes)
@@ -57,29 +61,59 @@ OMEGA = [0.05, 0.1, 0.1, 0.1, 0.1, 0.05, 0.05, 0.05]
 
 class LoopBLT(BufferedLinearToeplitz):
     """BLT noise computed with a Python loop over the parameters, per-tensor operations (fxdp's code before it used
-    ``torch._foreach_*``; the same values, tests/optim/correlated/test_blt.py checks them bit for bit)."""
+    ``torch._foreach_*``): the same recurrence, its state one list of tensors per buffer."""
 
     def add_noise_(self, outs, std, *, secure_mode=False, generator=None):
-        from fxdp.optim.noise import add_gaussian_noise_all_
-
         self.check_step()
         draws = [torch.zeros_like(out) for out in outs]
         add_gaussian_noise_all_(draws, 1.0, secure_mode=secure_mode, generator=generator)
-        if not self._buffers:
-            self._buffers = [[torch.zeros_like(out) for out in outs] for _ in self.theta]
+        if not getattr(self, "_lists", None):
+            self._lists = [[torch.zeros_like(out) for out in outs] for _ in self.theta]
         for k, (out, w) in enumerate(zip(outs, draws)):
-            for omega, buffer in zip(self.omega, self._buffers):
+            for omega, buffer in zip(self.omega, self._lists):
                 w.sub_(buffer[k], alpha=omega)
-            for theta, buffer in zip(self.theta, self._buffers):
+            for theta, buffer in zip(self.theta, self._lists):
                 buffer[k].mul_(theta).add_(w)
             out.add_(w, alpha=std * self.scale)
         self.steps += 1
 
 
+class ForeachBLT(LoopBLT):
+    """BLT noise as fxdp computed it before its state became one flat tensor (fxdp.optim.correlated.blt_state):
+    ``torch._foreach_*`` calls per buffer and operation on groups of consecutive parameters of at most 2^15 values
+    (a larger one alone), ``3 d + 1`` passes over the state."""
+
+    def add_noise_(self, outs, std, *, secure_mode=False, generator=None):
+        self.check_step()
+        draws = [torch.zeros_like(out) for out in outs]
+        add_gaussian_noise_all_(draws, 1.0, secure_mode=secure_mode, generator=generator)
+        if not getattr(self, "_lists", None):
+            self._lists = [[torch.zeros_like(out) for out in outs] for _ in self.theta]
+        groups, held = [], 1 << 15
+        for k, out in enumerate(outs):
+            if held + out.numel() > 1 << 15:
+                groups.append([])
+                held = 0
+            groups[-1].append(k)
+            held += out.numel()
+        for group in groups:
+            w = [draws[k] for k in group]
+            buffers = [[buffer[k] for k in group] for buffer in self._lists]
+            for omega, buffer in zip(self.omega, buffers):
+                torch._foreach_sub_(w, buffer, alpha=omega)
+            for theta, buffer in zip(self.theta, buffers):
+                torch._foreach_mul_(buffer, theta)
+                torch._foreach_add_(buffer, w)
+            torch._foreach_add_([outs[k] for k in group], w, alpha=std * self.scale)
+        self.steps += 1
+
+
+BLTS = {"blt": BufferedLinearToeplitz, "blt-foreach": ForeachBLT, "blt-loop": LoopBLT}
+
+
 def mechanism(name: str, buffers: int, bands: int):
-    if name in ("blt", "blt-loop"):
-        return (BufferedLinearToeplitz if name == "blt" else LoopBLT)(THETA[:buffers], OMEGA[:buffers],
-                                                                       steps=PLANNED)
+    if name in BLTS:
+        return BLTS[name](THETA[:buffers], OMEGA[:buffers], steps=PLANNED)
     if name == "banded":
         return BandedMatrixFactorization(bands)
     if name == "tree":
@@ -117,8 +151,7 @@ def measure(name: str, repeats: int, engines, buffers: int, bands: int, clock) -
     ms = models.median_ms(steps, repeats, clock=clock)
     noise = noise_ms(model, engines, buffers, bands, clock)
     parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    labels = {"blt": f"blt ({buffers} buffers)", "blt-loop": f"blt-loop ({buffers} buffers)",
-              "banded": f"banded ({bands} bands)"}
+    labels = {**{e: f"{e} ({buffers} buffers)" for e in BLTS}, "banded": f"banded ({bands} bands)"}
     rows = []
     for e in makers:
         extra = "" if e == "plain" else f"{noise[e] - noise['gaussian']:.3f}"
@@ -132,8 +165,6 @@ def noise_ms(model, engines, buffers: int, bands: int, clock, repeats: int = 60)
     """The noise of one step alone, on zero tensors shaped as the model's parameters: the fastest of ``repeats``
     calls, engines taking turns (the minimum: what the work costs when the shared machine lets it run; the step
     medians above carry the machine's noise). ``gaussian``: fxdp's independent draw (add_gaussian_noise_all_)."""
-    from fxdp.optim.noise import add_gaussian_noise_all_
-
     grads = [torch.zeros_like(p) for p in model.parameters() if p.requires_grad]
     calls = {"gaussian": lambda: add_gaussian_noise_all_(grads, NOISE * CLIP)}
     for e in engines:
@@ -158,7 +189,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cpu-time", action="store_true")
     parser.add_argument("--models", default="mlp,cnn,resnet,transformer,lstm")
-    parser.add_argument("--engines", default="blt,blt-loop,banded,tree")
+    parser.add_argument("--engines", default="blt,blt-foreach,blt-loop,banded,tree")
     parser.add_argument("--buffers", type=int, default=4)
     parser.add_argument("--bands", type=int, default=8)
     parser.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)

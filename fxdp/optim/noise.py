@@ -161,6 +161,35 @@ def add_gaussian_noise_all_(
         fused_add_gaussian_noise_(fused, std, generator=generator)
 
 
+def gaussian_noise_into_(
+    outs: Sequence[torch.Tensor],
+    std: float,
+    *,
+    secure_mode: bool = False,
+    generator: Optional[torch.Generator] = None,
+) -> None:
+    """``out = N(0, std^2)`` in place for each of ``outs``: the very values :func:`add_gaussian_noise_all_` adds
+    to zero tensors (the generator moved as far), written without zeroing and adding (correlated noise draws its
+    unit noise so). Contiguous float32 or float64 CPU tensors drawn on the CPU are written directly; any other
+    case is zeroed and handed to :func:`add_gaussian_noise_all_`."""
+    direct = (not secure_mode and not _FUSED_ON_CPU and (generator is None or generator.device.type == "cpu")
+              and all(out.device.type == "cpu" and out.dtype in (torch.float32, torch.float64)
+                      and out.is_contiguous() for out in outs))
+    if not direct:
+        for out in outs:
+            out.zero_()
+        add_gaussian_noise_all_(outs, std, secure_mode=secure_mode, generator=generator)
+        return
+    blocks: List[tuple] = []
+    template = _twister_template()
+    for out in outs:
+        if out.numel() <= NOISE_CHUNK or template is None:  # torch.normal's values (one stream, see below)
+            out.normal_(0.0, std, generator=generator)
+        else:
+            blocks += _blocks(out.view(-1), generator)  # the key drawn now, in order, as add_gaussian_noise_all_
+    _draw_blocks(blocks, std, add=False)
+
+
 # --- Device draws: one flat draw, one fused addition ----------------------------------------------------------
 #
 # On a GPU, one torch.normal and one add_ per parameter are two kernel launches per parameter, and the launches,

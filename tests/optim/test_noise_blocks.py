@@ -150,3 +150,24 @@ def test_where_the_generator_state_is_not_understood_the_draw_is_one_stream(monk
     got = add_gaussian_noise_(torch.zeros(n), 0.5, generator=torch.Generator().manual_seed(9))
     assert torch.equal(got, want)
     assert torch.equal(gaussian_noise(torch.zeros(n), 0.5, generator=torch.Generator().manual_seed(9)), want)
+
+
+@pytest.mark.parametrize("understood", [True, False])
+def test_noise_written_into_tensors_is_what_would_be_added_to_zeros(monkeypatch, understood, two_threads):
+    """gaussian_noise_into_ (correlated noise's unit draws) writes the values add_gaussian_noise_all_ adds to zero
+    tensors, and moves the generator as far: small and large tensors, float32 and float64, a non-contiguous one
+    (zeroed and added), whatever the tensors held before; also where the generator state is not understood."""
+    if not understood:
+        monkeypatch.setattr(noise, "_TEMPLATE", None)
+    shapes = [(10,), (3 * NOISE_BLOCK + 100,), (NOISE_CHUNK,), (NOISE_CHUNK + 16,), (7, 3), (LARGE,)]
+    dtypes = [torch.float32, torch.float64, torch.float32, torch.float64, torch.float32, torch.float32]
+    for transposed in (False, True):
+        zeros = [torch.zeros(s, dtype=d) for s, d in zip(shapes, dtypes)]
+        filled = [torch.full(s, 3.0, dtype=d) for s, d in zip(shapes, dtypes)]
+        if transposed:  # one non-contiguous tensor: all of them take the zero-and-add route
+            filled[4] = torch.full((3, 7), 3.0).t()
+        added, written = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+        add_gaussian_noise_all_(zeros, 0.5, generator=added)
+        noise.gaussian_noise_into_(filled, 0.5, generator=written)
+        assert all(torch.equal(a, b) for a, b in zip(zeros, filled))
+        assert torch.equal(torch.randn(4, generator=added), torch.randn(4, generator=written))

@@ -41,8 +41,9 @@ import torch
 from fxdp.optim.correlated.banded import _product, _series_inverse
 from fxdp.optim.correlated.cycle import FollowsCycle, check_plan
 from fxdp.optim.correlated.mechanism import NoiseMechanism
-from fxdp.optim.correlated.processes import check_noise_state, unit_draws
-from fxdp.sinks.contract import PrivacySettingError, StepRefusedError
+from fxdp.optim.correlated.blt_state import FlatBuffers
+from fxdp.optim.correlated.processes import check_noise_state
+from fxdp.sinks.contract import PrivacySettingError
 
 ERRORS = ("total", "max")
 
@@ -183,7 +184,7 @@ class BufferedLinearToeplitz(FollowsCycle, NoiseMechanism):
         self.planned_steps, self.min_separation = steps, min_separation or steps
         self.scale = float(min_separation_sensitivity(self.coefficients(steps), steps, self.min_separation))
         self.steps = 0  # noise draws made
-        self._buffers: List[List[torch.Tensor]] = []  # one list per buffer, one tensor per parameter
+        self._buffers = FlatBuffers(self.theta, self.omega, self._label)  # d x the parameters, after the first step
         self._init_cycle()
 
     @classmethod
@@ -222,38 +223,19 @@ class BufferedLinearToeplitz(FollowsCycle, NoiseMechanism):
     def add_noise_(self, outs: List[torch.Tensor], std: float, *, secure_mode: bool = False,
                    generator: Optional[torch.Generator] = None, draws: Optional[List[torch.Tensor]] = None) -> None:
         self.check_step()
-        if self._buffers and [tuple(u.shape) for u in self._buffers[0]] != [tuple(o.shape) for o in outs]:
-            raise StepRefusedError("fxdp: the trainable parameters changed since the BLT noise began (its state holds "
-                                   "buffers per parameter); keep them for the whole run")
-        draws = unit_draws(outs, draws, secure_mode=secure_mode, generator=generator, label=self._label)  # z_t, w_t
-        if not self._buffers:
-            self._buffers = [[torch.zeros_like(out) for out in outs] for _ in self.theta]
-        # the same elementwise operations, in the same order for each value, as one loop per parameter of
-        # w.sub_(u_i, alpha=omega_i) ...; u_i.mul_(theta_i).add_(w) ...; out.add_(w, alpha=...) (values unchanged,
-        # bit for bit), run on groups of consecutive parameters of at most _GROUP_VALUES values together (one
-        # torch._foreach_* call per operation for a group of small ones; a large one alone): fewer calls than one per
-        # tensor, and a group's tensors stay in cache through its 3 d + 1 passes
-        for group in _groups(outs):
-            w = [draws[k] for k in group]
-            buffers = [[buffer[k] for k in group] for buffer in self._buffers]
-            for omega, buffer in zip(self.omega, buffers):
-                torch._foreach_sub_(w, buffer, alpha=omega)
-            for theta, buffer in zip(self.theta, buffers):
-                torch._foreach_mul_(buffer, theta)
-                torch._foreach_add_(buffer, w)
-            if std != 0:  # C normalised by its sensitivity: its inverse's noise is ``scale`` times C^-1 z
-                torch._foreach_add_([outs[k] for k in group], w, alpha=std * self.scale)
+        # C normalised by its sensitivity: its inverse's noise is ``scale`` times C^-1 z (the recurrence: .blt_state)
+        self._buffers.step_(outs, std * self.scale, draws=draws, secure_mode=secure_mode, generator=generator)
         self.steps += 1
 
     def advance_(self) -> None:
         self.check_step()
-        self._buffers = []  # (a rank that adds no noise keeps none, even one loaded from rank 0's checkpoint)
+        self._buffers.clear()  # (a rank that adds no noise keeps none, even one loaded from rank 0's checkpoint)
         self.steps += 1
 
     def state_dict(self) -> Dict[str, Any]:
         return {"theta": list(self.theta), "omega": list(self.omega), "planned_steps": self.planned_steps,
                 "min_separation": self.min_separation, **self._cycle_state(),
-                "buffers": [[t.clone() for t in buffer] for buffer in self._buffers]}
+                "buffers": self._buffers.per_parameter()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         mine = (list(self.theta), list(self.omega), self.planned_steps, self.min_separation)
@@ -263,33 +245,15 @@ class BufferedLinearToeplitz(FollowsCycle, NoiseMechanism):
                              f"this mechanism's {mine}; build it with the checkpoint's")
         check_noise_state(self._label, state["steps"], len(state["buffers"]), self.buffers if state["steps"] else 0)
         self._load_cycle_state(state)
-        self._buffers = [[t.clone() for t in buffer] for buffer in state["buffers"]]
+        self._buffers.load(state["buffers"])
 
     def memory_bytes(self) -> int:
         """Bytes of the buffers: ``buffers x`` the trainable parameters (in at least float32) after the first step."""
-        return sum(t.numel() * t.element_size() for buffer in self._buffers for t in buffer)
+        return self._buffers.nbytes()
 
     def __repr__(self) -> str:
         return (f"BufferedLinearToeplitz(theta={list(self.theta)}, omega={list(self.omega)}, "
                 f"steps={self.planned_steps}, min_separation={self.min_separation})")
-
-
-_GROUP_VALUES = 1 << 15  # values of the parameters whose BLT recurrence runs together (see add_noise_)
-
-
-def _groups(outs: Sequence[torch.Tensor]) -> List[List[int]]:
-    """Indices of ``outs`` in runs of consecutive tensors of at most :data:`_GROUP_VALUES` values together (a larger
-    tensor alone)."""
-    groups: List[List[int]] = []
-    held = _GROUP_VALUES
-    for k, out in enumerate(outs):
-        if held + out.numel() > _GROUP_VALUES:
-            groups.append([])
-            held = 0
-        groups[-1].append(k)
-        held += out.numel()
-    return groups
-
 
 
 def _as_tensor(x: Any) -> torch.Tensor:
