@@ -133,29 +133,33 @@ def add_gaussian_noise_all_(
     pending: List[torch.Tensor] = []  # small CPU tensors drawn and not yet added, with their noise
     noises: List[torch.Tensor] = []
     held = 0  # values held in noises
-    run: List[tuple] = []  # small CPU tensors of sizes multiple of 16, one draw dtype, not drawn yet: (out, dtype)
+    run: List[tuple] = []  # small CPU tensors of sizes multiple of 16, of run_dtype, not drawn yet: (out, numel)
+    run_dtype = None
+    generator_device = generator.device if generator is not None else None
     for out in outs:
         draw_dtype = torch.promote_types(out.dtype, torch.float32)
-        draw_device = generator.device if generator is not None else out.device
+        draw_device = generator_device if generator_device is not None else out.device
         if not secure_mode and (draw_device.type != "cpu" or _FUSED_ON_CPU):
             fused.append(out)  # (no CPU draw's order depends on it: it draws from another generator)
             continue
-        small = (not secure_mode and out.device.type == "cpu" and out.numel() <= NOISE_CHUNK
+        numel = out.numel()
+        small = (not secure_mode and numel <= NOISE_CHUNK and out.device.type == "cpu"
                  and draw_dtype in (torch.float32, torch.float64))
-        aligned = small and out.numel() > 0 and out.numel() % _ALIGNED == 0
-        if run and not (aligned and draw_dtype == run[0][1]):
+        aligned = small and numel > 0 and numel % _ALIGNED == 0
+        if run and not (aligned and draw_dtype == run_dtype):
             # (drawn before anything else draws from the generator: the order of the draws is kept)
-            held += _draw_run(run, std, generator, pending, noises)
+            held += _draw_run(run, run_dtype, std, generator, pending, noises)
             run = []
         if aligned:  # drawn with the run (the same values: see _ALIGNED)
-            run.append((out, draw_dtype))
+            run.append((out, numel))
+            run_dtype = draw_dtype
         elif small:  # gaussian_noise's draw, with less Python per tensor; the addition deferred (values unchanged)
             noise = torch.normal(0.0, std, size=out.shape, generator=generator, dtype=draw_dtype)
             pending.append(out)
             noises.append(noise if out.dtype == draw_dtype else noise.to(out.dtype))
-            held += out.numel()
+            held += numel
         elif (secure_mode or out.device.type != "cpu" or not out.is_contiguous()
-                or not _large_cpu_draw(out.numel(), draw_device, draw_dtype)):
+                or not _large_cpu_draw(numel, draw_device, draw_dtype)):
             out.add_(gaussian_noise(out, std, secure_mode=secure_mode, generator=generator))
         elif _twister_template() is None:  # one stream (see below), still without a second copy of out
             _add_in_chunks(out.view(-1), std, generator)
@@ -165,7 +169,7 @@ def add_gaussian_noise_all_(
             torch._foreach_add_(pending, noises)
             pending, noises, held = [], [], 0
     if run:
-        _draw_run(run, std, generator, pending, noises)
+        _draw_run(run, run_dtype, std, generator, pending, noises)
     if pending:
         torch._foreach_add_(pending, noises)
     _draw_blocks(blocks, std, add=True)
@@ -185,23 +189,22 @@ _ALIGNED = 16
 _RUN_VALUES = 1 << 16  # a run is drawn in pieces of at most this many values (plus one tensor)
 
 
-def _draw_run(run: List[tuple], std: float, generator, pending: List[torch.Tensor],
+def _draw_run(run: List[tuple], dtype: torch.dtype, std: float, generator, pending: List[torch.Tensor],
               noises: List[torch.Tensor]) -> int:
-    """Draw the noise of ``run`` (``[(out, draw dtype)]``, one draw dtype) in one torch.normal per piece of at most
+    """Draw the noise of ``run`` (``[(out, its numel)]``) in ``dtype``, one torch.normal per piece of at most
     :data:`_RUN_VALUES` values, appending each out and its noise (a view of the draw) to ``pending`` and ``noises``;
     returns the values drawn."""
-    dtype = run[0][1]
     start, total = 0, 0
     while start < len(run):
-        stop, size = start, 0
-        while stop < len(run) and (stop == start or size + run[stop][0].numel() <= _RUN_VALUES):
-            size += run[stop][0].numel()
+        stop, size = start + 1, run[start][1]
+        while stop < len(run) and size + run[stop][1] <= _RUN_VALUES:
+            size += run[stop][1]
             stop += 1
-        part = [out for out, _ in run[start:stop]]
+        part = run[start:stop]
         flat = torch.normal(0.0, std, size=(size,), generator=generator, dtype=dtype)
-        for out, noise in zip(part, flat.split([out.numel() for out in part])):
+        for (out, _), noise in zip(part, flat.split([numel for _, numel in part])):
             pending.append(out)
-            noise = noise.view(out.shape)
+            noise = noise if out.dim() == 1 else noise.view(*out.shape)  # (view(torch.Size) costs twice view(*ints))
             noises.append(noise if out.dtype == dtype else noise.to(out.dtype))
         total += size
         start = stop
