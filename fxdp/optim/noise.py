@@ -201,6 +201,13 @@ def _draw_run(run: List[tuple], dtype: torch.dtype, std: float, generator, pendi
             size += run[stop][1]
             stop += 1
         part = run[start:stop]
+        if len(part) == 1:  # (alone: drawn in its shape, as gaussian_noise draws it)
+            out = part[0][0]
+            noise = torch.normal(0.0, std, size=out.shape, generator=generator, dtype=dtype)
+            pending.append(out)
+            noises.append(noise if out.dtype == dtype else noise.to(out.dtype))
+            total, start = total + size, stop
+            continue
         flat = torch.normal(0.0, std, size=(size,), generator=generator, dtype=dtype)
         for (out, _), noise in zip(part, flat.split([numel for _, numel in part])):
             pending.append(out)
