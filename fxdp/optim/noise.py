@@ -119,8 +119,9 @@ def add_gaussian_noise_all_(
     :data:`NOISE_CHUNK` values gets its noise in blocks (see "Large draws" below), the blocks of all such ``outs``
     drawn together, on torch's number of threads when they hold :data:`_PARALLEL_FROM` values or more, each added a
     chunk at a time from a small buffer (its thread's, kept between calls), so adding noise to a model's gradients
-    needs no second copy of them; the small ones are drawn one after the other and added by one
-    ``torch._foreach_add_`` (a few at a time). The others (secure mode, a GPU tensor with a CPU generator, a
+    needs no second copy of them; the small ones are drawn one after the other (those of sizes multiple of 16 next
+    to each other by one draw, the same values: see :data:`_ALIGNED`) and added by one ``torch._foreach_add_`` (a few
+    at a time). The others (secure mode, a GPU tensor with a CPU generator, a
     non-contiguous tensor) get :func:`gaussian_noise` added, in order.
 
     Drawn on a GPU (a GPU ``generator``, or none and GPU tensors), all of them get their noise from one flat draw
@@ -132,28 +133,43 @@ def add_gaussian_noise_all_(
     pending: List[torch.Tensor] = []  # small CPU tensors drawn and not yet added, with their noise
     noises: List[torch.Tensor] = []
     held = 0  # values held in noises
+    run: List[tuple] = []  # small CPU tensors of sizes multiple of 16, of run_dtype, not drawn yet: (out, numel)
+    run_dtype = None
+    generator_device = generator.device if generator is not None else None
     for out in outs:
         draw_dtype = torch.promote_types(out.dtype, torch.float32)
-        draw_device = generator.device if generator is not None else out.device
+        draw_device = generator_device if generator_device is not None else out.device
         if not secure_mode and (draw_device.type != "cpu" or _FUSED_ON_CPU):
             fused.append(out)  # (no CPU draw's order depends on it: it draws from another generator)
-        elif (not secure_mode and out.device.type == "cpu" and out.numel() <= NOISE_CHUNK
-              and draw_dtype in (torch.float32, torch.float64)):
-            # gaussian_noise's draw, with less Python per tensor; the addition deferred (values unchanged)
+            continue
+        numel = out.numel()
+        small = (not secure_mode and numel <= NOISE_CHUNK and out.device.type == "cpu"
+                 and draw_dtype in (torch.float32, torch.float64))
+        aligned = small and numel > 0 and numel % _ALIGNED == 0
+        if run and not (aligned and draw_dtype == run_dtype):
+            # (drawn before anything else draws from the generator: the order of the draws is kept)
+            held += _draw_run(run, run_dtype, std, generator, pending, noises)
+            run = []
+        if aligned:  # drawn with the run (the same values: see _ALIGNED)
+            run.append((out, numel))
+            run_dtype = draw_dtype
+        elif small:  # gaussian_noise's draw, with less Python per tensor; the addition deferred (values unchanged)
             noise = torch.normal(0.0, std, size=out.shape, generator=generator, dtype=draw_dtype)
             pending.append(out)
             noises.append(noise if out.dtype == draw_dtype else noise.to(out.dtype))
-            held += out.numel()
-            if held >= _PENDING_VALUES:
-                torch._foreach_add_(pending, noises)
-                pending, noises, held = [], [], 0
+            held += numel
         elif (secure_mode or out.device.type != "cpu" or not out.is_contiguous()
-                or not _large_cpu_draw(out.numel(), draw_device, draw_dtype)):
+                or not _large_cpu_draw(numel, draw_device, draw_dtype)):
             out.add_(gaussian_noise(out, std, secure_mode=secure_mode, generator=generator))
         elif _twister_template() is None:  # one stream (see below), still without a second copy of out
             _add_in_chunks(out.view(-1), std, generator)
         else:
             blocks += _blocks(out.view(-1), generator)  # the key drawn now: the generator's draws in order
+        if held >= _PENDING_VALUES:
+            torch._foreach_add_(pending, noises)
+            pending, noises, held = [], [], 0
+    if run:
+        _draw_run(run, run_dtype, std, generator, pending, noises)
     if pending:
         torch._foreach_add_(pending, noises)
     _draw_blocks(blocks, std, add=True)
@@ -188,6 +204,47 @@ def gaussian_noise_into_(
         else:
             blocks += _blocks(out.view(-1), generator)  # the key drawn now, in order, as add_gaussian_noise_all_
     _draw_blocks(blocks, std, add=False)
+
+
+# Small tensors drawn together. Torch's CPU sampler fills a contiguous float32 or float64 tensor of 16 values or more
+# by drawing all its uniforms in order and turning each block of 16 into normals (Box-Muller within the block; a
+# size not a multiple of 16 has its last 16 values drawn again): so one draw of the total size of several tensors
+# whose sizes are multiples of 16 hands each of them, value for value, what a draw of its own would, and moves the
+# generator as far (tests/optim/test_noise_runs.py checks it on this torch). A model of many small parameters (the
+# deep-narrow model's 66) then draws its noise by a few torch.normal calls, not one per parameter. Were a torch
+# release to change its sampler, the values would differ from the per-tensor draws, not their law: the coordinates
+# of one draw are independent N(0, std^2) all the same.
+_ALIGNED = 16
+_RUN_VALUES = 1 << 16  # a run is drawn in pieces of at most this many values (plus one tensor)
+
+
+def _draw_run(run: List[tuple], dtype: torch.dtype, std: float, generator, pending: List[torch.Tensor],
+              noises: List[torch.Tensor]) -> int:
+    """Draw the noise of ``run`` (``[(out, its numel)]``) in ``dtype``, one torch.normal per piece of at most
+    :data:`_RUN_VALUES` values, appending each out and its noise (a view of the draw) to ``pending`` and ``noises``;
+    returns the values drawn."""
+    start, total = 0, 0
+    while start < len(run):
+        stop, size = start + 1, run[start][1]
+        while stop < len(run) and size + run[stop][1] <= _RUN_VALUES:
+            size += run[stop][1]
+            stop += 1
+        part = run[start:stop]
+        if len(part) == 1:  # (alone: drawn in its shape, as gaussian_noise draws it)
+            out = part[0][0]
+            noise = torch.normal(0.0, std, size=out.shape, generator=generator, dtype=dtype)
+            pending.append(out)
+            noises.append(noise if out.dtype == dtype else noise.to(out.dtype))
+            total, start = total + size, stop
+            continue
+        flat = torch.normal(0.0, std, size=(size,), generator=generator, dtype=dtype)
+        for (out, _), noise in zip(part, flat.split([numel for _, numel in part])):
+            pending.append(out)
+            noise = noise if out.dim() == 1 else noise.view(*out.shape)  # (view(torch.Size) costs twice view(*ints))
+            noises.append(noise if out.dtype == dtype else noise.to(out.dtype))
+        total += size
+        start = stop
+    return total
 
 
 # --- Device draws: one flat draw, one fused addition ----------------------------------------------------------

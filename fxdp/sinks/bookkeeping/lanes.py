@@ -50,7 +50,7 @@ class Lane:
         # the member (until Python's cycle collector runs), not as soon as its clipped sum is taken
         self._members: List[weakref.ref] = []
         self.values = 0  # elements of the members' tensors
-        self._norms: Optional[torch.Tensor] = None
+        self._norms: Optional[Tuple[torch.Tensor, ...]] = None  # each member's row of the batched norms
         self._stacks: Optional[Tuple[Tuple[int, ...], tuple]] = None  # (member indices, stacks) while in use
         self._mask: Optional[torch.Tensor] = None  # rows dropped from the members that took it (take_mask)
 
@@ -93,7 +93,7 @@ class Lane:
             everyone = self.members
             if any(m is None for m in everyone):
                 return None
-            self._norms = self.batched_norms(self._stacked(everyone))
+            self._norms = self.batched_norms(self._stacked(everyone)).unbind(0)  # (one call for every row)
             self._stacks = None  # a copy of the members' tensors: not kept until the sums (stacked again then)
         return self._norms[use.lane_index]
 
@@ -183,7 +183,7 @@ def clipped_sums_in_lanes(uses: Dict[object, List[tuple]], skip=()) -> None:
         if len(members) < 2:
             continue
         members.sort(key=lambda m: m.lane_index)
-        for member, total in zip(members, lane.clipped_sums(members, c)):
+        for member, total in zip(members, lane.clipped_sums(members, c).unbind(0)):
             member._clipped = (c, total)
 
 

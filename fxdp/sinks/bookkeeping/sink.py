@@ -184,6 +184,8 @@ class BookkeepingSink(GradientSink):
         """A Linear bias's per-sample gradient, G summed over the middle positions; the same tensor for a G
         delivered again (an LSTM's or RNN's two biases both get the sum of its one tensor of gate gradients).
         The cache holds G itself, so its memory cannot be reused by another tensor while the key is kept."""
+        if g.dim() == 2:  # (N, p): G itself, nothing to sum or to remember
+            return g
         last = self._last_bias_sum
         if last is not None and memory_key(last[0]) == memory_key(g):
             return last[1]
@@ -317,7 +319,8 @@ class BookkeepingSink(GradientSink):
                 p = params[k]
                 taken = uses.pop(p, None)
                 if taken:
-                    out[k] = _clipped_sum(taken, shared).reshape(p.shape)
+                    total = _clipped_sum(taken, shared)
+                    out[k] = total if total.shape == p.shape else total.reshape(p.shape)  # (a lane's row: its shape)
                 segments.pop(p, None)  # its last records: its A and G go with them (one pop: atomic, no lock)
         self.clear(())  # (every parameter's records are dropped already)
         return {p: s for p, s in zip(params, out) if s is not None}
