@@ -102,14 +102,14 @@ class UserLevelDPOptimizer(DPOptimizer):
             self._check_a_batch_was_seen(params)
             return {}
         rows = self._check_row_counts(held)
-        if int(counts.sum()) != rows or bool((counts <= 0).any()):
+        if int(counts.sum()) != rows or (counts.numel() and int(counts.min()) <= 0):
             raise StepRefusedError(
                 f"fxdp: the loader said this batch holds {int(counts.sum())} records of {counts.numel()} users, but "
                 f"the per-sample gradients since the last step have {rows} rows: the records cannot be matched to "
                 "their users. Run the model once on the batch as the loader hands it out, then step")
         self._check_every_gradient_is_per_sample(params, held, rows)
         num_users = counts.numel()
-        groups = torch.repeat_interleave(torch.arange(num_users, device=counts.device), counts)
+        groups = torch.repeat_interleave(counts)  # (each record's user: 0 0 0 1 1 2 ...)
         per_user = self.sink.grouped_squared_norms(list(held), groups, num_users)
         device = next(iter(per_user.values())).device
         counts, groups = counts.to(device), groups.to(device)
@@ -117,14 +117,21 @@ class UserLevelDPOptimizer(DPOptimizer):
         self._check_not_negative(per_user, stacked)
         dropped_users = self._drop_non_finite_users(per_user, stacked, groups, num_users)
         inverse = 1.0 / counts.to(torch.float64)  # the average of the user's records
-        # ||g_u||^2 = ||sum_{i in u} g_i||^2 / k_u^2
-        weights = {p: wide(sq).to(device) * inverse.to(wide(sq).dtype) ** 2 for p, sq in per_user.items()}
+        # ||g_u||^2 = ||sum_{i in u} g_i||^2 / k_u^2, each parameter's in its own (wide) dtype
+        if stacked is not None and all(wide(sq).dtype == stacked.dtype for sq in per_user.values()):
+            # (all of one dtype and device, the usual case: every parameter's at once, the same values)
+            scaled = stacked * inverse.to(stacked.dtype) ** 2
+            weights = dict(zip(per_user, scaled))
+        else:
+            scaled = None
+            weights = {p: wide(sq).to(device) * inverse.to(wide(sq).dtype) ** 2 for p, sq in per_user.items()}
         if self.clipping == "per_layer":
             factors = {p: clip_factor(self._bound(p), sq.sqrt()) for p, sq in weights.items()}
         else:
-            total = torch.stack([sq.to(torch.float64) for sq in weights.values()]).sum(0)
+            total = (scaled.to(torch.float64) if scaled is not None else
+                     torch.stack([sq.to(torch.float64) for sq in weights.values()])).sum(0)
             factor = clip_factor(self._max_grad_norm, total.sqrt())
-            factors = {p: factor for p in weights}
+            factors = dict.fromkeys(weights, factor)
         if dropped_users is not None:  # (their factor would be 0 or NaN: 0 either way; their records are zeros)
             factors = {p: f.masked_fill(dropped_users, 0.0) for p, f in factors.items()}
         self.step_state.dropped_samples = dropped_users is not None

@@ -25,7 +25,7 @@ from fxdp.sinks.bookkeeping.registry import Captured, LayerPlan, find_bookkeepin
 from fxdp.sinks.bookkeeping.shared import (clipped_sums_of_shared_g, ghost_groups, shared_ghost_norms,
                                            shared_input_ghost_norms)
 from fxdp.sinks.bookkeeping.tied import tied_squared_norms
-from fxdp.sinks.bookkeeping.users import GROUPED_ONLY, Grouping, grouped_norms_and_sums, held_elements
+from fxdp.sinks.bookkeeping.users import GROUPED_ONLY, Budget, Grouping, grouped_norms_and_sums
 from fxdp.sinks.bookkeeping.uses import Materialised, Segment, Use, memory_key, same_batch
 from fxdp.sinks.contract import (GradientSink, LayerCapture, StepCalls, batch_size_problem, check_grad_sample,
                                  pending_of_this_backward, wide)
@@ -280,16 +280,17 @@ class BookkeepingSink(GradientSink):
                 if segment is None:
                     continue
                 if segment.norms is not None:  # (per-sample norms formed: the uses stay, per-sample reads too)
-                    out[p] = grouped_norms_and_sums(segment, grouping)[0].clamp(min=0)
+                    out[p] = grouped_norms_and_sums(segment, grouping)[0]
                     continue
-                held = held_elements(segment)
-                norms, kept = grouped_norms_and_sums(segment, grouping, budget=held + credit)
+                budget = Budget(segment, credit)
+                norms, kept = grouped_norms_and_sums(segment, grouping, budget=budget)
                 if kept is not None:
-                    credit += held - kept.sums.numel()
+                    credit += budget.held - kept.sums.numel()
                     with self._lock:
                         segment.uses = [kept]
-                out[p] = norms.clamp(min=0)
-        return out
+                out[p] = norms
+        # clamped at 0 as squared_norms clamps them (one foreach call for every parameter: the same values)
+        return dict(zip(out, torch._foreach_clamp_min(list(out.values()), 0.0))) if out else out
 
     def clipped_sums(self, params, factors):
         params = list(params)

@@ -54,10 +54,12 @@ class Grouping:
         self.counts = torch.bincount(groups, minlength=num_groups)
         n = groups.shape[0]
         self.k = int(self.counts.max()) if num_groups and n else 0
-        self.in_order = bool(num_groups) and n == num_groups * self.k and bool(
-            (groups == torch.arange(num_groups, device=groups.device).repeat_interleave(self.k)).all())
+        # (n == U k with no group above k: every group has k samples; in order then means sorted)
+        self.in_order = bool(num_groups) and n == num_groups * self.k and self.counts.shape[0] == num_groups and bool(
+            (groups[1:] >= groups[:-1]).all())
         self._slot: Optional[torch.Tensor] = None
         self._firsts: Optional[torch.Tensor] = None
+        self._last_factors: Optional[tuple] = None  # (factors, their version, per group): see per_group
         self._devices = {groups.device: self}
 
     def on(self, device: torch.device) -> "Grouping":
@@ -86,6 +88,22 @@ class Grouping:
             self._firsts = first.scatter_reduce_(0, self.groups, torch.arange(n, device=self.groups.device), "amin")
         return self._firsts
 
+    def per_group(self, c: torch.Tensor) -> torch.Tensor:
+        """``(U,)``: each group's factor from the samples' factors ``c`` ``(N,)``, which must be equal within each
+        group (checked; once per factors tensor, while it is unchanged: flat clipping hands every parameter the
+        same one)."""
+        last = self._last_factors
+        if last is not None and last[0] is c and last[1] == c._version:
+            return last[2]
+        per_group = c[self.firsts] if self.groups.shape[0] else c.new_zeros(self.num_groups)
+        if not torch.equal(per_group[self.groups], c):
+            raise PerSampleError(
+                "fxdp: the clip factors of one user's records differ, but the sink summed each user's records "
+                "already (a user-level step): a user's records must share one factor, their user's clip factor "
+                "over their number of records")
+        self._last_factors = (c, c._version, per_group)
+        return per_group
+
     def sum_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """``(U, w)``: the rows ``(N, w)`` added up per group."""
         if self.in_order:  # (each group's rows together: a view)
@@ -103,11 +121,24 @@ def held_elements(segment: Segment) -> int:
     return sum(t.numel() for u in segment.uses for t in vars(u).values() if isinstance(t, torch.Tensor))
 
 
+class Budget:
+    """The elements a segment's group sums may hold (see :func:`grouped_norms_and_sums`): what its uses hold
+    (:func:`held_elements`, counted when first asked: most records never ask) plus ``credit``."""
+
+    def __init__(self, segment: Segment, credit: int = 0):
+        self.segment, self.credit, self.held = segment, credit, None
+
+    def __call__(self) -> int:
+        if self.held is None:
+            self.held = held_elements(self.segment)
+        return self.held + self.credit
+
+
 def grouped_norms_and_sums(segment: Segment, grouping: Grouping,
-                           budget: Optional[int] = None) -> Tuple[torch.Tensor, Optional["GroupedSums"]]:
-    """:func:`grouped_squared_norms`, and with a ``budget`` (elements they may hold) the groups' summed gradients
-    where they are formed and worth keeping (see the module docstring), as the use to replace the segment's uses
-    (else None)."""
+                           budget: Optional[Callable[[], int]] = None) -> Tuple[torch.Tensor, Optional["GroupedSums"]]:
+    """:func:`grouped_squared_norms`, and with a ``budget`` (elements they may hold, asked only where a sum could be
+    kept: :class:`Budget`) the groups' summed gradients where they are formed and worth keeping (see the module
+    docstring), as the use to replace the segment's uses (else None)."""
     uses = segment.uses
     use = uses[0]
     if len(uses) == 1 and isinstance(use, GroupedSums):
@@ -115,13 +146,13 @@ def grouped_norms_and_sums(segment: Segment, grouping: Grouping,
     # (a lane member whose lane holds rows to drop has not dropped them from its own A and G yet: materialised)
     if len(uses) == 1 and getattr(use, "_pending", None) is None:
         if isinstance(use, LinearWeight):
-            norms, sums = _matmul_grouped(use.a, use.g, use.scale, grouping, budget or 0)
+            norms, sums = _matmul_grouped(use.a, use.g, use.scale, grouping, budget)
             return norms, None if sums is None else GroupedSums(sums, grouping.on(sums.device), use.scale)
         if isinstance(use, ConvWeight) and use.module.groups == 1:
             n = use.batch_size
             patches = _patches(use.module, use.a)  # (N, L, k * C_in)
             g = use.g.reshape(n, use.g.shape[1], -1).transpose(1, 2)  # (N, L, C_out)
-            norms, sums = _matmul_grouped(patches, g, use.scale, grouping, budget or 0)
+            norms, sums = _matmul_grouped(patches, g, use.scale, grouping, budget)
             if sums is None:
                 return norms, None
             # the patches' columns are (kernel positions, C_in): the weight's order is (C_in, kernel positions)
@@ -140,8 +171,8 @@ def grouped_norms_and_sums(segment: Segment, grouping: Grouping,
     rows = rows if rows.dtype in (torch.float32, torch.float64) else rows.float()
     on = grouping.on(rows.device)
     summed = on.sum_rows(rows)
-    kept = budget is not None and summed.numel() <= budget
-    return summed.pow(2).sum(1) * scale ** 2, GroupedSums(summed, on, scale) if kept else None
+    kept = budget is not None and summed.numel() <= budget()
+    return _scaled(summed.pow(2).sum(1), scale), GroupedSums(summed, on, scale) if kept else None
 
 
 class GroupedSums(Use):
@@ -163,16 +194,10 @@ class GroupedSums(Use):
                 "fxdp: per-user norms were asked for other users than those the records were summed for already; "
                 "the sink holds no per-sample gradient to group them otherwise. Ask once per step, with the users "
                 "of the step's batch")
-        return self.sums.flatten(1).pow(2).sum(1) * self.scale ** 2
+        return _scaled(self.sums.flatten(1).pow(2).sum(1), self.scale)
 
     def clipped_sum(self, c):
-        c, groups = c.to(self.sums.device), self.grouping.groups
-        per_group = c[self.grouping.firsts] if self.batch_size else c.new_zeros(self.grouping.num_groups)
-        if not torch.equal(per_group[groups], c):
-            raise PerSampleError(
-                "fxdp: the clip factors of one user's records differ, but the sink summed each user's records "
-                "already (a user-level step): a user's records must share one factor, their user's clip factor "
-                "over their number of records")
+        per_group = self.grouping.per_group(c.to(self.sums.device))
         total = torch.tensordot((per_group * self.scale).to(self.sums.dtype), self.sums, dims=1)
         return total if self.layout is None else self.layout(total)
 
@@ -195,12 +220,12 @@ class GroupedSums(Use):
 
 
 def _matmul_grouped(a: torch.Tensor, g: torch.Tensor, scale: float, grouping: Grouping,
-                    budget: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                    budget: Optional[Callable[[], int]] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """A weight whose per-sample gradient is ``scale * G_i^T A_i`` (A ``(N, T, d)``, G ``(N, T, p)``; a Linear, a
     Conv from its patches): each group's ``G_u^T A_u`` over its samples' concatenated positions, its squared norm
     by Gram products (ghost, ``(k T)^2 (d + p)`` a group) or by forming the group's gradient (``k T d p``, the
     weight gradient's own work), whichever costs less. With a ``budget`` (elements the group gradients may hold;
-    0: none), the group gradients ``(U, p * d)`` are formed and returned where they fit it and cost less than the
+    None: none), the group gradients ``(U, p * d)`` are formed and returned where they fit it and cost less than the
     ghost norms and the clipped sum's product together, ``p d < (k T)^2 (d + p)`` (else None)."""
     n, num_groups = a.shape[0], grouping.num_groups
     a = a if a.dim() == 3 else a.reshape(n, -1, a.shape[-1])
@@ -219,14 +244,19 @@ def _matmul_grouped(a: torch.Tensor, g: torch.Tensor, scale: float, grouping: Gr
         g_u[on.groups, on.slot] = g
         a_u, g_u = a_u.reshape(num_groups, k * t, -1), g_u.reshape(num_groups, k * t, -1)
     d, p = a_u.shape[2], g_u.shape[2]
-    if num_groups * d * p <= budget and d * p < (k * t) ** 2 * (d + p):
+    if budget is not None and d * p < (k * t) ** 2 * (d + p) and num_groups * d * p <= budget():
         sums = torch.bmm(g_u.transpose(1, 2), a_u)  # (U, p, d)
-        return sums.pow(2).sum((1, 2)) * scale ** 2, sums.reshape(num_groups, -1)
+        return _scaled(sums.pow(2).sum((1, 2)), scale), sums.reshape(num_groups, -1)
     if k * t * (d + p) < d * p:
         norms = ghost_norms(a_u, g_u)
     else:
         norms = torch.bmm(g_u.transpose(1, 2), a_u).pow(2).sum((1, 2))
-    return norms * scale ** 2, None
+    return _scaled(norms, scale), None
+
+
+def _scaled(squares: torch.Tensor, scale: float) -> torch.Tensor:
+    """``squares * scale ** 2`` (the squares as they are for the usual scale 1: the same values, one kernel less)."""
+    return squares if scale == 1.0 else squares * scale ** 2
 
 
 def _embedding_grouped(uses, grouping: Grouping) -> torch.Tensor:
