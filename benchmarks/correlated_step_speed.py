@@ -64,11 +64,7 @@ class LoopBLT(BufferedLinearToeplitz):
     ``torch._foreach_*``): the same recurrence, its state one list of tensors per buffer."""
 
     def add_noise_(self, outs, std, *, secure_mode=False, generator=None):
-        self.check_step()
-        draws = [torch.zeros_like(out) for out in outs]
-        add_gaussian_noise_all_(draws, 1.0, secure_mode=secure_mode, generator=generator)
-        if not getattr(self, "_lists", None):
-            self._lists = [[torch.zeros_like(out) for out in outs] for _ in self.theta]
+        draws = self._unit_draws(outs, secure_mode, generator)
         for k, (out, w) in enumerate(zip(outs, draws)):
             for omega, buffer in zip(self.omega, self._lists):
                 w.sub_(buffer[k], alpha=omega)
@@ -77,6 +73,16 @@ class LoopBLT(BufferedLinearToeplitz):
             out.add_(w, alpha=std * self.scale)
         self.steps += 1
 
+    def _unit_draws(self, outs, secure_mode, generator):
+        """The step checked, its unit draws (one zero tensor per out, the noise added), the state made at the first
+        step: what both former recurrences do before their passes."""
+        self.check_step()
+        draws = [torch.zeros_like(out) for out in outs]
+        add_gaussian_noise_all_(draws, 1.0, secure_mode=secure_mode, generator=generator)
+        if not getattr(self, "_lists", None):
+            self._lists = [[torch.zeros_like(out) for out in outs] for _ in self.theta]
+        return draws
+
 
 class ForeachBLT(LoopBLT):
     """BLT noise as fxdp computed it before its state became one flat tensor (fxdp.optim.correlated.blt_state):
@@ -84,11 +90,7 @@ class ForeachBLT(LoopBLT):
     (a larger one alone), ``3 d + 1`` passes over the state."""
 
     def add_noise_(self, outs, std, *, secure_mode=False, generator=None):
-        self.check_step()
-        draws = [torch.zeros_like(out) for out in outs]
-        add_gaussian_noise_all_(draws, 1.0, secure_mode=secure_mode, generator=generator)
-        if not getattr(self, "_lists", None):
-            self._lists = [[torch.zeros_like(out) for out in outs] for _ in self.theta]
+        draws = self._unit_draws(outs, secure_mode, generator)
         groups, held = [], 1 << 15
         for k, out in enumerate(outs):
             if held + out.numel() > 1 << 15:

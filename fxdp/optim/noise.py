@@ -154,9 +154,7 @@ def add_gaussian_noise_all_(
             run.append((out, numel))
             run_dtype = draw_dtype
         elif small:  # gaussian_noise's draw, with less Python per tensor; the addition deferred (values unchanged)
-            noise = torch.normal(0.0, std, size=out.shape, generator=generator, dtype=draw_dtype)
-            pending.append(out)
-            noises.append(noise if out.dtype == draw_dtype else noise.to(out.dtype))
+            _draw_alone(out, std, generator, draw_dtype, pending, noises)
             held += numel
         elif (secure_mode or out.device.type != "cpu" or not out.is_contiguous()
                 or not _large_cpu_draw(numel, draw_device, draw_dtype)):
@@ -218,6 +216,15 @@ _ALIGNED = 16
 _RUN_VALUES = 1 << 16  # a run is drawn in pieces of at most this many values (plus one tensor)
 
 
+def _draw_alone(out: torch.Tensor, std: float, generator, dtype: torch.dtype, pending: List[torch.Tensor],
+                noises: List[torch.Tensor]) -> None:
+    """The noise of ``out`` drawn in its shape and ``dtype`` (gaussian_noise's draw), appended with ``out`` to
+    ``noises`` and ``pending`` for one deferred addition."""
+    noise = torch.normal(0.0, std, size=out.shape, generator=generator, dtype=dtype)
+    pending.append(out)
+    noises.append(noise if out.dtype == dtype else noise.to(out.dtype))
+
+
 def _draw_run(run: List[tuple], dtype: torch.dtype, std: float, generator, pending: List[torch.Tensor],
               noises: List[torch.Tensor]) -> int:
     """Draw the noise of ``run`` (``[(out, its numel)]``) in ``dtype``, one torch.normal per piece of at most
@@ -231,10 +238,7 @@ def _draw_run(run: List[tuple], dtype: torch.dtype, std: float, generator, pendi
             stop += 1
         part = run[start:stop]
         if len(part) == 1:  # (alone: drawn in its shape, as gaussian_noise draws it)
-            out = part[0][0]
-            noise = torch.normal(0.0, std, size=out.shape, generator=generator, dtype=dtype)
-            pending.append(out)
-            noises.append(noise if out.dtype == dtype else noise.to(out.dtype))
+            _draw_alone(part[0][0], std, generator, dtype, pending, noises)
             total, start = total + size, stop
             continue
         flat = torch.normal(0.0, std, size=(size,), generator=generator, dtype=dtype)

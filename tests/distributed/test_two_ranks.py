@@ -353,20 +353,7 @@ def test_a_checkpoint_of_two_ranks_loads_in_one_process(ranks, mode):
     assert type(opt).__name__ == "DPOptimizer" and opt.steps == 4
 
 
-# -- in this process: a process group of one ---------------------------------------------------------
-
-
-@pytest.fixture
-def world_of_one():
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("this torch build has no torch.distributed with gloo")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+# -- in this process: a process group of one (world_of_one, tests/distributed/conftest.py) ---------------
 
 
 def test_without_a_distributed_sampler_each_rank_would_read_the_same_samples(world_of_one):

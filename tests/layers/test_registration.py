@@ -14,13 +14,13 @@ from torch import nn
 
 import fxdp
 from fxdp.grad_sample.registry import GRAD_SAMPLERS, find_grad_sampler
-from fxdp.optim import DPOptimizer
 from fxdp.passes.batch_rules import find_batch_rule, keeps_layout, restore_batch_rules, snapshot_batch_rules
 from fxdp.passes.batch_rules.core import LAYER_RULES
 from fxdp.sinks.bookkeeping import BookkeepingSink, LayerBookkeeping, LayerPlan, Summed, find_bookkeeping
 from fxdp.sinks.bookkeeping.registry import BOOKKEEPING
 from fxdp.supported import layers_table, supported_layers
-from tests.support.per_sample_reference import assert_grad_samples_match, batch_loss, expected_grad_samples
+from tests.support.per_sample_reference import assert_grad_samples_match, expected_grad_samples
+from tests.support.private_steps import clipped_reference, noise_free_private_step
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -119,27 +119,15 @@ CLIP = 0.05  # below every sample's norm: each one is clipped
 def test_the_book_keeping_norms_and_private_step_equal_batches_of_one(registered, loss_reduction):
     model, x = _model(), torch.randn(8, 4, 6)
     expected, R = expected_grad_samples(model, x)
-    model = copy.deepcopy(model)
     sink = BookkeepingSink()
-    dp = fxdp.compile_for_dp(model, example_inputs=x, loss_reduction=loss_reduction, sink=sink)
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=CLIP,
-                      expected_batch_size=len(x), loss_reduction=loss_reduction, sink=sink)
-    opt.zero_grad()
-    batch_loss(dp(x), R, loss_reduction).backward()
-    names = dict(model.named_parameters())
-    norms = sink.squared_norms(names.values())
-    opt.step()
+    got = noise_free_private_step(copy.deepcopy(model), x, R, sink, loss_reduction, CLIP)
 
     assert CALLS["uses"] >= 1 and CALLS["grad_sampler"] == 0  # the registration's sums, not the rule's tensors
     assert any(plan.method == "summed" and "feature scale" in plan.reason for plan in sink.plans.values())
-    total = torch.stack([g.flatten(1).pow(2).sum(1) for g in expected.values()]).sum(0).sqrt()
-    factors = (CLIP / (total + 1e-6)).clamp(max=1.0)
-    assert bool((factors < 1).all()), "every sample must be clipped"
-    scale = 1.0 / len(x) if loss_reduction == "mean" else 1.0
-    for k, p in names.items():
-        torch.testing.assert_close(norms[p], expected[k].flatten(1).pow(2).sum(1), msg=lambda m: f"{k}: {m}")
-        torch.testing.assert_close(p.grad, torch.tensordot(factors, expected[k], dims=1) * scale,
-                                   msg=lambda m: f"{k}: {m}")
+    want = clipped_reference(expected, loss_reduction, len(x), CLIP)
+    for k in expected:
+        torch.testing.assert_close(got["norms"][k], expected[k].flatten(1).pow(2).sum(1), msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(got["grads"][k], want[k], msg=lambda m: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("kwargs, says", [

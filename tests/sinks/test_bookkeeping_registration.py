@@ -14,11 +14,13 @@ import torch
 from torch import nn
 
 import fxdp
-from fxdp.optim import DPOptimizer
 from fxdp.sinks.bookkeeping import BookkeepingSink, find_bookkeeping
 from fxdp.sinks.bookkeeping.registry import BOOKKEEPING, NO_FORM
 from fxdp.sinks.contract import GradSampleSink
-from tests.support.per_sample_reference import batch_loss, expected_grad_samples
+from tests.support.per_sample_reference import expected_grad_samples
+from tests.support.private_steps import clipped_reference, noise_free_private_step
+
+CLIP = 0.1  # below every sample's norm: each one is clipped
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "bookkeeping_a_new_layer.md"
 
@@ -71,10 +73,10 @@ def test_norms_and_the_private_step_equal_batches_of_one(doc, name, shape, metho
     model, x = _model(doc), torch.randn(*shape, dtype=torch.float64)
     expected, R = expected_grad_samples(model, x)
     sink = BookkeepingSink(method)
-    got = _private_step(copy.deepcopy(model), x, R, sink, loss_reduction)
+    got = noise_free_private_step(copy.deepcopy(model), x, R, sink, loss_reduction, CLIP)
     kinds = {plan.method for plan in sink.plans.values()}  # (T=1: ghost is cheaper; T=7: per_sample)
     assert kinds == ({method} if method else {"ghost"} if name == "vectors" else {"per_sample"}), kinds
-    want = _clipped_reference(expected, loss_reduction, len(x))
+    want = clipped_reference(expected, loss_reduction, len(x), CLIP)
     for k in want:
         torch.testing.assert_close(got["norms"][k], expected[k].flatten(1).pow(2).sum(1), msg=lambda m: f"{k}: {m}")
         torch.testing.assert_close(got["grads"][k], want[k], msg=lambda m: f"{k}: {m}")
@@ -121,40 +123,13 @@ def test_a_subclass_that_overrides_forward_is_not_served(doc):
 def _check_materialised(model, x, reason):
     expected, R = expected_grad_samples(model, x)
     sink = BookkeepingSink()
-    got = _private_step(copy.deepcopy(model), x, R, sink, "mean")
+    got = noise_free_private_step(copy.deepcopy(model), x, R, sink, "mean", CLIP)
     assert {plan.method for plan in sink.plans.values()} <= {"materialise"}
     notes = [line for line in fxdp.report(got["dp"]).notes if "materialise" in line]
     assert notes and all(reason in line for line in notes), notes
-    want = _clipped_reference(expected, "mean", len(x))
-    materialised = _private_step(copy.deepcopy(model), x, R, GradSampleSink(), "mean")
+    want = clipped_reference(expected, "mean", len(x), CLIP)
+    materialised = noise_free_private_step(copy.deepcopy(model), x, R, GradSampleSink(), "mean", CLIP)
     for k in want:
         torch.testing.assert_close(got["norms"][k], expected[k].flatten(1).pow(2).sum(1), msg=lambda m: f"{k}: {m}")
         torch.testing.assert_close(got["grads"][k], want[k], msg=lambda m: f"{k}: {m}")
         torch.testing.assert_close(got["grads"][k], materialised["grads"][k], msg=lambda m: f"{k}: {m}")
-
-
-CLIP = 0.1  # below every sample's norm: each one is clipped
-
-
-def _private_step(model, x, R, sink, loss_reduction):
-    """The per-sample squared norms the sink gives and one DP-SGD step (noise off, lr 0): its gradients."""
-    dp = fxdp.compile_for_dp(model, example_inputs=x, loss_reduction=loss_reduction, sink=sink)
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=CLIP,
-                      expected_batch_size=len(x), loss_reduction=loss_reduction, sink=sink)
-    opt.zero_grad()
-    batch_loss(dp(x), R, loss_reduction).backward()
-    names = dict(model.named_parameters())
-    norms = sink.squared_norms(names.values())  # (of the summed loss's per-sample gradients, as batches of one)
-    norms = {k: norms[p] for k, p in names.items() if p in norms}
-    opt.step()
-    return {"norms": norms, "grads": {k: p.grad.clone() for k, p in names.items()}, "dp": dp}
-
-
-
-def _clipped_reference(expected, loss_reduction, n):
-    """DP-SGD's clipped sum (flat clipping) from per-sample gradients of batches of one."""
-    total = torch.stack([g.flatten(1).pow(2).sum(1) for g in expected.values()]).sum(0).sqrt()
-    factors = (CLIP / (total + 1e-6)).clamp(max=1.0)
-    assert bool((factors < 1).all()), "every sample must be clipped"
-    scale = 1.0 / n if loss_reduction == "mean" else 1.0
-    return {k: torch.tensordot(factors, g, dims=1) * scale for k, g in expected.items()}

@@ -27,13 +27,17 @@ def following(mechanism, partitions):
 
 def run(mechanism, steps, seed=0, std=1.0):
     """The noise of ``steps`` steps on zero float64 gradients: a (steps, parameters) matrix."""
-    generator = torch.Generator().manual_seed(seed)
+    return torch.stack(noise_rows(mechanism, steps, torch.Generator().manual_seed(seed), std))
+
+
+def noise_rows(mechanism, steps, generator, std=1.0):
+    """The noise of ``steps`` steps on zero float64 gradients drawn from ``generator``: one flat row per step."""
     rows = []
     for _ in range(steps):
         outs = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
         mechanism.add_noise_(outs, std, generator=generator)
         rows.append(torch.cat([o.flatten() for o in outs]))
-    return torch.stack(rows)
+    return rows
 
 
 def draws(steps, seed=0):
@@ -84,21 +88,14 @@ def test_state_is_buffers_times_parameters_and_a_checkpoint_continues_the_same_n
     expected = run(whole, 10, seed=7)
     first = following(BufferedLinearToeplitz(THETA, OMEGA, steps=10, min_separation=5), 5)
     generator = torch.Generator().manual_seed(7)
-    rows = []
-    for _ in range(6):
-        outs = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
-        first.add_noise_(outs, 1.0, generator=generator)
-        rows.append(torch.cat([o.flatten() for o in outs]))
+    rows = noise_rows(first, 6, generator)
     assert first.memory_bytes() == 3 * sum(torch.zeros(s).numel() for s in SHAPES) * 8
     state, generator_state = first.state_dict(), generator.get_state()
     resumed = following(BufferedLinearToeplitz(THETA, OMEGA, steps=10, min_separation=5), 5)
     resumed.load_state_dict(state)
     generator = torch.Generator()
     generator.set_state(generator_state)
-    for _ in range(4):
-        outs = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
-        resumed.add_noise_(outs, 1.0, generator=generator)
-        rows.append(torch.cat([o.flatten() for o in outs]))
+    rows += noise_rows(resumed, 4, generator)
     assert torch.equal(torch.stack(rows), expected)
     other = BufferedLinearToeplitz(THETA, OMEGA, steps=11, min_separation=5)
     with pytest.raises(ValueError, match="checkpoint's BLT .* differs"):
@@ -189,11 +186,7 @@ def test_changed_parameters_are_refused_and_a_refused_step_keeps_the_checkpoints
     expected = run(whole, 4, seed=2)
     first = following(BufferedLinearToeplitz(THETA, OMEGA, steps=6), 6)
     generator = torch.Generator().manual_seed(2)
-    rows = []
-    for _ in range(2):
-        outs = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
-        first.add_noise_(outs, 1.0, generator=generator)
-        rows.append(torch.cat([o.flatten() for o in outs]))
+    rows = noise_rows(first, 2, generator)
     for changed in ([torch.zeros(3, 3, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)],
                     [torch.zeros(s, dtype=torch.float32) for s in SHAPES]):
         with pytest.raises(StepRefusedError, match="trainable parameters changed since the BLT noise began"):
@@ -203,8 +196,5 @@ def test_changed_parameters_are_refused_and_a_refused_step_keeps_the_checkpoints
     with pytest.raises(StepRefusedError, match="trainable parameters changed since the BLT noise began"):
         resumed.add_noise_([torch.zeros(4, dtype=torch.float64)], 1.0, generator=torch.Generator())
     assert resumed.steps == 2 and resumed.memory_bytes() == 3 * 11 * 8
-    for _ in range(2):
-        outs = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
-        resumed.add_noise_(outs, 1.0, generator=generator)
-        rows.append(torch.cat([o.flatten() for o in outs]))
+    rows += noise_rows(resumed, 2, generator)
     assert torch.equal(torch.stack(rows), expected)
